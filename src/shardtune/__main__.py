@@ -1,0 +1,3 @@
+from shardtune.cli import main
+
+raise SystemExit(main())

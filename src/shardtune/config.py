@@ -1,0 +1,316 @@
+"""Typed run configuration: command-line flags (named as in the reference training script), a single
+.json/.yaml file, and the FSDP settings that `accelerate launch` or `shardtune launch` pass through the
+environment. `load_run_config` returns one validated `RunConfig` and reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import HfArgumentParser
+
+
+def _f(default: Any, help: str, aliases: list[str] | None = None, choices: list[str] | None = None):
+    meta: dict[str, Any] = {"help": help}
+    if aliases:
+        meta["aliases"] = aliases
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = _f(None, "Base model: a hub id or a local folder with config.json and weights.")
+    tokenizer_name_or_path: str | None = _f(None, "Tokenizer to use if not the model's own.")
+    chat_template_format: str = _f(
+        "none", "chatml or zephyr: add that format's special tokens and template (embeddings resized to a multiple "
+        "of 8, new rows trained and saved with the adapter); auto: the tokenizer's own template; none: train on "
+        "--dataset_text_field as plain text.", choices=["chatml", "zephyr", "auto", "none"])
+    use_peft_lora: bool = _f(False, "Train a LoRA adapter (False: full fine-tuning of all weights).")
+    lora_r: int = _f(64, "LoRA rank.")
+    lora_alpha: float = _f(16, "LoRA alpha (scaling is alpha / r).")
+    lora_dropout: float = _f(0.1, "Dropout on the LoRA input.")
+    lora_target_modules: str = _f(
+        "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
+        "Comma-separated module names to adapt, or all-linear for every linear layer but the output head.")
+    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
+    modules_to_save: str | None = _f(None, "Comma-separated modules trained in full and saved with the adapter, "
+                                     "e.g. embed_tokens,lm_head.")
+    adapter_name: str = _f("default", "Name of the adapter being trained.")
+    adapter_path: str | None = _f(None, "Continue training an existing PEFT adapter folder.")
+    use_nested_quant: bool = _f(False, "Double quantization of the 4-bit quantization constants.")
+    bnb_4bit_compute_dtype: str = _f("float16", "Compute dtype of 4-bit layers.")
+    bnb_4bit_quant_storage_dtype: str = _f("uint8", "Storage dtype of packed 4-bit weights; under FSDP it must "
+                                           "equal the parameter dtype (bfloat16 with --bf16 True).")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit quantization type.", choices=["nf4", "fp4"])
+    use_flash_attn: bool = _f(False, "Use flash_attention_2 where installed on CUDA, otherwise SDPA.")
+    use_8bit_quantization: bool = _f(False, "Load the frozen base in 8-bit (bitsandbytes).")
+    use_4bit_quantization: bool = _f(False, "Load the frozen base in 4-bit (bitsandbytes, QLoRA).")
+    use_reentrant: bool = _f(False, "Reentrant activation checkpointing.")
+    use_unsloth: bool = _f(False, "Accepted for compatibility with the reference script; not supported.")
+    trust_remote_code: bool = _f(False, "Run model code from the hub repository (off by default).")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = _f(None, "Hub dataset id, a local save_to_disk folder (a DatasetDict or one folder "
+                                  "per split), a folder of data files, or a .jsonl/.json/.parquet/.csv file.")
+    splits: str = _f("train,test", "Comma-separated splits: the first is trained on, the second evaluated.")
+    dataset_text_field: str = _f("text", "Column with the text when rows have no `messages` column.")
+    max_length: int = _f(2048, "Tokens per training row.", aliases=["--max_seq_len", "--max_seq_length"])
+    packing: bool = _f(False, "Pack several documents per row; documents never attend to each other.")
+    append_concat_token: bool = _f(False, "Append EOS after each document before packing.")
+    add_special_tokens: bool = _f(False, "Let the tokenizer add its special tokens (BOS) to each document.")
+    assistant_only_loss: bool = _f(False, "Compute the loss on assistant turns only.")
+    drop_long_samples: bool = _f(False, "Drop documents longer than max_length instead of truncating them.")
+    dataset_cache_dir: str | None = _f(None, "Where tokenized data is cached (default: <output_dir>/../.shardtune_cache).")
+    max_train_samples: int | None = _f(None, "Use only the first N training rows.")
+    max_eval_samples: int | None = _f(None, "Use only the first N evaluation rows.")
+
+
+@dataclass
+class TrainArguments:
+    output_dir: str = _f("output", "Where the adapter or model, metrics and checkpoints are written.")
+    seed: int = _f(42, "Random seed.")
+    num_train_epochs: float = _f(1.0, "Epochs to train.")
+    max_steps: int = _f(-1, "Optimizer steps to train; overrides --num_train_epochs when > 0.")
+    per_device_train_batch_size: int = _f(8, "Rows per process per micro-batch.")
+    per_device_eval_batch_size: int = _f(8, "Rows per process per evaluation batch.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    learning_rate: float = _f(5e-5, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm (across shards) to this; 0 disables.")
+    lr_scheduler_type: str = _f("linear", "Any transformers scheduler: linear, cosine, constant, ...")
+    warmup_steps: int = _f(0, "Linear warmup steps.")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps (used when --warmup_steps is 0).")
+    optim: str = _f("adamw_torch", "adamw_torch, adamw_torch_fused, adamw_8bit or paged_adamw_8bit.")
+    bf16: bool = _f(False, "bf16 weights and compute (the frozen base is held in bf16).")
+    fp16: bool = _f(False, "fp16 compute.")
+    gradient_checkpointing: bool = _f(False, "Recompute each decoder block's activations in backward.")
+    torch_compile: bool = _f(False, "Compile each decoder block with torch.compile.")
+    logging_steps: float = _f(10, "Log every N optimizer steps.")
+    logging_strategy: str = _f("steps", "steps, epoch or no.", choices=["steps", "epoch", "no"])
+    log_level: str = _f("passive", "debug, info, warning, error, critical or passive (= info).")
+    eval_strategy: str = _f("no", "no, steps or epoch.", aliases=["--evaluation_strategy"],
+                            choices=["no", "steps", "epoch"])
+    eval_steps: float | None = _f(None, "Evaluate every N steps (default: --logging_steps).")
+    save_strategy: str = _f("steps", "no, steps or epoch.", choices=["no", "steps", "epoch"])
+    save_steps: float = _f(500, "Save a checkpoint every N steps.")
+    save_total_limit: int | None = _f(None, "Keep at most N checkpoints.")
+    resume_from_checkpoint: str | None = _f(None, "A checkpoint folder, or `latest`.")
+    push_to_hub: bool = _f(False, "Upload the result to the Hugging Face Hub.")
+    hub_model_id: str | None = _f(None, "Hub repository (default: the output_dir's name).")
+    hub_private_repo: bool | None = _f(None, "Create the hub repository as private.")
+    hub_strategy: str = _f("every_save", "end, every_save, checkpoint or all_checkpoints.",
+                           choices=["end", "every_save", "checkpoint", "all_checkpoints"])
+    hub_token: str | None = _f(None, "Hub token (default: the logged-in token).")
+    report_to: str = _f("none", "none or tensorboard.")
+    merge_adapter: bool = _f(False, "Also write the base model with the adapter merged into output_dir/merged.")
+    max_nonfinite_steps: int = _f(3, "Stop after this many skipped steps with a non-finite loss or gradient norm.")
+    run_name: str | None = _f(None, "A name for the run in logs.")
+    # Accepted so that command lines written for transformers' Trainer keep working.
+    overwrite_output_dir: bool = _f(False, "Accepted for compatibility; outputs are always replaced atomically.")
+    dataloader_num_workers: int = _f(0, "Accepted for compatibility; rows are pre-tokenized and packed.")
+    remove_unused_columns: bool = _f(True, "Accepted for compatibility.")
+    do_train: bool = _f(True, "Accepted for compatibility.")
+    do_eval: bool = _f(False, "Accepted for compatibility.")
+
+
+@dataclass
+class FSDPSettings:
+    """What accelerate's YAML (fsdp_config) says, read from the FSDP_*/ACCELERATE_* environment or the file."""
+
+    enabled: bool = False
+    sharding_strategy: str = "FULL_SHARD"
+    offload_params: bool = False
+    cpu_ram_efficient_loading: bool = False
+    sync_module_states: bool = True
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    backward_prefetch: str = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    transformer_cls_to_wrap: str | None = None
+    use_orig_params: bool | None = None
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool | None = None
+    mixed_precision: str = "no"
+
+
+@dataclass
+class RunConfig:
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+    fsdp: FSDPSettings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: dataclasses.asdict(getattr(self, k)) for k in ("model", "data", "train", "fsdp")}
+
+
+ARG_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+
+
+def _aliases() -> dict[str, str]:
+    out = {}
+    for cls in ARG_CLASSES:
+        for f in dataclasses.fields(cls):
+            for a in f.metadata.get("aliases", []):
+                out[a.lstrip("-")] = f.name
+    return out
+
+
+def known_flags(extra: tuple = ()) -> list[str]:
+    names = [f.name for cls in (*ARG_CLASSES, *extra) for f in dataclasses.fields(cls)]
+    return names + list(_aliases())
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake; the message lists every problem with the flag and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _unknown_flag_problems(remaining: list[str], extra: tuple = ()) -> list[str]:
+    known = known_flags(extra)
+    problems = []
+    for tok in remaining:
+        if not tok.startswith("--"):
+            problems.append(f"unexpected argument {tok!r}")
+            continue
+        name = tok[2:].split("=", 1)[0]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean --{close[0]}?" if close else ""
+        problems.append(f"unknown flag --{name}{hint}")
+    return problems
+
+
+def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
+    import json
+
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError([f"config file {path} does not exist"])
+    data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    if not isinstance(data, dict):
+        raise ConfigError([f"config file {path} must hold a mapping of flag names to values"])
+    aliases = _aliases()
+    data = {aliases.get(k, k): v for k, v in data.items()}
+    unknown = [k for k in data if k not in known_flags(extra)]
+    if unknown:
+        raise ConfigError([p.replace("unknown flag", f"unknown key in {path}:")
+                           for p in _unknown_flag_problems([f"--{k}" for k in unknown], extra)])
+    return parser.parse_dict(data)
+
+
+def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "shardtune train") -> tuple:
+    """Parse flags (or a single .json/.yaml file) into (ModelArguments, DataArguments, TrainArguments, *extra)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        return _parse_file(parser, argv[0], extra)
+    *parsed, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if remaining:
+        raise ConfigError(_unknown_flag_problems(remaining, extra))
+    return tuple(parsed)
+
+
+def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> RunConfig:
+    """Flags + environment → validated RunConfig (raises ConfigError listing every problem)."""
+    from shardtune.launcher import fsdp_settings_from_env
+
+    model, data, train = parse_args(argv)
+    cfg = RunConfig(model, data, train, fsdp_settings_from_env(os.environ if env is None else env))
+    validate(cfg)
+    return cfg
+
+
+def _split(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def validate(cfg: RunConfig, check_paths: bool = True) -> None:
+    """Report every problem at once, each naming its flag and the fix."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p: list[str] = []
+    if not m.model_name_or_path:
+        p.append("--model_name_or_path is required: a hub id or a local model folder.")
+    if not d.dataset_name:
+        p.append("--dataset_name is required: a hub id, a save_to_disk folder or a .jsonl/.json/.parquet/.csv file.")
+    if m.use_4bit_quantization and m.use_8bit_quantization:
+        p.append("--use_4bit_quantization and --use_8bit_quantization are both set; choose one.")
+    if t.bf16 and t.fp16:
+        p.append("--bf16 and --fp16 are both set; choose one.")
+    if m.use_peft_lora:
+        if m.lora_r <= 0:
+            p.append(f"--lora_r must be > 0 (got {m.lora_r}).")
+        if m.lora_alpha <= 0:
+            p.append(f"--lora_alpha must be > 0 (got {m.lora_alpha}).")
+        if not 0 <= m.lora_dropout < 1:
+            p.append(f"--lora_dropout must be in [0, 1) (got {m.lora_dropout}).")
+        if not _split(m.lora_target_modules):
+            p.append("--lora_target_modules is empty; give module names or all-linear.")
+    elif m.use_4bit_quantization or m.use_8bit_quantization:
+        p.append("a quantized base cannot be fully fine-tuned: add --use_peft_lora True.")
+    if m.use_unsloth:
+        p.append("--use_unsloth is not supported by shardtune; remove it (FSDP2 is used instead).")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(t, name) < 1:
+            p.append(f"--{name} must be >= 1 (got {getattr(t, name)}).")
+    if d.max_length < 8:
+        p.append(f"--max_length/--max_seq_len must be >= 8 (got {d.max_length}).")
+    if t.learning_rate < 0:
+        p.append(f"--learning_rate must be >= 0 (got {t.learning_rate}).")
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        p.append("set --num_train_epochs > 0 or --max_steps > 0.")
+    if not 0 <= t.warmup_ratio < 1:
+        p.append(f"--warmup_ratio must be in [0, 1) (got {t.warmup_ratio}).")
+    if t.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit"):
+        p.append(f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or "
+                 "paged_adamw_8bit.")
+    if t.report_to not in ("none", "tensorboard"):
+        p.append(f"--report_to {t.report_to!r} is not supported; use none or tensorboard.")
+    if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
+        p.append(f"--log_level {t.log_level!r}: use debug, info, warning, error, critical or passive.")
+    if len(_split(d.splits)) not in (1, 2):
+        p.append(f"--splits {d.splits!r}: give the training split and optionally the evaluation split, e.g. train,test.")
+    if t.eval_strategy != "no" and len(_split(d.splits)) < 2:
+        p.append(f"--eval_strategy {t.eval_strategy} needs an evaluation split in --splits (e.g. train,test).")
+    if m.adapter_path and not m.use_peft_lora:
+        p.append("--adapter_path needs --use_peft_lora True.")
+    if check_paths:
+        p += _path_problems(cfg)
+    if p:
+        raise ConfigError(p)
+
+
+def _looks_local(s: str) -> bool:
+    return s.startswith((".", "/", "~")) or os.sep in s.strip("/") and s.count("/") != 1 or Path(s).exists()
+
+
+def _path_problems(cfg: RunConfig) -> list[str]:
+    p = []
+    mp, dn = cfg.model.model_name_or_path, cfg.data.dataset_name
+    if mp and _looks_local(mp) and not (Path(mp).expanduser() / "config.json").exists():
+        p.append(f"--model_name_or_path {mp}: no config.json there; give a model folder or a hub id.")
+    if dn and _looks_local(dn) and not Path(dn).expanduser().exists():
+        p.append(f"--dataset_name {dn}: no such file or folder.")
+    ap = cfg.model.adapter_path
+    if ap and not (Path(ap).expanduser() / "adapter_config.json").exists():
+        p.append(f"--adapter_path {ap}: no adapter_config.json there.")
+    return p
