@@ -31,6 +31,8 @@ def setup_logging(log_level: str = "info") -> None:
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # bitsandbytes logs at import that an optional CPU kernel package is missing; its fallback works.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
 

@@ -1,0 +1,77 @@
+"""FSDP2 sharding of a (PEFT) causal LM: each decoder block, then the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from shardtune.log import print0
+
+# FSDP1 strategies expressed in FSDP2 terms: whether a block's parameters are freed after forward.
+_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True,
+                          "HYBRID_SHARD_ZERO2": False}
+
+
+def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Compute in param_dtype; reduce gradients in fp32 so that summing shards loses nothing."""
+    if param_dtype is None or param_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: nn.Module, *, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype | None,
+                sharding_strategy: str = "FULL_SHARD", offload: bool = False, forward_prefetch: bool = False,
+                backward_prefetch: str = "BACKWARD_PRE", reshard_after_forward: bool | None = None) -> nn.Module:
+    """`fully_shard` each decoder block, then the root (setup order step 5)."""
+    if sharding_strategy not in _RESHARD_AFTER_FORWARD:
+        raise ValueError(f"fsdp_sharding_strategy {sharding_strategy!r} is not one of {sorted(_RESHARD_AFTER_FORWARD)}.")
+    raf = _RESHARD_AFTER_FORWARD[sharding_strategy] if reshard_after_forward is None else reshard_after_forward
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    mp = mixed_precision_policy(param_dtype)
+    for i, block in enumerate(blocks):
+        # The last block is all-gathered again as soon as backward starts: keeping it unsharded saves a gather.
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy,
+                    reshard_after_forward=raf and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False)
+    _set_prefetch(blocks, forward_prefetch, backward_prefetch)
+    return model
+
+
+def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None:
+    """FSDP2 already prefetches the next block in backward (BACKWARD_PRE); forward prefetch is explicit."""
+    if forward:
+        for cur, nxt in zip(blocks, blocks[1:]):
+            cur.set_modules_to_forward_prefetch([nxt])
+    if backward.upper() == "NO_PREFETCH":
+        for b in blocks:
+            b.set_modules_to_backward_prefetch([])
+    elif backward.upper() == "BACKWARD_POST":
+        print0("fsdp_backward_prefetch BACKWARD_POST: FSDP2 prefetches before each block's backward (as BACKWARD_PRE).")
+
+
+def assert_sharded(model: nn.Module, world_size: int) -> None:
+    """Setup order step 7: nothing left on meta, and each sharded tensor holds about 1/N of its rows here."""
+    for name, p in model.named_parameters():
+        assert not p.is_meta, f"parameter {name} is still on the meta device after loading"
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and world_size > 1:
+            rows = p.shape[0] if p.dim() else 1
+            local = p.to_local().shape[0] if p.dim() else 1
+            assert local <= -(-rows // world_size), f"{name}: {local} of {rows} rows on one rank"
+    for name, b in model.named_buffers():
+        assert not b.is_meta, f"buffer {name} is still on the meta device after loading"
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local_state_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes this rank holds for parameters (trainable and frozen) — what the sharded tensors really occupy."""
+    out = {"trainable": 0, "frozen": 0}
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        out["trainable" if p.requires_grad else "frozen"] += t.numel() * t.element_size()
+    return out

@@ -1,0 +1,104 @@
+"""Process group and device mesh (1-D for FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, 2-D for HYBRID_SHARD)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1800.0) -> DistInfo:
+    """Start the process group (NCCL on CUDA, gloo on CPU) and build the mesh for the sharding strategy.
+
+    A plain single process gets a 1-rank group, so that the same FSDP2 code path runs everywhere.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    use_cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s), device_id=device if use_cuda else None)
+    mesh = build_mesh(device.type, world, local_world, sharding_strategy)
+    return DistInfo(rank, world, local_rank, local_world, device, mesh)
+
+
+def build_mesh(device_type: str, world: int, local_world: int, sharding_strategy: str) -> DeviceMesh:
+    """HYBRID_SHARD shards within a node and replicates across nodes; the others use a 1-D mesh."""
+    if sharding_strategy == "NO_SHARD":
+        # Shards of one rank each: full replicas whose gradients are all-reduced across the replicate dim.
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    if sharding_strategy.startswith("HYBRID") and world > local_world:
+        if world % local_world:
+            raise ValueError(f"HYBRID_SHARD needs the same number of processes on every node ({world} processes, "
+                             f"{local_world} on this node).")
+        return init_device_mesh(device_type, (world // local_world, local_world), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few floats across ranks (float64, so token counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_objects(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

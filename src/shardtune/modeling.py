@@ -1,0 +1,218 @@
+"""Tokenizer, base model, quantization config and PEFT adapter; and the training module with a chunked loss.
+
+Nothing here imports torch.distributed: sharding lives in shardtune.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.log import print0, warn0
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32, "uint8": torch.uint8}
+
+
+def compute_dtype(bf16: bool, fp16: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
+    """flash_attention_2 where it is installed on CUDA, otherwise SDPA (said once in the log)."""
+    if use_flash_attn:
+        if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        reason = "not on CUDA" if device_type != "cuda" else "flash_attn is not installed"
+        print0(f"--use_flash_attn: {reason}; using SDPA attention (documents in packed rows stay separate).")
+    return "sdpa"
+
+
+def load_tokenizer(model_name_or_path: str, *, tokenizer_name_or_path: str | None, chat_template_format: str,
+                   trust_remote_code: bool):
+    """Load the tokenizer and apply the chat template format; return (tokenizer, ids of tokens it added)."""
+    from transformers import AutoTokenizer
+
+    from shardtune.data.templates import setup_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_name_or_path or model_name_or_path,
+                                        trust_remote_code=trust_remote_code)
+    new_ids = setup_tokenizer(tok, chat_template_format)
+    return tok, list(new_ids)
+
+
+def bnb_config(*, use_4bit: bool, use_8bit: bool, quant_type: str, compute_dtype_name: str, nested: bool,
+               storage_dtype_name: str):
+    """A BitsAndBytesConfig for a 4-bit or 8-bit base, or None."""
+    if not (use_4bit or use_8bit):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if use_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=DTYPES[compute_dtype_name],
+        bnb_4bit_use_double_quant=nested, bnb_4bit_quant_storage=DTYPES[storage_dtype_name],
+    )
+
+
+def load_base_model(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: str, trust_remote_code: bool,
+                    quantization_config=None, on_meta: bool = False) -> nn.Module:
+    """Load AutoModelForCausalLM in `dtype` (the frozen base is held in the compute dtype), or its skeleton on meta."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if on_meta:
+        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_impl,
+                                                     trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
+            quantization_config=quantization_config, low_cpu_mem_usage=True,
+        )
+    model.config.use_cache = False
+    return model
+
+
+def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> int:
+    """Resize the embeddings to hold n_tokens, rounded up to a multiple of 8 as the reference does."""
+    current = model.get_input_embeddings().weight.shape[0]
+    target = -(-n_tokens // multiple_of) * multiple_of
+    if n_tokens <= current:
+        return current
+    is_meta = model.get_input_embeddings().weight.is_meta
+    # mean_resizing samples new rows from the old ones' distribution; on meta there is nothing to sample.
+    model.resize_token_embeddings(n_tokens, pad_to_multiple_of=multiple_of, mean_resizing=not is_meta)
+    print0(f"Resized the embeddings from {current} to {target} rows for the chat template's tokens.")
+    return target
+
+
+def _target_modules(spec: str) -> str | list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def attach_adapter(model: nn.Module, *, lora_r: int, lora_alpha: float, lora_dropout: float,
+                   target_modules: str, use_dora: bool, modules_to_save: str | None, new_token_ids: list[int],
+                   adapter_name: str = "default", adapter_path: str | None = None) -> nn.Module:
+    """Wrap the base in a PEFT LoRA/DoRA adapter; rows of newly added tokens are trained as trainable tokens."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_path:
+        model = PeftModel.from_pretrained(model, adapter_path, adapter_name=adapter_name, is_trainable=True)
+        print0(f"Continuing training of the adapter in {adapter_path}.")
+        return model
+    mts = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()] or None
+    tti = None
+    if new_token_ids:
+        tti = {name: list(new_token_ids) for name in _token_modules(model, mts)}
+    cfg = LoraConfig(
+        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=_target_modules(target_modules),
+        use_dora=use_dora, modules_to_save=mts, trainable_token_indices=tti or None, bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, cfg, adapter_name=adapter_name)
+    except ValueError as e:
+        if "not found in the base model" in str(e) or "Target modules" in str(e):
+            raise ValueError(f"--lora_target_modules {target_modules!r} matched no module of the model: {e}") from e
+        raise
+    return model
+
+
+def _token_modules(model: nn.Module, modules_to_save: list[str] | None) -> list[str]:
+    """Embedding (and untied output head) modules whose new-token rows must be trained, unless saved in full."""
+    names = []
+    full = set(modules_to_save or [])
+    emb_name = _module_name(model, model.get_input_embeddings())
+    if emb_name and emb_name.split(".")[-1] not in full:
+        names.append(emb_name.split(".")[-1])
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is model.get_input_embeddings().weight
+    if out is not None and not tied:
+        out_name = _module_name(model, out)
+        if out_name and out_name.split(".")[-1] not in full:
+            names.append(out_name.split(".")[-1])
+    return names
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str | None:
+    for name, mod in root.named_modules():
+        if mod is target:
+            return name
+    return None
+
+
+def decoder_block_classes(model: nn.Module, override: str | None = None) -> tuple[type, ...]:
+    """The decoder block classes to shard one by one: FSDP_TRANSFORMER_CLS_TO_WRAP or the model's _no_split_modules."""
+    names = [s.strip() for s in override.split(",")] if override else None
+    if not names:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        names = list(getattr(base, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"no module of the model is of a decoder block class {names}; set "
+                         "fsdp_transformer_layer_cls_to_wrap in the accelerate config to the block's class name.")
+    return tuple(classes)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+class CausalLMForTraining(nn.Module):
+    """Wraps a (PEFT) causal LM: runs the decoder, then the output head and cross-entropy in chunks of
+    positions, recomputing each chunk's logits in backward, so full fp32 [batch, seq, vocab] logits are never held.
+
+    Labels are already shifted (labels[i] is the target of position i; -100 means none). Returns the summed
+    loss and the number of targets, so that the caller normalises over the whole global batch.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        # Plain attributes, not registered submodules: they are already registered under self.model.
+        object.__setattr__(self, "_decoder", base.get_decoder())
+        object.__setattr__(self, "_head", base.get_output_embeddings())
+        cfg = base.config
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+            raise ValueError(f"{type(base).__name__} scales its logits; shardtune's chunked loss does not support it yet.")
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor):
+        h = self.hidden_states(input_ids, position_ids)
+        h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        keep = y != -100
+        h, y = h[keep], y[keep]
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, h.shape[0], self.chunk_size):
+            hc, yc = h[start:start + self.chunk_size], y[start:start + self.chunk_size]
+            if torch.is_grad_enabled():
+                total = total + torch.utils.checkpoint.checkpoint(self._chunk_loss, hc, yc, use_reentrant=False)
+            else:
+                total = total + self._chunk_loss(hc, yc)
+        return total, keep.sum()
+
+    def _chunk_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self._head(h).float()
+        return F.cross_entropy(logits, y, reduction="sum")
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits (for tests and evaluation of small batches)."""
+        return self._head(self.hidden_states(input_ids, position_ids)).float()
+
+
+def write_tokenizer(tokenizer, out_dir: str | Path) -> None:
+    tokenizer.save_pretrained(str(out_dir))
