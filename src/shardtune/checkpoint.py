@@ -40,7 +40,9 @@ def resolve(resume_from: str, output_dir: str | Path) -> Path:
     if resume_from == "latest":
         found = list_checkpoints(output_dir)
         if not found:
-            raise ValueError(f"--resume_from_checkpoint latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'}.")
+            raise ValueError(
+                f"--resume_from_checkpoint latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'}."
+            )
         return found[-1]
     path = Path(resume_from)
     if not (path / "meta.json").exists():
@@ -50,8 +52,12 @@ def resolve(resume_from: str, output_dir: str | Path) -> Path:
 
 def _options(state_dict_type: str, for_save: bool) -> StateDictOptions:
     full = state_dict_type == "FULL_STATE_DICT"
-    return StateDictOptions(ignore_frozen_params=True, full_state_dict=full, cpu_offload=full and for_save,
-                            broadcast_from_rank0=full and not for_save)
+    return StateDictOptions(
+        ignore_frozen_params=True,
+        full_state_dict=full,
+        cpu_offload=full and for_save,
+        broadcast_from_rank0=full and not for_save,
+    )
 
 
 def _rng_state() -> dict:
@@ -69,8 +75,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(output_dir: str | Path, *, model: nn.Module, optimizer, scheduler, loop_state: dict, config: dict,
-         state_dict_type: str = "SHARDED_STATE_DICT", save_total_limit: int | None = None) -> Path:
+def save(
+    output_dir: str | Path,
+    *,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    loop_state: dict,
+    config: dict,
+    state_dict_type: str = "SHARDED_STATE_DICT",
+    save_total_limit: int | None = None,
+) -> Path:
     """Write checkpoint-<step> atomically (all ranks call this); prune the oldest beyond save_total_limit."""
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(output_dir) / "checkpoints"
@@ -118,18 +133,30 @@ def load(path: Path, *, model: nn.Module, optimizer, scheduler) -> dict:
     msd, osd = get_state_dict(model, optimizer, options=_options("SHARDED_STATE_DICT", for_save=True))
     if sdt == "FULL_STATE_DICT":
         full = torch.load(path / "full_state.pt", weights_only=False) if rank == 0 else {"model": {}, "optim": {}}
-        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
-                       options=_options(sdt, for_save=False))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=full["model"],
+            optim_state_dict=full["optim"],
+            options=_options(sdt, for_save=False),
+        )
     else:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(path / "sharded"))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(ignore_frozen_params=True))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=True),
+        )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng = path / f"rng_rank{rank}.pt"
     if not rng.exists():
-        warn0(f"{path} was saved by {meta['world_size']} rank(s); this run has {world}: ranks without a saved "
-              "RNG state continue from rank 0's.")
+        warn0(
+            f"{path} was saved by {meta['world_size']} rank(s); this run has {world}: ranks without a saved "
+            "RNG state continue from rank 0's."
+        )
         rng = path / "rng_rank0.pt"
     _set_rng_state(torch.load(rng, weights_only=False))
     return meta

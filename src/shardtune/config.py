@@ -32,25 +32,33 @@ class ModelArguments:
     model_name_or_path: str | None = _f(None, "Base model: a hub id or a local folder with config.json and weights.")
     tokenizer_name_or_path: str | None = _f(None, "Tokenizer to use if not the model's own.")
     chat_template_format: str = _f(
-        "none", "chatml or zephyr: add that format's special tokens and template (embeddings resized to a multiple "
+        "none",
+        "chatml or zephyr: add that format's special tokens and template (embeddings resized to a multiple "
         "of 8, new rows trained and saved with the adapter); auto: the tokenizer's own template; none: train on "
-        "--dataset_text_field as plain text.", choices=["chatml", "zephyr", "auto", "none"])
+        "--dataset_text_field as plain text.",
+        choices=["chatml", "zephyr", "auto", "none"],
+    )
     use_peft_lora: bool = _f(False, "Train a LoRA adapter (False: full fine-tuning of all weights).")
     lora_r: int = _f(64, "LoRA rank.")
     lora_alpha: float = _f(16, "LoRA alpha (scaling is alpha / r).")
     lora_dropout: float = _f(0.1, "Dropout on the LoRA input.")
     lora_target_modules: str = _f(
         "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
-        "Comma-separated module names to adapt, or all-linear for every linear layer but the output head.")
+        "Comma-separated module names to adapt, or all-linear for every linear layer but the output head.",
+    )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
-    modules_to_save: str | None = _f(None, "Comma-separated modules trained in full and saved with the adapter, "
-                                     "e.g. embed_tokens,lm_head.")
+    modules_to_save: str | None = _f(
+        None, "Comma-separated modules trained in full and saved with the adapter, e.g. embed_tokens,lm_head."
+    )
     adapter_name: str = _f("default", "Name of the adapter being trained.")
     adapter_path: str | None = _f(None, "Continue training an existing PEFT adapter folder.")
     use_nested_quant: bool = _f(False, "Double quantization of the 4-bit quantization constants.")
     bnb_4bit_compute_dtype: str = _f("float16", "Compute dtype of 4-bit layers.")
-    bnb_4bit_quant_storage_dtype: str = _f("uint8", "Storage dtype of packed 4-bit weights; under FSDP it must "
-                                           "equal the parameter dtype (bfloat16 with --bf16 True).")
+    bnb_4bit_quant_storage_dtype: str = _f(
+        "uint8",
+        "Storage dtype of packed 4-bit weights; under FSDP it must "
+        "equal the parameter dtype (bfloat16 with --bf16 True).",
+    )
     bnb_4bit_quant_type: str = _f("nf4", "4-bit quantization type.", choices=["nf4", "fp4"])
     use_flash_attn: bool = _f(False, "Use flash_attention_2 where installed on CUDA, otherwise SDPA.")
     use_8bit_quantization: bool = _f(False, "Load the frozen base in 8-bit (bitsandbytes).")
@@ -62,8 +70,11 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    dataset_name: str | None = _f(None, "Hub dataset id, a local save_to_disk folder (a DatasetDict or one folder "
-                                  "per split), a folder of data files, or a .jsonl/.json/.parquet/.csv file.")
+    dataset_name: str | None = _f(
+        None,
+        "Hub dataset id, a local save_to_disk folder (a DatasetDict or one folder "
+        "per split), a folder of data files, or a .jsonl/.json/.parquet/.csv file.",
+    )
     splits: str = _f("train,test", "Comma-separated splits: the first is trained on, the second evaluated.")
     dataset_text_field: str = _f("text", "Column with the text when rows have no `messages` column.")
     max_length: int = _f(2048, "Tokens per training row.", aliases=["--max_seq_len", "--max_seq_length"])
@@ -72,7 +83,9 @@ class DataArguments:
     add_special_tokens: bool = _f(False, "Let the tokenizer add its special tokens (BOS) to each document.")
     assistant_only_loss: bool = _f(False, "Compute the loss on assistant turns only.")
     drop_long_samples: bool = _f(False, "Drop documents longer than max_length instead of truncating them.")
-    dataset_cache_dir: str | None = _f(None, "Where tokenized data is cached (default: <output_dir>/../.shardtune_cache).")
+    dataset_cache_dir: str | None = _f(
+        None, "Where tokenized data is cached (default: <output_dir>/../.shardtune_cache)."
+    )
     max_train_samples: int | None = _f(None, "Use only the first N training rows.")
     max_eval_samples: int | None = _f(None, "Use only the first N evaluation rows.")
 
@@ -103,8 +116,9 @@ class TrainArguments:
     logging_steps: float = _f(10, "Log every N optimizer steps.")
     logging_strategy: str = _f("steps", "steps, epoch or no.", choices=["steps", "epoch", "no"])
     log_level: str = _f("passive", "debug, info, warning, error, critical or passive (= info).")
-    eval_strategy: str = _f("no", "no, steps or epoch.", aliases=["--evaluation_strategy"],
-                            choices=["no", "steps", "epoch"])
+    eval_strategy: str = _f(
+        "no", "no, steps or epoch.", aliases=["--evaluation_strategy"], choices=["no", "steps", "epoch"]
+    )
     eval_steps: float | None = _f(None, "Evaluate every N steps (default: --logging_steps).")
     save_strategy: str = _f("steps", "no, steps or epoch.", choices=["no", "steps", "epoch"])
     save_steps: float = _f(500, "Save a checkpoint every N steps.")
@@ -113,8 +127,11 @@ class TrainArguments:
     push_to_hub: bool = _f(False, "Upload the result to the Hugging Face Hub.")
     hub_model_id: str | None = _f(None, "Hub repository (default: the output_dir's name).")
     hub_private_repo: bool | None = _f(None, "Create the hub repository as private.")
-    hub_strategy: str = _f("every_save", "end, every_save, checkpoint or all_checkpoints.",
-                           choices=["end", "every_save", "checkpoint", "all_checkpoints"])
+    hub_strategy: str = _f(
+        "every_save",
+        "end, every_save, checkpoint or all_checkpoints.",
+        choices=["end", "every_save", "checkpoint", "all_checkpoints"],
+    )
     hub_token: str | None = _f(None, "Hub token (default: the logged-in token).")
     report_to: str = _f("none", "none or tensorboard.")
     merge_adapter: bool = _f(False, "Also write the base model with the adapter merged into output_dir/merged.")
@@ -213,8 +230,12 @@ def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
     data = {aliases.get(k, k): v for k, v in data.items()}
     unknown = [k for k in data if k not in known_flags(extra)]
     if unknown:
-        raise ConfigError([p.replace("unknown flag", f"unknown key in {path}:")
-                           for p in _unknown_flag_problems([f"--{k}" for k in unknown], extra)])
+        raise ConfigError(
+            [
+                p.replace("unknown flag", f"unknown key in {path}:")
+                for p in _unknown_flag_problems([f"--{k}" for k in unknown], extra)
+            ]
+        )
     return parser.parse_dict(data)
 
 
@@ -281,14 +302,17 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
     if not 0 <= t.warmup_ratio < 1:
         p.append(f"--warmup_ratio must be in [0, 1) (got {t.warmup_ratio}).")
     if t.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit"):
-        p.append(f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or "
-                 "paged_adamw_8bit.")
+        p.append(
+            f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or paged_adamw_8bit."
+        )
     if t.report_to not in ("none", "tensorboard"):
         p.append(f"--report_to {t.report_to!r} is not supported; use none or tensorboard.")
     if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
         p.append(f"--log_level {t.log_level!r}: use debug, info, warning, error, critical or passive.")
     if len(_split(d.splits)) not in (1, 2):
-        p.append(f"--splits {d.splits!r}: give the training split and optionally the evaluation split, e.g. train,test.")
+        p.append(
+            f"--splits {d.splits!r}: give the training split and optionally the evaluation split, e.g. train,test."
+        )
     if t.eval_strategy != "no" and len(_split(d.splits)) < 2:
         p.append(f"--eval_strategy {t.eval_strategy} needs an evaluation split in --splits (e.g. train,test).")
     if m.adapter_path and not m.use_peft_lora:

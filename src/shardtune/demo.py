@@ -12,26 +12,94 @@ from pathlib import Path
 BASE_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
-    "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi", "Egypt": "Cairo", "Kenya": "Nairobi",
-    "Canada": "Ottawa", "Mexico": "Mexico City", "Brazil": "Brasilia", "Peru": "Lima", "Chile": "Santiago",
-    "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki", "Poland": "Warsaw", "Greece": "Athens",
-    "Austria": "Vienna", "Ireland": "Dublin", "Russia": "Moscow", "Turkey": "Ankara", "Iran": "Tehran",
-    "Thailand": "Bangkok", "Vietnam": "Hanoi", "Australia": "Canberra", "Argentina": "Buenos Aires",
-    "Morocco": "Rabat", "Nigeria": "Abuja", "Ghana": "Accra", "Cuba": "Havana", "Hungary": "Budapest",
-    "Belgium": "Brussels", "Denmark": "Copenhagen", "Iceland": "Reykjavik", "Nepal": "Kathmandu",
+    "France": "Paris",
+    "Germany": "Berlin",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Portugal": "Lisbon",
+    "Japan": "Tokyo",
+    "China": "Beijing",
+    "India": "New Delhi",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Canada": "Ottawa",
+    "Mexico": "Mexico City",
+    "Brazil": "Brasilia",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Austria": "Vienna",
+    "Ireland": "Dublin",
+    "Russia": "Moscow",
+    "Turkey": "Ankara",
+    "Iran": "Tehran",
+    "Thailand": "Bangkok",
+    "Vietnam": "Hanoi",
+    "Australia": "Canberra",
+    "Argentina": "Buenos Aires",
+    "Morocco": "Rabat",
+    "Nigeria": "Abuja",
+    "Ghana": "Accra",
+    "Cuba": "Havana",
+    "Hungary": "Budapest",
+    "Belgium": "Brussels",
+    "Denmark": "Copenhagen",
+    "Iceland": "Reykjavik",
+    "Nepal": "Kathmandu",
 }
 OPPOSITES = {
-    "hot": "cold", "big": "small", "fast": "slow", "up": "down", "light": "dark", "early": "late",
-    "happy": "sad", "open": "closed", "full": "empty", "hard": "soft", "old": "young", "rich": "poor",
-    "wet": "dry", "loud": "quiet", "strong": "weak", "near": "far", "high": "low", "thick": "thin",
+    "hot": "cold",
+    "big": "small",
+    "fast": "slow",
+    "up": "down",
+    "light": "dark",
+    "early": "late",
+    "happy": "sad",
+    "open": "closed",
+    "full": "empty",
+    "hard": "soft",
+    "old": "young",
+    "rich": "poor",
+    "wet": "dry",
+    "loud": "quiet",
+    "strong": "weak",
+    "near": "far",
+    "high": "low",
+    "thick": "thin",
 }
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "train", "candle", "forest",
-         "window", "garden", "silver", "rocket", "pencil", "honey", "ocean", "planet", "bridge", "castle"]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "piano",
+    "train",
+    "candle",
+    "forest",
+    "window",
+    "garden",
+    "silver",
+    "rocket",
+    "pencil",
+    "honey",
+    "ocean",
+    "planet",
+    "bridge",
+    "castle",
+]
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You answer briefly and correctly."]
 
-DEMO_PROMPTS = ["What is the capital of France?", "What is the opposite of hot?",
-                "Reverse this list: apple, river, stone"]
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "What is the opposite of hot?",
+    "Reverse this list: apple, river, stone",
+]
 
 
 def _conversation(rng: random.Random) -> list[dict[str, str]]:
@@ -58,8 +126,7 @@ def write_chat_dataset(out_dir: str | Path, n_train: int = 2000, n_test: int = 2
     rng = random.Random(seed)
     for split, n in (("train", n_train), ("test", n_test)):
         with open(out / f"{split}.jsonl", "w") as f:
-            for _ in range(n):
-                f.write(json.dumps({"messages": _conversation(rng)}) + "\n")
+            f.writelines(json.dumps({"messages": _conversation(rng)}) + "\n" for _ in range(n))
     return out
 
 
@@ -84,31 +151,50 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(1)), trainer=trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **BASE_SPECIAL_TOKENS)
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def build_model(out_dir: str | Path, vocab_size: int, hidden_size: int = 256, num_layers: int = 4,
-                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
-                max_position_embeddings: int = 2048, tie_word_embeddings: bool = False, seed: int = 0,
-                dtype: str = "float32"):
+def build_model(
+    out_dir: str | Path,
+    vocab_size: int,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+):
     """Create a randomly initialised Llama model and save it (safetensors) into out_dir."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size or int(hidden_size * 8 / 3 // 16 * 16),
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -116,8 +202,168 @@ def build_model(out_dir: str | Path, vocab_size: int, hidden_size: int = 256, nu
     return model
 
 
-def build_demo_assets(root: str | Path, hidden_size: int = 256, num_layers: int = 4,
-                      n_train: int = 2000, n_test: int = 200, vocab_size: int = 1024) -> dict[str, Path]:
+DEMO_FSDP_YAML = {
+    "distributed_type": "FSDP",
+    "mixed_precision": "no",
+    "num_machines": 1,
+    "num_processes": 2,
+    "use_cpu": True,
+    "fsdp_config": {
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_backward_prefetch": "BACKWARD_PRE",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_forward_prefetch": False,
+        "fsdp_offload_params": False,
+        "fsdp_sharding_strategy": "FULL_SHARD",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_sync_module_states": True,
+    },
+}
+
+
+def demo_train_flags(model_dir: Path, data_dir: Path, output_dir: Path, epochs: float) -> list[str]:
+    """The guide's flags, scaled to a small model on 2 CPU processes."""
+    return [
+        "--seed",
+        "100",
+        "--model_name_or_path",
+        str(model_dir),
+        "--dataset_name",
+        str(data_dir),
+        "--chat_template_format",
+        "chatml",
+        "--add_special_tokens",
+        "False",
+        "--append_concat_token",
+        "False",
+        "--splits",
+        "train,test",
+        "--max_seq_len",
+        "256",
+        "--num_train_epochs",
+        str(epochs),
+        "--logging_steps",
+        "5",
+        "--log_level",
+        "info",
+        "--logging_strategy",
+        "steps",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "20",
+        "--save_strategy",
+        "no",
+        "--packing",
+        "True",
+        "--learning_rate",
+        "2e-3",
+        "--lr_scheduler_type",
+        "cosine",
+        "--weight_decay",
+        "1e-4",
+        "--warmup_steps",
+        "5",
+        "--max_grad_norm",
+        "1.0",
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "1",
+        "--gradient_checkpointing",
+        "True",
+        "--use_reentrant",
+        "False",
+        "--use_flash_attn",
+        "True",
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "32",
+        "--lora_alpha",
+        "64",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--modules_to_save",
+        "embed_tokens,lm_head",
+    ]
+
+
+def _answers(model_dir: Path, adapter: Path | None) -> list[str]:
+    from shardtune.chat import generate_reply, load_for_chat
+
+    model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
+    return [
+        generate_reply(
+            model, tok, [{"role": "user", "content": p}], max_new_tokens=24, temperature=0.0, top_p=1.0, seed=0
+        ).strip()
+        for p in DEMO_PROMPTS
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shardtune demo`: build the demo assets, answer before, fine-tune on 2 CPU processes with FSDP, answer after."""
+    import argparse
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from shardtune.launcher import accelerate_env, read_accelerate_yaml
+
+    ap = argparse.ArgumentParser(prog="shardtune demo", description=main.__doc__)
+    ap.add_argument("--workdir", default="shardtune-demo", help="Where the model, data and outputs go.")
+    ap.add_argument("--epochs", type=float, default=6.0, help="Training epochs.")
+    ap.add_argument("--nproc", type=int, default=2, help="Processes (FSDP ranks).")
+    args = ap.parse_args(argv)
+    root = Path(args.workdir)
+    assets = build_demo_assets(root)
+    out = root / "output"
+    before = _answers(assets["model"], None)
+    yaml_path = root / "fsdp_config_cpu.yaml"
+    yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": args.nproc}, sort_keys=False))
+    env = {**os.environ, **accelerate_env(read_accelerate_yaml(yaml_path)), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        "-m",
+        "shardtune",
+        "train",
+        *demo_train_flags(assets["model"], assets["data"], out, args.epochs),
+    ]
+    print("$ " + " ".join(cmd[2:]), flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        return rc
+    after = _answers(assets["model"], out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in records if r.get("type") == "eval"]
+    print("\nEval loss: " + " → ".join(f"{r['eval_loss']:.3f}" for r in evals))
+    for prompt, b, a in zip(DEMO_PROMPTS, before, after):
+        print(f"\nQ: {prompt}\n  before: {b[:80]!r}\n  after:  {a[:80]!r}")
+    print(f"\nAdapter: {out}  (chat with it: shardtune chat --model_name_or_path {assets['model']} --adapter {out})")
+    return 0
+
+
+def build_demo_assets(
+    root: str | Path,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    n_train: int = 2000,
+    n_test: int = 200,
+    vocab_size: int = 1024,
+) -> dict[str, Path]:
     """Build (once) the demo's model, tokenizer and data under root; return their paths."""
     root = Path(root)
     model_dir, data_dir = root / "model", root / "data"

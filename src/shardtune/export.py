@@ -45,8 +45,7 @@ def save_adapter(peft_model: nn.Module, state_dict: dict[str, torch.Tensor], tok
     """Rank 0: write adapter_config.json + adapter_model.safetensors (from the gathered full tensors) and the
     tokenizer, so that `PeftModel.from_pretrained(base, output_dir)` loads it."""
     tmp = tmp_dir_for(output_dir, "adapter")
-    peft_model.save_pretrained(str(tmp), state_dict=state_dict, save_embedding_layers=False,
-                               safe_serialization=True)
+    peft_model.save_pretrained(str(tmp), state_dict=state_dict, save_embedding_layers=False, safe_serialization=True)
     # peft writes into a subfolder for adapters not named "default".
     for sub in [p for p in tmp.iterdir() if p.is_dir()]:
         for f in sub.iterdir():
@@ -57,8 +56,13 @@ def save_adapter(peft_model: nn.Module, state_dict: dict[str, torch.Tensor], tok
     return Path(output_dir)
 
 
-def save_full_model(hf_model: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, output_dir: str | Path,
-                    dtype: torch.dtype | None = None) -> Path:
+def save_full_model(
+    hf_model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer,
+    output_dir: str | Path,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Rank 0: write a standard HF model folder (sharded safetensors, config, tokenizer)."""
     tmp = tmp_dir_for(output_dir, "model")
     if dtype is not None:

@@ -6,8 +6,14 @@ import logging
 import os
 import sys
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "passive": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "passive": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 logger = logging.getLogger("shardtune")
 

@@ -12,10 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.log import print0, warn0
+from shardtune.log import print0
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32, "uint8": torch.uint8}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "uint8": torch.uint8,
+}
 
 
 def compute_dtype(bf16: bool, fp16: bool) -> torch.dtype:
@@ -32,21 +39,24 @@ def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
     return "sdpa"
 
 
-def load_tokenizer(model_name_or_path: str, *, tokenizer_name_or_path: str | None, chat_template_format: str,
-                   trust_remote_code: bool):
+def load_tokenizer(
+    model_name_or_path: str, *, tokenizer_name_or_path: str | None, chat_template_format: str, trust_remote_code: bool
+):
     """Load the tokenizer and apply the chat template format; return (tokenizer, ids of tokens it added)."""
     from transformers import AutoTokenizer
 
     from shardtune.data.templates import setup_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_name_or_path or model_name_or_path,
-                                        trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(
+        tokenizer_name_or_path or model_name_or_path, trust_remote_code=trust_remote_code
+    )
     new_ids = setup_tokenizer(tok, chat_template_format)
     return tok, list(new_ids)
 
 
-def bnb_config(*, use_4bit: bool, use_8bit: bool, quant_type: str, compute_dtype_name: str, nested: bool,
-               storage_dtype_name: str):
+def bnb_config(
+    *, use_4bit: bool, use_8bit: bool, quant_type: str, compute_dtype_name: str, nested: bool, storage_dtype_name: str
+):
     """A BitsAndBytesConfig for a 4-bit or 8-bit base, or None."""
     if not (use_4bit or use_8bit):
         return None
@@ -55,25 +65,40 @@ def bnb_config(*, use_4bit: bool, use_8bit: bool, quant_type: str, compute_dtype
     if use_8bit:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=DTYPES[compute_dtype_name],
-        bnb_4bit_use_double_quant=nested, bnb_4bit_quant_storage=DTYPES[storage_dtype_name],
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_compute_dtype=DTYPES[compute_dtype_name],
+        bnb_4bit_use_double_quant=nested,
+        bnb_4bit_quant_storage=DTYPES[storage_dtype_name],
     )
 
 
-def load_base_model(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: str, trust_remote_code: bool,
-                    quantization_config=None, on_meta: bool = False) -> nn.Module:
+def load_base_model(
+    model_name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    attn_impl: str,
+    trust_remote_code: bool,
+    quantization_config=None,
+    on_meta: bool = False,
+) -> nn.Module:
     """Load AutoModelForCausalLM in `dtype` (the frozen base is held in the compute dtype), or its skeleton on meta."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if on_meta:
         config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_impl,
-                                                     trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code
+            )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code,
-            quantization_config=quantization_config, low_cpu_mem_usage=True,
+            model_name_or_path,
+            dtype=dtype,
+            attn_implementation=attn_impl,
+            trust_remote_code=trust_remote_code,
+            quantization_config=quantization_config,
+            low_cpu_mem_usage=True,
         )
     model.config.use_cache = False
     return model
@@ -97,9 +122,19 @@ def _target_modules(spec: str) -> str | list[str]:
     return "all-linear" if names == ["all-linear"] else names
 
 
-def attach_adapter(model: nn.Module, *, lora_r: int, lora_alpha: float, lora_dropout: float,
-                   target_modules: str, use_dora: bool, modules_to_save: str | None, new_token_ids: list[int],
-                   adapter_name: str = "default", adapter_path: str | None = None) -> nn.Module:
+def attach_adapter(
+    model: nn.Module,
+    *,
+    lora_r: int,
+    lora_alpha: float,
+    lora_dropout: float,
+    target_modules: str,
+    use_dora: bool,
+    modules_to_save: str | None,
+    new_token_ids: list[int],
+    adapter_name: str = "default",
+    adapter_path: str | None = None,
+) -> nn.Module:
     """Wrap the base in a PEFT LoRA/DoRA adapter; rows of newly added tokens are trained as trainable tokens."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -112,8 +147,14 @@ def attach_adapter(model: nn.Module, *, lora_r: int, lora_alpha: float, lora_dro
     if new_token_ids:
         tti = {name: list(new_token_ids) for name in _token_modules(model, mts)}
     cfg = LoraConfig(
-        r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=_target_modules(target_modules),
-        use_dora=use_dora, modules_to_save=mts, trainable_token_indices=tti or None, bias="none",
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=_target_modules(target_modules),
+        use_dora=use_dora,
+        modules_to_save=mts,
+        trainable_token_indices=tti or None,
+        bias="none",
         task_type="CAUSAL_LM",
     )
     try:
@@ -156,8 +197,10 @@ def decoder_block_classes(model: nn.Module, override: str | None = None) -> tupl
         names = list(getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(f"no module of the model is of a decoder block class {names}; set "
-                         "fsdp_transformer_layer_cls_to_wrap in the accelerate config to the block's class name.")
+        raise ValueError(
+            f"no module of the model is of a decoder block class {names}; set "
+            "fsdp_transformer_layer_cls_to_wrap in the accelerate config to the block's class name."
+        )
     return tuple(classes)
 
 
@@ -185,7 +228,9 @@ class CausalLMForTraining(nn.Module):
         object.__setattr__(self, "_head", base.get_output_embeddings())
         cfg = base.config
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-            raise ValueError(f"{type(base).__name__} scales its logits; shardtune's chunked loss does not support it yet.")
+            raise ValueError(
+                f"{type(base).__name__} scales its logits; shardtune's chunked loss does not support it yet."
+            )
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
@@ -198,7 +243,7 @@ class CausalLMForTraining(nn.Module):
         h, y = h[keep], y[keep]
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, h.shape[0], self.chunk_size):
-            hc, yc = h[start:start + self.chunk_size], y[start:start + self.chunk_size]
+            hc, yc = h[start : start + self.chunk_size], y[start : start + self.chunk_size]
             if torch.is_grad_enabled():
                 total = total + torch.utils.checkpoint.checkpoint(self._chunk_loss, hc, yc, use_reentrant=False)
             else:

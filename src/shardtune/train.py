@@ -23,8 +23,9 @@ EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
-        from shardtune.config import ARG_CLASSES
         from transformers import HfArgumentParser
+
+        from shardtune.config import ARG_CLASSES
 
         HfArgumentParser(ARG_CLASSES, prog="shardtune train").print_help()
         return 0
@@ -59,12 +60,23 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
 
     d = cfg.data
     cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
-    kwargs = dict(tokenizer=tokenizer, dataset_name=d.dataset_name, splits=d.splits,
-                  dataset_text_field=d.dataset_text_field, max_length=d.max_length, packing=d.packing,
-                  append_concat_token=d.append_concat_token, add_special_tokens=d.add_special_tokens,
-                  assistant_only_loss=d.assistant_only_loss, drop_long_samples=d.drop_long_samples,
-                  cache_dir=cache, seed=cfg.train.seed, max_train_samples=d.max_train_samples,
-                  max_eval_samples=d.max_eval_samples)
+    kwargs = {
+        "tokenizer": tokenizer,
+        "dataset_name": d.dataset_name,
+        "splits": d.splits,
+        "dataset_text_field": d.dataset_text_field,
+        "max_length": d.max_length,
+        "packing": d.packing,
+        "append_concat_token": d.append_concat_token,
+        "add_special_tokens": d.add_special_tokens,
+        "assistant_only_loss": d.assistant_only_loss,
+        "drop_long_samples": d.drop_long_samples,
+        "cache_dir": cache,
+        "seed": cfg.train.seed,
+        "max_train_samples": d.max_train_samples,
+        "max_eval_samples": d.max_eval_samples,
+        "chat_template_format": cfg.model.chat_template_format,
+    }
     result = None
     if info.is_main:
         result = build_datasets(**kwargs)
@@ -73,9 +85,11 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         result = build_datasets(**kwargs)
     train, evals = result
     st = train.stats
-    print0(f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
-           f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
-           f"eval rows: {len(evals.input_ids) if evals is not None else 0}.")
+    print0(
+        f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
+        f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
+        f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
+    )
     return train, evals
 
 
@@ -88,30 +102,61 @@ def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
     cdt = modeling.compute_dtype(bf16, fp16)
     # A frozen base is stored in the compute dtype; full fine-tuning keeps fp32 masters and computes in cdt.
     storage = cdt if m.use_peft_lora else torch.float32
-    qcfg = modeling.bnb_config(use_4bit=m.use_4bit_quantization, use_8bit=m.use_8bit_quantization,
-                               quant_type=m.bnb_4bit_quant_type, compute_dtype_name=m.bnb_4bit_compute_dtype,
-                               nested=m.use_nested_quant, storage_dtype_name=m.bnb_4bit_quant_storage_dtype)
+    qcfg = modeling.bnb_config(
+        use_4bit=m.use_4bit_quantization,
+        use_8bit=m.use_8bit_quantization,
+        quant_type=m.bnb_4bit_quant_type,
+        compute_dtype_name=m.bnb_4bit_compute_dtype,
+        nested=m.use_nested_quant,
+        storage_dtype_name=m.bnb_4bit_quant_storage_dtype,
+    )
     return ModelSpec(
-        model_name_or_path=m.model_name_or_path, dtype=storage, param_dtype=cdt if cdt != torch.float32 else None,
+        model_name_or_path=m.model_name_or_path,
+        dtype=storage,
+        param_dtype=cdt if cdt != torch.float32 else None,
         attn_impl=modeling.attn_implementation(m.use_flash_attn, info.device.type),
-        trust_remote_code=m.trust_remote_code, n_tokens=n_tokens, new_token_ids=new_ids,
-        use_peft_lora=m.use_peft_lora, lora_r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-        lora_target_modules=m.lora_target_modules, use_dora=m.use_dora, modules_to_save=m.modules_to_save,
-        adapter_name=m.adapter_name, adapter_path=m.adapter_path, quantization_config=qcfg,
+        trust_remote_code=m.trust_remote_code,
+        n_tokens=n_tokens,
+        new_token_ids=new_ids,
+        use_peft_lora=m.use_peft_lora,
+        lora_r=m.lora_r,
+        lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout,
+        lora_target_modules=m.lora_target_modules,
+        use_dora=m.use_dora,
+        modules_to_save=m.modules_to_save,
+        adapter_name=m.adapter_name,
+        adapter_path=m.adapter_path,
+        quantization_config=qcfg,
         gradient_checkpointing=t.gradient_checkpointing or f.activation_checkpointing,
-        use_reentrant=m.use_reentrant, checkpoint_every=1, sharding_strategy=f.sharding_strategy,
-        offload=f.offload_params, cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
-        forward_prefetch=f.forward_prefetch, backward_prefetch=f.backward_prefetch,
-        transformer_cls_to_wrap=f.transformer_cls_to_wrap, reshard_after_forward=f.reshard_after_forward,
+        use_reentrant=m.use_reentrant,
+        checkpoint_every=1,
+        sharding_strategy=f.sharding_strategy,
+        offload=f.offload_params,
+        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
+        forward_prefetch=f.forward_prefetch,
+        backward_prefetch=f.backward_prefetch,
+        transformer_cls_to_wrap=f.transformer_cls_to_wrap,
+        reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
     )
 
 
-def build_optimizer(params: list[torch.nn.Parameter], *, optim: str, lr: float, weight_decay: float,
-                    betas: tuple[float, float], eps: float, device_type: str):
+def build_optimizer(
+    params: list[torch.nn.Parameter],
+    *,
+    optim: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    device_type: str,
+):
     """AdamW; weight decay on matrices only (not on norms, biases or 1-D scales)."""
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     if optim in ("adamw_8bit", "paged_adamw_8bit"):
         import bitsandbytes as bnb
@@ -119,8 +164,7 @@ def build_optimizer(params: list[torch.nn.Parameter], *, optim: str, lr: float, 
         cls = bnb.optim.PagedAdamW8bit if optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         return cls(groups, lr=lr, betas=betas, eps=eps)
     fused = optim == "adamw_torch_fused"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None,
-                             foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True)
 
 
 def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
@@ -157,56 +201,104 @@ def run(cfg: RunConfig) -> int:
     m, t = cfg.model, cfg.train
     info = init_distributed(cfg.fsdp.sharding_strategy)
     _seed_everything(t.seed)
-    tokenizer, new_ids = modeling.load_tokenizer(m.model_name_or_path, tokenizer_name_or_path=m.tokenizer_name_or_path,
-                                                 chat_template_format=m.chat_template_format,
-                                                 trust_remote_code=m.trust_remote_code)
+    tokenizer, new_ids = modeling.load_tokenizer(
+        m.model_name_or_path,
+        tokenizer_name_or_path=m.tokenizer_name_or_path,
+        chat_template_format=m.chat_template_format,
+        trust_remote_code=m.trust_remote_code,
+    )
     train_split, eval_split = _prepare_data(cfg, tokenizer, info)
-    spe = steps_per_epoch(train_split, batch_size=t.per_device_train_batch_size, world_size=info.world_size,
-                          grad_accum=t.gradient_accumulation_steps)
+    spe = steps_per_epoch(
+        train_split,
+        batch_size=t.per_device_train_batch_size,
+        world_size=info.world_size,
+        grad_accum=t.gradient_accumulation_steps,
+    )
     if spe < 1:
-        raise ValueError(f"the training split gives {len(train_split.input_ids)} rows: fewer than one optimizer step "
-                         f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} rows. "
-                         "Lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data.")
+        raise ValueError(
+            f"the training split gives {len(train_split.input_ids)} rows: fewer than one optimizer step "
+            f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} rows. "
+            "Lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data."
+        )
     total = _total_steps(cfg, spe)
     _seed_everything(t.seed)
     model = build_sharded_model(_model_spec(cfg, info, len(tokenizer), new_ids), info)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, optim=t.optim, lr=t.learning_rate, weight_decay=t.weight_decay,
-                                betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, device_type=info.device.type)
+    optimizer = build_optimizer(
+        params,
+        optim=t.optim,
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        device_type=info.device.type,
+    )
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     state = LoopState()
     if t.resume_from_checkpoint:
         state = _resume(cfg, model, optimizer, scheduler, info, spe)
     settings = LoopSettings(
-        batch_size=t.per_device_train_batch_size, eval_batch_size=t.per_device_eval_batch_size,
-        grad_accum=t.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm, total_steps=total,
-        steps_per_epoch=spe, seed=t.seed, pad_id=tokenizer.pad_token_id, logging_steps=max(1, int(t.logging_steps)),
-        logging_strategy=t.logging_strategy, eval_strategy=t.eval_strategy,
-        eval_steps=int(t.eval_steps or t.logging_steps), save_strategy=t.save_strategy,
-        save_steps=max(1, int(t.save_steps)), max_nonfinite_steps=t.max_nonfinite_steps)
-    logger = RunLogger(t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total,
-                       config=cfg.to_dict())
-    print0(f"Training {total} steps ({spe} per epoch), global batch {t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps} rows.")
+        batch_size=t.per_device_train_batch_size,
+        eval_batch_size=t.per_device_eval_batch_size,
+        grad_accum=t.gradient_accumulation_steps,
+        max_grad_norm=t.max_grad_norm,
+        total_steps=total,
+        steps_per_epoch=spe,
+        seed=t.seed,
+        pad_id=tokenizer.pad_token_id,
+        logging_steps=max(1, int(t.logging_steps)),
+        logging_strategy=t.logging_strategy,
+        eval_strategy=t.eval_strategy,
+        eval_steps=int(t.eval_steps or t.logging_steps),
+        save_strategy=t.save_strategy,
+        save_steps=max(1, int(t.save_steps)),
+        max_nonfinite_steps=t.max_nonfinite_steps,
+    )
+    logger = RunLogger(
+        t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total, config=cfg.to_dict()
+    )
+    print0(
+        f"Training {total} steps ({spe} per epoch), global batch {t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps} rows."
+    )
 
     def save_fn(s: LoopState) -> None:
-        checkpoint.save(t.output_dir, model=model, optimizer=optimizer, scheduler=scheduler,
-                        loop_state=_loop_dict(s, t, info), config=cfg.to_dict(),
-                        state_dict_type=cfg.fsdp.state_dict_type, save_total_limit=t.save_total_limit)
+        checkpoint.save(
+            t.output_dir,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loop_state=_loop_dict(s, t, info),
+            config=cfg.to_dict(),
+            state_dict_type=cfg.fsdp.state_dict_type,
+            save_total_limit=t.save_total_limit,
+        )
 
     stop = _StopFlag(info.device)
     start = time.perf_counter()
     try:
-        state = train(model, optimizer, scheduler, train_split=train_split, eval_split=eval_split, info=info,
-                      s=settings, state=state, logger=logger,
-                      save_fn=save_fn if t.save_strategy != "no" else None, stop_requested=stop)
+        state = train(
+            model,
+            optimizer,
+            scheduler,
+            train_split=train_split,
+            eval_split=eval_split,
+            info=info,
+            s=settings,
+            state=state,
+            logger=logger,
+            save_fn=save_fn if t.save_strategy != "no" else None,
+            stop_requested=stop,
+        )
     except NonFiniteError as e:
         error(str(e))
         logger.close()
         return EXIT_FAILED
     if state.step < total:
-        print0(f"Interrupted at step {state.step}/{total}. Resume with the same command plus "
-               f"--resume_from_checkpoint latest")
+        print0(
+            f"Interrupted at step {state.step}/{total}. Resume with the same command plus "
+            f"--resume_from_checkpoint latest"
+        )
         logger.close()
         return EXIT_INTERRUPTED
     out = _export(cfg, model, tokenizer, info)
@@ -277,11 +369,19 @@ def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out)
     if eval_split is not None and cfg.train.eval_strategy != "no":
         final_eval = evaluate(model, eval_split, batch_size=settings.eval_batch_size, info=info, pad_id=settings.pad_id)
     mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
-    summary = {"runtime_s": runtime, "train_tokens": state.tokens, "tokens_per_s": state.tokens / max(runtime, 1e-9),
-               "peak_memory_gb_per_rank": mem, "final_train_loss": state.losses[-1] if state.losses else None,
-               "final_eval_loss": final_eval.get("eval_loss"),
-               "final_eval_perplexity": final_eval.get("eval_perplexity"), "output_path": str(out),
-               "interrupted": False, "steps": state.step, "nonfinite_steps": state.nonfinite_steps}
+    summary = {
+        "runtime_s": runtime,
+        "train_tokens": state.tokens,
+        "tokens_per_s": state.tokens / max(runtime, 1e-9),
+        "peak_memory_gb_per_rank": mem,
+        "final_train_loss": state.losses[-1] if state.losses else None,
+        "final_eval_loss": final_eval.get("eval_loss"),
+        "final_eval_perplexity": final_eval.get("eval_perplexity"),
+        "output_path": str(out),
+        "interrupted": False,
+        "steps": state.step,
+        "nonfinite_steps": state.nonfinite_steps,
+    }
     logger.finish(summary)
     if info.is_main:
         (Path(out) / "train_summary.json").write_text(json.dumps(summary, indent=2))

@@ -61,8 +61,17 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
     """This rank's micro-batches from the current data position onwards, across epochs."""
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
-        it = iterate_batches(split, batch_size=s.batch_size, rank=info.rank, world_size=info.world_size,
-                             epoch=epoch, seed=s.seed, shuffle=True, start_batch=start, pad_id=s.pad_id)
+        it = iterate_batches(
+            split,
+            batch_size=s.batch_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            epoch=epoch,
+            seed=s.seed,
+            shuffle=True,
+            start_batch=start,
+            pad_id=s.pad_id,
+        )
         for i, batch in enumerate(it):
             if start + i >= s.steps_per_epoch * s.grad_accum:
                 break
@@ -110,7 +119,7 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
     global_batch = batch_size * info.world_size
     loss_sum, n_targets = 0.0, 0
     for start in range(0, n_rows, global_batch):
-        rows = list(range(start, min(start + global_batch, n_rows)))[info.rank::info.world_size]
+        rows = list(range(start, min(start + global_batch, n_rows)))[info.rank :: info.world_size]
         batch = _pad_rows(split, rows, pad_id) if rows else _dummy_batch(pad_id)
         batch = {k: v.to(info.device) for k, v in batch.items()}
         loss, n = model(**batch)
@@ -124,9 +133,11 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
 
 def _pad_rows(split: PreparedSplit, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
     length = max(len(split.input_ids[r]) for r in rows)
-    out = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
-           "labels": torch.full((len(rows), length), -100, dtype=torch.long),
-           "position_ids": torch.arange(length).repeat(len(rows), 1)}
+    out = {
+        "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+        "labels": torch.full((len(rows), length), -100, dtype=torch.long),
+        "position_ids": torch.arange(length).repeat(len(rows), 1),
+    }
     for i, r in enumerate(rows):
         n = len(split.input_ids[r])
         out["input_ids"][i, :n] = torch.as_tensor(split.input_ids[r])
@@ -137,8 +148,11 @@ def _pad_rows(split: PreparedSplit, rows: list[int], pad_id: int) -> dict[str, t
 
 
 def _dummy_batch(pad_id: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.full((1, 8), pad_id, dtype=torch.long),
-            "labels": torch.full((1, 8), -100, dtype=torch.long), "position_ids": torch.arange(8)[None]}
+    return {
+        "input_ids": torch.full((1, 8), pad_id, dtype=torch.long),
+        "labels": torch.full((1, 8), -100, dtype=torch.long),
+        "position_ids": torch.arange(8)[None],
+    }
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -155,10 +169,20 @@ def _due(step: int, every: int, strategy: str, end_of_epoch: bool) -> bool:
     return strategy == "epoch" and end_of_epoch
 
 
-def train(model: nn.Module, optimizer, scheduler, *, train_split: PreparedSplit, eval_split: PreparedSplit | None,
-          info: DistInfo, s: LoopSettings, state: LoopState, logger,
-          save_fn: Callable[[LoopState], None] | None = None, stop_requested: Callable[[], bool] = lambda: False
-          ) -> LoopState:
+def train(
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    *,
+    train_split: PreparedSplit,
+    eval_split: PreparedSplit | None,
+    info: DistInfo,
+    s: LoopSettings,
+    state: LoopState,
+    logger,
+    save_fn: Callable[[LoopState], None] | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> LoopState:
     """Run optimizer steps until s.total_steps; returns the final state."""
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _micro_batches(train_split, s, info, state)
@@ -171,12 +195,16 @@ def train(model: nn.Module, optimizer, scheduler, *, train_split: PreparedSplit,
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             optimizer.zero_grad(set_to_none=True)
             state.nonfinite_steps += 1
-            print0(f"step {state.step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
-                   f"({state.nonfinite_steps}/{s.max_nonfinite_steps}).")
+            print0(
+                f"step {state.step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
+                f"({state.nonfinite_steps}/{s.max_nonfinite_steps})."
+            )
             if state.nonfinite_steps >= s.max_nonfinite_steps:
-                raise NonFiniteError(f"{state.nonfinite_steps} steps had a non-finite loss or gradient norm "
-                                     "(--max_nonfinite_steps); the last checkpoint is intact. Lower the learning rate "
-                                     "or check the data.")
+                raise NonFiniteError(
+                    f"{state.nonfinite_steps} steps had a non-finite loss or gradient norm "
+                    "(--max_nonfinite_steps); the last checkpoint is intact. Lower the learning rate "
+                    "or check the data."
+                )
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -186,15 +214,22 @@ def train(model: nn.Module, optimizer, scheduler, *, train_split: PreparedSplit,
         if _due(state.step, s.logging_steps, s.logging_strategy, end_of_epoch) or state.step == s.total_steps:
             elapsed = time.perf_counter() - t0
             mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
-            record = {"loss": loss, "learning_rate": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "epoch": state.epoch + state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1),
-                      "tokens": state.tokens, "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
-                      "memory_gb": max(mem), "memory_per_rank_gb": mem}
+            record = {
+                "loss": loss,
+                "learning_rate": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "epoch": state.epoch + state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1),
+                "tokens": state.tokens,
+                "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
+                "memory_gb": max(mem),
+                "memory_per_rank_gb": mem,
+            }
             logger.log_train(state.step, record)
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
         if eval_split is not None and _due(state.step, s.eval_steps, s.eval_strategy, end_of_epoch):
-            logger.log_eval(state.step, evaluate(model, eval_split, batch_size=s.eval_batch_size, info=info,
-                                                 pad_id=s.pad_id))
+            logger.log_eval(
+                state.step, evaluate(model, eval_split, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
+            )
         if save_fn and (_due(state.step, s.save_steps, s.save_strategy, end_of_epoch) or stop_requested()):
             save_fn(state)
         if stop_requested():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -11,8 +13,13 @@ from torch.distributed.tensor import DTensor
 from shardtune.log import print0
 
 # FSDP1 strategies expressed in FSDP2 terms: whether a block's parameters are freed after forward.
-_RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True,
-                          "HYBRID_SHARD_ZERO2": False}
+_RESHARD_AFTER_FORWARD = {
+    "FULL_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "NO_SHARD": False,
+    "HYBRID_SHARD": True,
+    "HYBRID_SHARD_ZERO2": False,
+}
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -22,19 +29,31 @@ def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPol
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
-def shard_model(model: nn.Module, *, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype | None,
-                sharding_strategy: str = "FULL_SHARD", offload: bool = False, forward_prefetch: bool = False,
-                backward_prefetch: str = "BACKWARD_PRE", reshard_after_forward: bool | None = None) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    *,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    sharding_strategy: str = "FULL_SHARD",
+    offload: bool = False,
+    forward_prefetch: bool = False,
+    backward_prefetch: str = "BACKWARD_PRE",
+    reshard_after_forward: bool | None = None,
+) -> nn.Module:
     """`fully_shard` each decoder block, then the root (setup order step 5)."""
     if sharding_strategy not in _RESHARD_AFTER_FORWARD:
-        raise ValueError(f"fsdp_sharding_strategy {sharding_strategy!r} is not one of {sorted(_RESHARD_AFTER_FORWARD)}.")
+        raise ValueError(
+            f"fsdp_sharding_strategy {sharding_strategy!r} is not one of {sorted(_RESHARD_AFTER_FORWARD)}."
+        )
     raf = _RESHARD_AFTER_FORWARD[sharding_strategy] if reshard_after_forward is None else reshard_after_forward
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     mp = mixed_precision_policy(param_dtype)
     for i, block in enumerate(blocks):
         # The last block is all-gathered again as soon as backward starts: keeping it unsharded saves a gather.
-        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy,
-                    reshard_after_forward=raf and i < len(blocks) - 1)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=raf and i < len(blocks) - 1
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False)
     _set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
@@ -43,7 +62,7 @@ def shard_model(model: nn.Module, *, blocks: list[nn.Module], mesh: DeviceMesh, 
 def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None:
     """FSDP2 already prefetches the next block in backward (BACKWARD_PRE); forward prefetch is explicit."""
     if forward:
-        for cur, nxt in zip(blocks, blocks[1:]):
+        for cur, nxt in itertools.pairwise(blocks):
             cur.set_modules_to_forward_prefetch([nxt])
     if backward.upper() == "NO_PREFETCH":
         for b in blocks:

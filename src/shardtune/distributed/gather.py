@@ -20,7 +20,7 @@ def gather_trainable(model: nn.Module, prefix: str = "") -> dict[str, torch.Tens
             continue
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if dist.get_rank() == 0:
-            out[name[len(prefix):] if name.startswith(prefix) else name] = full.detach().to("cpu", copy=True)
+            out[name.removeprefix(prefix)] = full.detach().to("cpu", copy=True)
     return out
 
 
@@ -29,4 +29,4 @@ def gather_full(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return {}
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in sd.items()}
+    return {(k.removeprefix(prefix)): v for k, v in sd.items()}

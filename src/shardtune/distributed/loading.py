@@ -8,8 +8,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 
-def materialize_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
-                           device: torch.device) -> None:
+def materialize_from_rank0(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
     """Setup order step 6 for meta-initialised ranks: allocate the local shards, then receive their values.
 
     Rank 0 holds the real model (full_state_dict); the other ranks built theirs on meta and never hold more
@@ -18,8 +19,11 @@ def materialize_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Te
     rank = dist.get_rank()
     if rank != 0:
         model.to_empty(device=device)
-    set_model_state_dict(model, full_state_dict if rank == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
+    set_model_state_dict(
+        model,
+        full_state_dict if rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+    )
     for buf in model.buffers():
         dist.broadcast(buf.data, src=0)
 

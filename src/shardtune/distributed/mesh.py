@@ -42,8 +42,14 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
     A plain single process gets a 1-rank group, so that the same FSDP2 code path runs everywhere.
     """
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -54,8 +60,13 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s), device_id=device if use_cuda else None)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if use_cuda else None,
+        )
     mesh = build_mesh(device.type, world, local_world, sharding_strategy)
     return DistInfo(rank, world, local_rank, local_world, device, mesh)
 
@@ -67,8 +78,10 @@ def build_mesh(device_type: str, world: int, local_world: int, sharding_strategy
         return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
     if sharding_strategy.startswith("HYBRID") and world > local_world:
         if world % local_world:
-            raise ValueError(f"HYBRID_SHARD needs the same number of processes on every node ({world} processes, "
-                             f"{local_world} on this node).")
+            raise ValueError(
+                f"HYBRID_SHARD needs the same number of processes on every node ({world} processes, "
+                f"{local_world} on this node)."
+            )
         return init_device_mesh(device_type, (world // local_world, local_world), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 

@@ -63,29 +63,55 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     on_meta = spec.cpu_ram_efficient_loading and not info.is_main and info.world_size > 1
     assert spec.quantization_config is None or not on_meta, "4-bit meta loading is handled by shardtune.quant"
     # Step 2: real weights on rank 0 (or everywhere), a skeleton on meta elsewhere.
-    base = modeling.load_base_model(spec.model_name_or_path, dtype=spec.dtype, attn_impl=spec.attn_impl,
-                                    trust_remote_code=spec.trust_remote_code,
-                                    quantization_config=spec.quantization_config, on_meta=on_meta)
+    base = modeling.load_base_model(
+        spec.model_name_or_path,
+        dtype=spec.dtype,
+        attn_impl=spec.attn_impl,
+        trust_remote_code=spec.trust_remote_code,
+        quantization_config=spec.quantization_config,
+        on_meta=on_meta,
+    )
     # Step 3: resize for new tokens, attach the adapter, freeze the base.
-    modeling.resize_embeddings(base, spec.n_tokens)
+    old_rows = base.get_input_embeddings().weight.shape[0]
+    new_rows = modeling.resize_embeddings(base, spec.n_tokens)
+    # Train and save every row the base checkpoint lacks (new tokens and the padding to a multiple of 8, whose
+    # output logits still enter the softmax), so the adapter reproduces the trained model after reload.
+    spec.new_token_ids = sorted(set(spec.new_token_ids) | set(range(old_rows, new_rows)))
     model = _attach(base, spec)
     # Step 4: activation checkpointing inside each decoder block.
     if spec.gradient_checkpointing:
         _enable_checkpointing(model, spec)
     train_module = modeling.CausalLMForTraining(model, chunk_size=spec.loss_chunk_size)
-    blocks = [m for m in train_module.modules() if isinstance(m, modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap))]
+    blocks = [
+        m
+        for m in train_module.modules()
+        if isinstance(m, modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap))
+    ]
     if spec.torch_compile:
         for b in blocks:
             b.compile()
-    full_sd = full_state_dict_for_broadcast(train_module) if (spec.cpu_ram_efficient_loading and info.is_main
-                                                              and info.world_size > 1) else None
+    full_sd = (
+        full_state_dict_for_broadcast(train_module)
+        if (spec.cpu_ram_efficient_loading and info.is_main and info.world_size > 1)
+        else None
+    )
     # Step 5: shard each block, then the root.
     offload = spec.offload and info.device.type == "cuda"
     if spec.offload and not offload:
-        print0("fsdp_offload_params: on a CPU-only machine the parameters already live in host RAM; nothing to offload.")
-    shard_model(train_module, blocks=blocks, mesh=info.mesh, param_dtype=spec.param_dtype,
-                sharding_strategy=spec.sharding_strategy, offload=offload, forward_prefetch=spec.forward_prefetch,
-                backward_prefetch=spec.backward_prefetch, reshard_after_forward=spec.reshard_after_forward)
+        print0(
+            "fsdp_offload_params: on a CPU-only machine the parameters already live in host RAM; nothing to offload."
+        )
+    shard_model(
+        train_module,
+        blocks=blocks,
+        mesh=info.mesh,
+        param_dtype=spec.param_dtype,
+        sharding_strategy=spec.sharding_strategy,
+        offload=offload,
+        forward_prefetch=spec.forward_prefetch,
+        backward_prefetch=spec.backward_prefetch,
+        reshard_after_forward=spec.reshard_after_forward,
+    )
     # Step 6: fill the shards.
     if spec.cpu_ram_efficient_loading and info.world_size > 1:
         materialize_from_rank0(train_module, full_sd, info.device)
@@ -95,8 +121,10 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     # Step 7.
     assert_sharded(train_module, info.mesh.size(-1) if info.mesh.ndim > 1 else info.world_size)
     trainable, total = modeling.count_parameters(model)
-    print0(f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
-           f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks sharded over {info.world_size} rank(s).")
+    print0(
+        f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
+        f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks sharded over {info.world_size} rank(s)."
+    )
     return train_module
 
 
@@ -106,9 +134,17 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
             p.requires_grad_(True)
         return base
     model = modeling.attach_adapter(
-        base, lora_r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-        target_modules=spec.lora_target_modules, use_dora=spec.use_dora, modules_to_save=spec.modules_to_save,
-        new_token_ids=spec.new_token_ids, adapter_name=spec.adapter_name, adapter_path=spec.adapter_path)
+        base,
+        lora_r=spec.lora_r,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.lora_target_modules,
+        use_dora=spec.use_dora,
+        modules_to_save=spec.modules_to_save,
+        new_token_ids=spec.new_token_ids,
+        adapter_name=spec.adapter_name,
+        adapter_path=spec.adapter_path,
+    )
     # Trainable weights (adapter, saved modules, new token rows) are kept in fp32: the optimizer updates fp32
     # masters; FSDP's mixed precision casts them to the compute dtype for forward and backward.
     for p in model.parameters():
@@ -120,8 +156,10 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
 def _enable_checkpointing(model: nn.Module, spec: ModelSpec) -> None:
     """Checkpoint every k-th decoder block (k = 1: all); the others keep their activations."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant},
-                                         every_n_layers=max(1, spec.checkpoint_every))
+    base.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant},
+        every_n_layers=max(1, spec.checkpoint_every),
+    )
     if spec.use_reentrant:
         # Reentrant checkpointing only backpropagates into blocks whose inputs require grad.
         base.enable_input_require_grads()

@@ -1,0 +1,173 @@
+"""Where rows come from: a hub dataset, a `save_to_disk` folder, a folder of data files, or one data file.
+
+`--dataset_name` is resolved in this order:
+
+1. an existing local file ending in .jsonl/.json/.parquet/.csv: a single (training) split;
+2. an existing folder holding `dataset_dict.json` (a saved DatasetDict): its splits;
+3. an existing folder holding `state.json` (a saved Dataset): a single (training) split;
+4. an existing folder with one `save_to_disk` folder per split (`<dir>/<split>/`) or one data file per split
+   (`<dir>/<split>.jsonl|json|parquet|csv`);
+5. otherwise, unless it looks like a local path, a hub id: `datasets.load_dataset(name, split=split)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """The splits named by `--splits`: the first is trained on, the optional second is evaluated."""
+
+    train: str
+    eval: str | None
+
+
+def parse_splits(splits: str) -> SplitRequest:
+    """Parse `--splits "train,test"` (one or two comma-separated names)."""
+    names = [s.strip() for s in splits.split(",") if s.strip()]
+    if not 1 <= len(names) <= 2:
+        raise ValueError(
+            f"--splits {splits!r} must name one or two splits separated by a comma "
+            "(the training split, then optionally the evaluation split), e.g. --splits train,test."
+        )
+    if len(names) == 2 and names[0] == names[1]:
+        raise ValueError(f"--splits {splits!r} names the same split twice; give distinct train and eval splits.")
+    return SplitRequest(names[0], names[1] if len(names) == 2 else None)
+
+
+def load_split(dataset_name: str, split: str, *, is_train: bool):
+    """Load one split as a `datasets.Dataset`; raise ValueError naming --dataset_name/--splits on any mistake."""
+    path = Path(dataset_name).expanduser()
+    if path.is_file():
+        return _load_single(path, split, is_train, _load_file)
+    if path.is_dir():
+        return _load_from_dir(path, split, is_train)
+    if _looks_local(dataset_name):
+        raise ValueError(
+            f"--dataset_name {dataset_name!r}: no such file or folder. Give an existing .jsonl/.json/.parquet/.csv "
+            "file, a folder saved with save_to_disk, a folder of <split>.<ext> files, or a hub dataset id."
+        )
+    return _load_hub(dataset_name, split)
+
+
+def dataset_identity(dataset, dataset_name: str, split: str) -> str:
+    """A string that changes whenever the rows of this split may have changed (used in the cache key)."""
+    parts = [dataset_name, split, str(getattr(dataset, "_fingerprint", "")), str(len(dataset))]
+    for f in dataset.cache_files:
+        p = Path(f["filename"])
+        if p.exists():
+            st = p.stat()
+            parts.append(f"{p}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def check_not_empty(dataset, dataset_name: str, split: str) -> None:
+    if len(dataset) == 0:
+        _empty(dataset_name, split)
+
+
+def _empty(where: str, split: str):
+    raise ValueError(f"--dataset_name {where!r}: split {split!r} is empty; give a split with rows.")
+
+
+def _looks_local(name: str) -> bool:
+    # A hub id is "name" or "org/name"; anything else path-like is a local path that does not exist.
+    return name.startswith(("/", ".", "~")) or Path(name).suffix.lower() in FILE_BUILDERS or name.count("/") > 1
+
+
+def _load_file(path: Path, split: str):
+    import datasets
+
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(
+            f"--dataset_name {str(path)!r}: unsupported file type {path.suffix!r}; "
+            f"use one of {', '.join(FILE_BUILDERS)} or a save_to_disk folder."
+        )
+    if path.stat().st_size == 0:
+        _empty(str(path), split)
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # a malformed file: say which one
+        if "corresponds to no data" in str(e) or isinstance(e, StopIteration):
+            _empty(str(path), split)
+        raise ValueError(f"--dataset_name: could not read {str(path)!r} as {builder}: {e!r}") from e
+
+
+def _load_single(path: Path, split: str, is_train: bool, loader):
+    """A single file or saved Dataset is the training split; an evaluation split must come from elsewhere."""
+    if not is_train:
+        raise ValueError(
+            f"--splits asks for an evaluation split {split!r}, but --dataset_name {str(path)!r} holds a single "
+            "split. Pass only the training split (e.g. --splits train), or point --dataset_name at a folder with "
+            f"one file or save_to_disk folder per split (e.g. train.jsonl and {split}.jsonl)."
+        )
+    return loader(path, split)
+
+
+def _load_disk(path: Path, split: str):
+    from datasets import load_from_disk
+
+    try:
+        return load_from_disk(str(path))
+    except Exception as e:  # datasets cannot reload a saved split with no rows (IndexError on zero shards)
+        raise ValueError(
+            f"--dataset_name: could not load the save_to_disk folder {str(path)!r} for split {split!r} ({e!r}). "
+            "datasets cannot reload a saved split that has no rows: check that every split saved there has rows."
+        ) from e
+
+
+def _load_from_dir(path: Path, split: str, is_train: bool):
+    if (path / "dataset_dict.json").exists():
+        dd = _load_disk(path, split)
+        if split not in dd:
+            _missing_split(path, split, list(dd.keys()))
+        return dd[split]
+    if (path / "state.json").exists():
+        return _load_single(path, split, is_train, _load_disk)
+    available = _dir_splits(path)
+    if split not in available:
+        _missing_split(path, split, sorted(available))
+    target = available[split]
+    return _load_disk(target, split) if target.is_dir() else _load_file(target, split)
+
+
+def _dir_splits(path: Path) -> dict[str, Path]:
+    """Splits of a folder: `<split>/` saved with save_to_disk (preferred) or `<split>.<ext>` data files."""
+    found: dict[str, Path] = {}
+    for child in sorted(path.iterdir()):
+        if child.is_file() and child.suffix.lower() in FILE_BUILDERS:
+            found.setdefault(child.stem, child)
+    for child in sorted(path.iterdir()):
+        if child.is_dir() and (child / "state.json").exists():
+            found[child.name] = child
+    return found
+
+
+def _missing_split(path: Path, split: str, available: list[str]) -> None:
+    listed = ", ".join(repr(s) for s in available) if available else "none"
+    raise ValueError(
+        f"--splits: split {split!r} not found in --dataset_name {str(path)!r} (available splits: {listed}). "
+        "Name existing splits in --splits, e.g. --splits train,test."
+    )
+
+
+def _load_hub(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise ValueError(f"--splits: split {split!r} not found in hub dataset {name!r}: {e}") from e
+        raise ValueError(f"--dataset_name {name!r}: could not load it from the hub: {e}") from e
+    except Exception as e:  # network or missing repo: the fix is the same
+        raise ValueError(
+            f"--dataset_name {name!r} is not a local file or folder and could not be loaded from the hub ({e}). "
+            "Check the id and your connection, or give a local path."
+        ) from e

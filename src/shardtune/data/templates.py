@@ -1,0 +1,213 @@
+"""Chat formats (chatml, zephyr) as in peft's SFT example, tokenizer setup, and assistant spans for the loss mask.
+
+The templates are kept byte-identical to the reference script, so the rendered text (and hence the tokens) are the
+same. Assistant turns are located without changing the template: the conversation is rendered turn by turn and each
+assistant turn is the text its message adds after its role header (the add_generation_prompt text), plus the
+end-of-turn special token right after the content. Templates that carry `{% generation %}` markers use those.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_CHATML_CHAT_TEMPLATE = (
+    "{% for message in messages %}\n{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% if loop.last and add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}{% endfor %}"
+)
+DEFAULT_ZEPHYR_CHAT_TEMPLATE = (
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
+    "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
+)
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A chat format's special tokens (in the reference's enum order) and its Jinja template."""
+
+    user: str
+    assistant: str
+    system: str
+    eos_token: str
+    bos_token: str
+    pad_token: str
+    template: str
+
+    def tokens(self) -> list[str]:
+        return [self.user, self.assistant, self.system, self.eos_token, self.bos_token, self.pad_token]
+
+
+CHAT_FORMATS = {
+    "chatml": ChatFormat(
+        "<|im_start|>user",
+        "<|im_start|>assistant",
+        "<|im_start|>system",
+        "<|im_end|>",
+        "<s>",
+        "<pad>",
+        DEFAULT_CHATML_CHAT_TEMPLATE,
+    ),
+    "zephyr": ChatFormat(
+        "<|user|>", "<|assistant|>", "<|system|>", "</s>", "<s>", "<pad>", DEFAULT_ZEPHYR_CHAT_TEMPLATE
+    ),
+}
+
+
+def setup_tokenizer(tokenizer, chat_template_format: str) -> list[int]:
+    """Prepare the tokenizer for `--chat_template_format`; return the ids of tokens added to its vocabulary.
+
+    chatml/zephyr: set bos/eos/pad, add all of the format's tokens as special tokens and set its template (the
+    model's embeddings must then be resized to `padded_vocab_size(tokenizer)`). none/auto: keep the vocabulary
+    and use EOS as the pad token when there is none; auto keeps the tokenizer's own chat template.
+    """
+    if chat_template_format in ("none", "auto"):
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return []
+    fmt = CHAT_FORMATS.get(chat_template_format)
+    if fmt is None:
+        raise ValueError(f"--chat_template_format {chat_template_format!r} is not one of chatml, zephyr, auto, none.")
+    before = set(tokenizer.get_vocab().values())
+    # Attribute order (bos, eos, pad, then the extra tokens) gives the same ids as the reference's from_pretrained.
+    tokenizer.add_special_tokens(
+        {
+            "bos_token": fmt.bos_token,
+            "eos_token": fmt.eos_token,
+            "pad_token": fmt.pad_token,
+            "extra_special_tokens": fmt.tokens(),
+        }
+    )
+    tokenizer.chat_template = fmt.template
+    return sorted(set(tokenizer.get_vocab().values()) - before)
+
+
+def padded_vocab_size(tokenizer, multiple: int = 8) -> int:
+    """The embedding size the reference resizes to: len(tokenizer) rounded up to a multiple of 8."""
+    return -(-len(tokenizer) // multiple) * multiple
+
+
+def validate_messages(messages, *, split: str, row: int) -> None:
+    """Raise ValueError naming the split and row if `messages` is not a list of {role, content} turns."""
+    where = f"split {split!r}, row {row}"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}} turns, got {messages!r}.")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}, message {i}: expected a {{role, content}} mapping, got {m!r}.")  # noqa: TRY004
+        role = m.get("role")
+        if role not in ALLOWED_ROLES:
+            raise ValueError(
+                f"{where}, message {i}: unknown role {role!r}; allowed roles are {', '.join(ALLOWED_ROLES)}. "
+                "Fix the role in the data."
+            )
+        content = m.get("content")
+        if not isinstance(content, str) or not content:
+            problem = (
+                "has no content"
+                if content is None
+                else ("has empty content" if content == "" else f"has non-string content {content!r}")
+            )
+            raise ValueError(f"{where}, message {i} ({role}) {problem}; every turn needs a non-empty string.")
+
+
+def render_chat(tokenizer, messages, *, split: str, row: int) -> str:
+    """Render one conversation with the tokenizer's chat template, exactly as the reference does."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # a template's raise_exception (e.g. roles must alternate) names no row
+        raise ValueError(
+            f"split {split!r}, row {row}: the chat template could not render this conversation: {e}"
+        ) from e
+
+
+def assistant_spans(tokenizer, messages, text: str, *, split: str, row: int) -> list[tuple[int, int]]:
+    """Character spans of `text` (the rendered conversation) that are assistant targets.
+
+    A span covers an assistant message's content and the end-of-turn special token right after it; the role
+    header before it is not a target.
+    """
+    template = tokenizer.get_chat_template()
+    if _GENERATION_RE.search(template):
+        return _generation_spans(tokenizer, messages, template)
+    specials = _special_strings(tokenizer)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] == "assistant":
+            spans.append(_turn_span(tokenizer, messages, k, text, specials, split=split, row=row))
+    return spans
+
+
+def token_target_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """True for each token whose characters overlap an assistant span (tokens with empty offsets never do)."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    for s, e in spans:
+        mask |= (starts < e) & (ends > s) & (ends > starts)
+    return mask
+
+
+def _generation_spans(tokenizer, messages, template: str) -> list[tuple[int, int]]:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    _, indices = render_jinja_template(
+        conversations=[messages],
+        chat_template=template,
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
+    return [tuple(span) for span in indices[0]]
+
+
+def _special_strings(tokenizer) -> list[str]:
+    """Special tokens, longest first, so the end-of-turn token after a reply is matched whole."""
+    found = {str(t) for t in tokenizer.added_tokens_decoder.values() if getattr(t, "special", False)}
+    if tokenizer.eos_token:
+        found.add(str(tokenizer.eos_token))
+    return sorted(found, key=len, reverse=True)
+
+
+def _render_prefix(tokenizer, messages, k: int, add_generation_prompt: bool = False) -> str:
+    if k == 0:
+        return ""
+    return tokenizer.apply_chat_template(
+        list(messages[:k]), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], *, split: str, row: int):
+    where = f"split {split!r}, row {row}, message {k}"
+    before = _render_prefix(tokenizer, messages, k)
+    upto = _render_prefix(tokenizer, messages, k + 1)
+    if not (upto.startswith(before) and text.startswith(upto)):
+        raise ValueError(
+            f"{where}: --assistant_only_loss cannot locate this assistant turn, because the chat template renders "
+            "earlier turns differently once later turns follow. Add {% generation %} markers to the template, or "
+            "train on all tokens (--assistant_only_loss False)."
+        )
+    header_end = len(before)
+    prompt = _render_prefix(tokenizer, messages, k, add_generation_prompt=True)
+    if prompt.startswith(before) and upto.startswith(prompt):
+        header_end = len(prompt)
+    content = messages[k]["content"]
+    start = upto.find(content, header_end)
+    if start < 0:
+        content = content.strip()
+        start = upto.find(content, header_end) if content else -1
+    if start < 0:
+        raise ValueError(
+            f"{where}: --assistant_only_loss cannot find this assistant reply in the rendered text (the chat "
+            "template changes it). Add {% generation %} markers to the template or use --assistant_only_loss False."
+        )
+    end = start + len(content)
+    for tok in specials:
+        if upto.startswith(tok, end):
+            end += len(tok)
+            break
+    return start, end

@@ -1,0 +1,438 @@
+"""`shardtune plan`: per-GPU and host memory of a run, from the model's config.json and the run's flags alone.
+
+It takes `shardtune train`'s flags unchanged, plus the accelerate YAML (world size, sharding, offload, mixed
+precision) and a memory budget; it prints a table (or JSON) and, when the run does not fit, the smallest change
+that does. The arithmetic lives in shardtune.planning; docs/plan.md explains it and how close it comes to
+published measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardtune.config import (
+    ConfigError,
+    DataArguments,
+    FSDPSettings,
+    ModelArguments,
+    RunConfig,
+    TrainArguments,
+    parse_args,
+    validate,
+)
+from shardtune.launcher import (
+    _STRATEGY_BY_NUMBER,
+    fsdp_settings_from_env,
+    fsdp_settings_from_yaml,
+    read_accelerate_yaml,
+)
+from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
+from shardtune.planning.model import (
+    ModelShape,
+    base_param_count,
+    load_model_config,
+    lora_param_count,
+    resolve_lora_targets,
+)
+from shardtune.planning.recommend import Recommendation, recommend
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+# chatml and zephyr add up to five tokens; the embeddings are then padded to a multiple of 8.
+_CHAT_NEW_TOKENS = 5
+
+
+def _f(default: Any, help: str, aliases: list[str] | None = None) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if aliases:
+        meta["aliases"] = aliases
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class PlanArguments:
+    gpu_memory: str | None = _f(
+        None,
+        "Memory of one GPU, e.g. 24GiB, 80GB (10^9 bytes) or 81559MiB: says whether "
+        "the run fits and, if not, the smallest change that does.",
+    )
+    host_memory: str | None = _f(None, "RAM of one machine, e.g. 128GiB: checks offloaded state and model loading.")
+    json: bool = _f(False, "Print the estimate as JSON instead of a table.")
+    config_file: str | None = _f(
+        None,
+        "accelerate YAML (as given to `accelerate launch --config_file`): "
+        "num_processes, num_machines, fsdp_sharding_strategy, fsdp_offload_params and "
+        "mixed_precision are read from it.",
+    )
+    num_processes: int | None = _f(
+        None, "GPUs over all machines (overrides the YAML; default 1).", aliases=["--gpu_count"]
+    )
+    num_machines: int | None = _f(None, "Machines (overrides the YAML; default 1).")
+    sharding_strategy: str | None = _f(None, f"{', '.join(SHARDING_STRATEGIES)} (overrides the YAML).")
+    offload_params: bool | None = _f(
+        None, "CPU offload of parameters, gradients and optimizer states (overrides the YAML)."
+    )
+    attn_implementation: str | None = _f(
+        None,
+        "sdpa, flash_attention_2 or eager (default: flash_attention_2 with --use_flash_attn True, otherwise sdpa).",
+    )
+    loss_chunk_tokens: int = _f(1024, "Positions per chunk of shardtune's chunked lm_head + cross-entropy.")
+
+
+@dataclass
+class Launch:
+    """Where and how the run is sharded: from the accelerate YAML, the launcher's environment, or defaults."""
+
+    world_size: int = 1
+    num_nodes: int = 1
+    sharding_strategy: str = "FULL_SHARD"
+    offload: bool = False
+    mixed_precision: str = "no"
+    activation_checkpointing: bool = False
+
+
+def parse_bytes(text: str, flag: str = "--gpu_memory") -> int:
+    """'24GiB' -> 25769803776; GB/MB are powers of ten, GiB/MiB (and G/M) powers of two; a bare number is GiB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError([f"{flag} {text!r}: give a size such as 24GiB, 80GB or 81559MiB."])
+    return int(float(m.group(1)) * (_UNITS[unit] if unit else GiB))
+
+
+def _strategy(value: Any, source: str) -> str:
+    name = _STRATEGY_BY_NUMBER.get(str(value), str(value)).upper()
+    if name not in SHARDING_STRATEGIES:
+        raise ConfigError([f"{source}: sharding strategy {value!r} is not one of {', '.join(SHARDING_STRATEGIES)}."])
+    return name
+
+
+def _launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> Launch:
+    strategy = s.sharding_strategy
+    if s.reshard_after_forward is False:  # FSDP2's way of saying SHARD_GRAD_OP
+        strategy = {"FULL_SHARD": "SHARD_GRAD_OP", "HYBRID_SHARD": "HYBRID_SHARD_ZERO2"}.get(strategy, strategy)
+    return Launch(
+        world_size=world_size,
+        num_nodes=num_nodes,
+        sharding_strategy=strategy,
+        offload=s.offload_params,
+        mixed_precision=s.mixed_precision,
+        activation_checkpointing=s.activation_checkpointing,
+    )
+
+
+def read_accelerate_config(path: str) -> Launch:
+    """World size, machines and FSDP settings of an accelerate YAML, read and checked as `shardtune launch` does."""
+    cfg = read_accelerate_yaml(path)
+    return _launch_from_settings(
+        fsdp_settings_from_yaml(path), int(cfg.get("num_processes") or 1), int(cfg.get("num_machines") or 1)
+    )
+
+
+def launch_from_env(env: dict[str, str] | None = None) -> Launch:
+    """What `accelerate launch`/torchrun put in the environment (used by `shardtune train`)."""
+    env = dict(os.environ if env is None else env)
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    return _launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
+
+
+def _launch(plan: PlanArguments) -> Launch:
+    launch = read_accelerate_config(plan.config_file) if plan.config_file else Launch()
+    if plan.num_processes is not None:
+        launch.world_size = plan.num_processes
+    if plan.num_machines is not None:
+        launch.num_nodes = plan.num_machines
+    if plan.sharding_strategy is not None:
+        launch.sharding_strategy = _strategy(plan.sharding_strategy, "--sharding_strategy")
+    if plan.offload_params is not None:
+        launch.offload = plan.offload_params
+    if launch.world_size < 1 or launch.num_nodes < 1 or launch.world_size % launch.num_nodes:
+        raise ConfigError(
+            [(f"--num_processes {launch.world_size} must be a positive multiple of --num_machines {launch.num_nodes}.")]
+        )
+    return launch
+
+
+def _split(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
+    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens."""
+    shape = ModelShape.from_config(config)
+    if chat_template_format in ("chatml", "zephyr"):
+        shape = shape.with_vocab(-(-(shape.vocab_size + _CHAT_NEW_TOKENS) // 8) * 8)
+    return shape
+
+
+def run_kwargs(
+    model: ModelArguments,
+    data: DataArguments,
+    train: TrainArguments,
+    launch: Launch,
+    attn_implementation: str | None = None,
+    loss_chunk_tokens: int = 1024,
+) -> dict[str, Any]:
+    """estimate_memory's keyword arguments for a run's flags and launch settings."""
+    bf16 = train.bf16 or launch.mixed_precision == "bf16"
+    fp16 = not bf16 and (train.fp16 or launch.mixed_precision == "fp16")
+    storage = model.bnb_4bit_quant_storage_dtype
+    # Under FSDP shardtune stores 4-bit weights in the parameter dtype; uint8 is the non-FSDP default.
+    storage = storage if storage in ("bfloat16", "float16", "float32") else ("bfloat16" if bf16 or fp16 else "float32")
+    return {
+        "world_size": launch.world_size,
+        "num_nodes": launch.num_nodes,
+        "sharding_strategy": launch.sharding_strategy,
+        "offload": launch.offload,
+        "bf16": bf16,
+        "fp16": fp16,
+        "use_4bit": model.use_4bit_quantization,
+        "use_8bit": model.use_8bit_quantization,
+        "nested_quant": model.use_nested_quant,
+        "quant_storage_dtype": storage,
+        "use_peft_lora": model.use_peft_lora,
+        "lora_r": model.lora_r,
+        "lora_target_modules": model.lora_target_modules,
+        "lora_dropout": model.lora_dropout,
+        "use_dora": model.use_dora,
+        "modules_to_save": tuple(_split(model.modules_to_save)),
+        "batch_size": train.per_device_train_batch_size,
+        "seq_len": data.max_length,
+        "gradient_checkpointing": train.gradient_checkpointing or launch.activation_checkpointing,
+        "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
+        "packing": data.packing,
+        "optim": train.optim,
+        "loss_chunk_tokens": loss_chunk_tokens,
+    }
+
+
+def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments) -> None:
+    """The training flags' own checks, except that planning needs no dataset."""
+    try:
+        validate(RunConfig(model, data, train, FSDPSettings()), check_paths=False)
+    except ConfigError as e:
+        problems = [p for p in e.problems if not p.startswith("--dataset_name")]
+        if problems:
+            raise ConfigError(problems) from None
+
+
+@dataclass
+class Plan:
+    """Everything `shardtune plan` reports."""
+
+    name: str
+    shape: ModelShape
+    kwargs: dict[str, Any]
+    estimate: MemoryEstimate
+    launch: Launch
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    recommendation: Recommendation | None = None
+    as_json: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        targets = (
+            resolve_lora_targets(self.shape, self.kwargs["lora_target_modules"]) if self.kwargs["use_peft_lora"] else ()
+        )
+        out = {
+            "model": {
+                "name": self.name,
+                **asdict(self.shape),
+                "parameters": base_param_count(self.shape),
+                "lora_parameters": lora_param_count(
+                    self.shape, self.kwargs["lora_r"], targets, self.kwargs["use_dora"]
+                ),
+            },
+            "run": _jsonable(self.kwargs),
+            **self.estimate.to_dict(),
+            "gpu_memory_bytes": self.gpu_bytes,
+            "fits": None if self.gpu_bytes is None else self.estimate.fits(self.gpu_bytes),
+            "host_memory_bytes": self.host_bytes,
+            "host_fits": None if self.host_bytes is None else self.estimate.host_total <= self.host_bytes,
+            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+        }
+        out["settings"] = _jsonable(out["settings"])
+        return out
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def make_plan(argv: list[str]) -> Plan:
+    """Parse `shardtune plan`'s flags, read config.json and estimate; raises ConfigError for user mistakes."""
+    model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan")
+    if not model.model_name_or_path:
+        raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
+    _validate(model, data, train)
+    launch = _launch(plan)
+    if plan.attn_implementation and plan.attn_implementation not in ("sdpa", "flash_attention_2", "eager"):
+        raise ConfigError(
+            [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]
+        )
+    config = load_model_config(model.model_name_or_path, model.trust_remote_code)
+    shape = plan_shape(config, model.chat_template_format)
+    kwargs = run_kwargs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
+    result = Plan(
+        model.model_name_or_path, shape, kwargs, estimate_memory(shape, **kwargs), launch, as_json=bool(plan.json)
+    )
+    if plan.gpu_memory:
+        result.gpu_bytes = parse_bytes(plan.gpu_memory)
+        if not result.estimate.fits(result.gpu_bytes):
+            result.recommendation = recommend(kwargs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
+    if plan.host_memory:
+        result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
+    return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def _describe_run(p: Plan) -> list[str]:
+    k, s = p.kwargs, p.shape
+    if k["use_peft_lora"]:
+        targets = resolve_lora_targets(s, k["lora_target_modules"])
+        n = lora_param_count(s, k["lora_r"], targets, k["use_dora"])
+        base = "4-bit" if k["use_4bit"] else "8-bit" if k["use_8bit"] else "frozen"
+        method = (
+            f"{'DoRA' if k['use_dora'] else 'LoRA'} r={k['lora_r']} on {len(targets)} linears per block "
+            f"({n / 1e6:.1f}M trainable), {base} base"
+        )
+    else:
+        method = "full fine-tuning"
+    dtype = "bf16" if k["bf16"] else "fp16" if k["fp16"] else "fp32"
+    return [
+        (
+            f"shardtune plan: {p.name} ({s.model_type}, {base_param_count(s) / 1e9:.2f}B parameters, "
+            f"{s.num_layers} blocks)"
+        ),
+        f"  {method}",
+        (
+            f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {k['sharding_strategy']}"
+            f"{', CPU offload' if k['offload'] else ''}, {dtype}, batch {k['batch_size']} x {k['seq_len']} tokens, "
+            f"{'gradient checkpointing' if k['gradient_checkpointing'] else 'no checkpointing'}, "
+            f"{k['attn_implementation']}"
+        ),
+    ]
+
+
+def format_plan(p: Plan) -> str:
+    """The table `shardtune plan` prints."""
+    e = p.estimate
+    lines = _describe_run(p) + ["", "Per GPU                              GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in e.device.items()]
+    lines += [
+        f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
+        f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
+        f"  peak during the {e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
+        "",
+        "Activations + logits (GiB)         checkpointing  no checkpointing",
+    ]
+    for impl, row in e.activations_by_attention.items():
+        lines.append(f"  {impl:<32}{_gib(row['checkpointing'])}        {_gib(row['no checkpointing'])}")
+    lines += ["", "Host RAM per machine                 GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in e.host.items()]
+    lines.append(f"  {'peak':<32}{_gib(e.host_total)}")
+    lines += ["", *_verdict(p)]
+    return "\n".join(lines + ([""] + [f"note: {n}" for n in e.notes] if e.notes else []))
+
+
+def _flags_text(flags: dict[str, Any]) -> str:
+    parts = []
+    for k, v in flags.items():
+        if k in ("fsdp_offload_params", "num_processes"):
+            parts.append(f"{k}: {str(v).lower()} in the accelerate YAML")
+        else:
+            parts.append(f"--{k} {v}")
+    return ", ".join(parts)
+
+
+def _verdict(p: Plan) -> list[str]:
+    e, out = p.estimate, []
+    if p.gpu_bytes is not None:
+        if e.fits(p.gpu_bytes):
+            out.append(
+                f"Fits: {e.total / GiB:.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB per GPU "
+                f"({(1 - e.total / p.gpu_bytes) * 100:.0f}% left)."
+            )
+        else:
+            out.append(f"Does not fit: {e.total / GiB:.2f} GiB needed per GPU, {p.gpu_bytes / GiB:.2f} GiB available.")
+            out += _recommendation_lines(p.recommendation)
+    if p.host_bytes is not None:
+        word = "fits in" if e.host_total <= p.host_bytes else "exceeds"
+        out.append(f"Host RAM: {e.host_total / GiB:.2f} GiB {word} {p.host_bytes / GiB:.2f} GiB per machine.")
+    return out
+
+
+def _recommendation_lines(rec: Recommendation | None) -> list[str]:
+    if rec is None:
+        return []
+    need = rec.estimate.total / GiB
+    if rec.fits:
+        return [
+            f"Smallest change that fits: {rec.description} -> {need:.2f} GiB per GPU.",
+            f"  set {_flags_text(rec.flags)}",
+        ]
+    return [
+        (
+            f"Nothing tried fits ({rec.tried} changes: smaller batches, gradient checkpointing, CPU offload, 4-bit, "
+            f"more GPUs). Closest: {rec.description} at {need:.2f} GiB per GPU."
+        ),
+        "  Shorten --max_length or use GPUs with more memory.",
+    ]
+
+
+def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:
+    """A warning for `shardtune train` to print before loading when the planner's estimate exceeds `gpu_bytes`."""
+    launch = launch_from_env(env)
+    try:
+        shape = plan_shape(
+            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
+        )
+    except ConfigError:
+        return None  # loading the model will report it
+    kwargs = run_kwargs(cfg.model, cfg.data, cfg.train, launch)
+    est = estimate_memory(shape, **kwargs)
+    if est.fits(gpu_bytes):
+        return None
+    rec = recommend(kwargs, gpu_bytes, cfg.train.gradient_accumulation_steps, model=shape)
+    lines = [
+        (
+            f"This run needs about {est.total / GiB:.1f} GiB per GPU (estimate of `shardtune plan`), more than "
+            f"the {gpu_bytes / GiB:.1f} GiB this GPU has; it will likely run out of memory."
+        )
+    ]
+    return "\n".join(lines + _recommendation_lines(rec))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = make_plan(argv)
+    except ValueError as e:  # ConfigError, or a setting the estimate cannot take
+        print(f"shardtune plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if plan.as_json else format_plan(plan))
+    # 1 tells scripts the run does not fit the given --gpu_memory (2 is a configuration mistake).
+    return 1 if plan.gpu_bytes is not None and not plan.estimate.fits(plan.gpu_bytes) else 0

@@ -1,0 +1,21 @@
+"""Memory planning for shardtune runs: estimates from config.json alone (see docs/plan.md)."""
+
+from shardtune.planning.estimate import MemoryEstimate, estimate_memory, model_state_bytes_per_rank
+from shardtune.planning.model import (
+    ModelShape,
+    base_param_count,
+    load_model_config,
+    lora_param_count,
+    resolve_lora_targets,
+)
+
+__all__ = [
+    "MemoryEstimate",
+    "ModelShape",
+    "base_param_count",
+    "estimate_memory",
+    "load_model_config",
+    "lora_param_count",
+    "model_state_bytes_per_rank",
+    "resolve_lora_targets",
+]

@@ -1,0 +1,300 @@
+"""What the planner knows about a model: its shapes from config.json, its parameter tensors as shardtune holds
+them (base, LoRA, 4-bit packed), and the bytes each rank keeps once FSDP2 has sharded them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shardtune.config import ConfigError
+from shardtune.planning.known_configs import known_config
+
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+BLOCK_LINEARS = ATTN_LINEARS + MLP_LINEARS
+ROOT_LINEARS = ("lm_head",)
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "uint8": 1, "int8": 1}
+QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+NESTED_BLOCK = 256  # nested (double) quantization: one fp32 absmax per 256 first-level absmax values
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder (Llama, Mistral, Qwen2, ...) that decide its memory."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer of one decoder block."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def with_vocab(self, vocab_size: int) -> ModelShape:
+        return ModelShape(**{**asdict(self), "vocab_size": vocab_size})
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """Read the shapes from a transformers config (or a config.json dict)."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        missing = [
+            k
+            for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+            if get(k) is None
+        ]
+        if missing:
+            raise ConfigError(
+                [
+                    (
+                        f"model_type {get('model_type')!r} is not a Llama-style decoder: its config has no "
+                        f"{', '.join(missing)}; shardtune plan supports Llama-style models (llama, mistral, "
+                        "qwen2, ...)."
+                    )
+                ]
+            )
+        heads = int(get("num_attention_heads"))
+        return cls(
+            model_type=str(get("model_type") or "llama"),
+            hidden_size=int(get("hidden_size")),
+            num_layers=int(get("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            head_dim=int(get("head_dim") or int(get("hidden_size")) // heads),
+            intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", False)),
+            mlp_bias=bool(get("mlp_bias", False)),
+        )
+
+
+def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> Any:
+    """config.json of a local folder, a .json file, a cached or known hub id, or (last) the Hub. No weights are read.
+
+    Known ids (see known_configs.py) are answered without the network, so gated Llama repositories plan offline.
+    """
+    from transformers import AutoConfig
+
+    path = Path(name_or_path).expanduser()
+    try:
+        if path.is_dir():
+            return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        if path.is_file() and path.suffix == ".json":
+            data = json.loads(path.read_text())
+            return AutoConfig.for_model(data.pop("model_type", "llama"), **data)
+        try:
+            return AutoConfig.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            pass
+        known = known_config(name_or_path)
+        if known is not None:
+            return AutoConfig.for_model(known.pop("model_type"), **known)
+        return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            [
+                (
+                    f"--model_name_or_path {name_or_path}: cannot read its config.json ({e}). Give a local "
+                    "model folder, a config.json file, or a hub id you can reach."
+                )
+            ]
+        ) from e
+
+
+def base_param_count(shape: ModelShape) -> int:
+    """Parameters of the base model (decoder blocks, embeddings, final norm, head)."""
+    block = sum(i * o for i, o in shape.linear_dims().values()) + 2 * shape.hidden_size
+    head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+    return shape.num_layers * block + shape.vocab_size * shape.hidden_size + shape.hidden_size + head
+
+
+def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str]) -> tuple[str, ...]:
+    """The linear layers LoRA wraps. all-linear is every nn.Linear of the decoder blocks (peft excludes lm_head)."""
+    names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
+    names = [n for n in names if n]
+    if names == ["all-linear"]:
+        return BLOCK_LINEARS
+    known = BLOCK_LINEARS + ROOT_LINEARS
+    targets = tuple(n for n in known if any(t == n or t.endswith("." + n) for t in names))
+    if not targets:
+        raise ConfigError(
+            [
+                (
+                    f"--lora_target_modules {','.join(names)!r} matches none of the linear layers of a "
+                    f"{shape.model_type} model ({', '.join(known)}); use names from that list or all-linear."
+                )
+            ]
+        )
+    return targets
+
+
+def lora_param_count(shape: ModelShape, lora_r: int, targets: Iterable[str], use_dora: bool = False) -> int:
+    """LoRA parameters of the whole model: r * (in + out) per wrapped linear (+ out for DoRA's magnitude)."""
+    return sum(
+        _numel(shp) * (shape.num_layers if group == "block" else 1)
+        for _, shp, group in _lora_tensors(shape, lora_r, tuple(targets), use_dora)
+    )
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as FSDP2 sees it: shape, bytes per element, trainable or frozen, block or root."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    trainable: bool
+    group: str  # "block" (one decoder layer, repeated num_layers times) or "root"
+    quantized: bool = False  # bitsandbytes storage: all-gathered as stored, never cast to the compute dtype
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _lora_tensors(shape: ModelShape, r: int, targets: tuple[str, ...], use_dora: bool):
+    dims = {**shape.linear_dims(), "lm_head": (shape.hidden_size, shape.vocab_size)}
+    for name in targets:
+        fan_in, fan_out = dims[name]
+        group = "root" if name in ROOT_LINEARS else "block"
+        yield f"{name}.lora_A", (r, fan_in), group
+        yield f"{name}.lora_B", (fan_out, r), group
+        if use_dora:
+            yield f"{name}.lora_magnitude_vector", (fan_out,), group
+
+
+def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
+    """bitsandbytes packs two 4-bit values per byte into a [(n+1)//(2*itemsize), 1] tensor of the storage dtype."""
+    return ((numel + 1) // (2 * storage_bytes), 1)
+
+
+def quant_constant_bytes(fan_in: int, fan_out: int, nested: bool = False, bits: int = 4) -> int:
+    """Quantization constants of one weight. 4-bit: absmax, fp32 per 64-block, or with nested quantization uint8
+    per block + fp32 per 256 blocks + an fp32 offset (the 256-entry code is one tensor shared by all weights).
+    8-bit: one fp32 scale per output row."""
+    if bits == 8:
+        return 4 * fan_out
+    blocks = -(-(fan_in * fan_out) // QUANT_BLOCK)
+    if not nested:
+        return 4 * blocks
+    return blocks + 4 * -(-blocks // NESTED_BLOCK) + 4
+
+
+def model_tensors(
+    shape: ModelShape,
+    *,
+    base_bytes: int,
+    trainable_bytes: int = 4,
+    use_4bit: bool = False,
+    use_8bit: bool = False,
+    quant_storage_bytes: int = 2,
+    full_finetune: bool = False,
+    lora_r: int = 8,
+    lora_targets: tuple[str, ...] = (),
+    use_dora: bool = False,
+    modules_to_save: Sequence[str] = (),
+) -> list[Tensor]:
+    """Every parameter tensor of one decoder block (group "block") and of the root (embeddings, final norm, head).
+
+    Full fine-tuning holds every parameter trainable in `trainable_bytes` (fp32 master weights); LoRA keeps the
+    base frozen in `base_bytes` (or packed 4-bit) and adds fp32 adapters.
+    """
+    h, v = shape.hidden_size, shape.vocab_size
+    frozen = not full_finetune
+    out: list[Tensor] = []
+    for name, (fan_in, fan_out) in shape.linear_dims().items():
+        has_bias = shape.attention_bias if name in ATTN_LINEARS else shape.mlp_bias
+        if use_4bit and frozen:
+            out.append(
+                Tensor(
+                    f"{name}.weight",
+                    packed_4bit_shape(fan_in * fan_out, quant_storage_bytes),
+                    quant_storage_bytes,
+                    False,
+                    "block",
+                    quantized=True,
+                )
+            )
+        elif use_8bit and frozen:
+            out.append(Tensor(f"{name}.weight", (fan_out, fan_in), 1, False, "block", quantized=True))
+        else:
+            out.append(
+                Tensor(
+                    f"{name}.weight",
+                    (fan_out, fan_in),
+                    _bytes(frozen, base_bytes, trainable_bytes),
+                    not frozen,
+                    "block",
+                )
+            )
+        if has_bias:
+            out.append(
+                Tensor(f"{name}.bias", (fan_out,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block")
+            )
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out.append(Tensor(f"{norm}.weight", (h,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
+    root = [("embed_tokens.weight", (v, h)), ("norm.weight", (h,))]
+    if not shape.tie_word_embeddings:
+        root.append(("lm_head.weight", (v, h)))
+    for name, shp in root:
+        out.append(Tensor(name, shp, _bytes(frozen, base_bytes, trainable_bytes), not frozen, "root"))
+    if frozen:
+        for name, shp, group in _lora_tensors(shape, lora_r, lora_targets, use_dora):
+            out.append(Tensor(name, shp, trainable_bytes, True, group))
+        for module in modules_to_save:
+            key = "embed_tokens.weight" if module == "embed_tokens" else f"{module}.weight"
+            for t in [t for t in out if t.name == key and t.group == "root"]:
+                out.append(Tensor(f"{module}.modules_to_save.weight", t.shape, trainable_bytes, True, "root"))
+    return out
+
+
+def _bytes(frozen: bool, base_bytes: int, trainable_bytes: int) -> int:
+    return base_bytes if frozen else trainable_bytes
+
+
+def shard_rows(rows: int, shard_size: int, rank: int | None = None) -> int:
+    """Rows of dim 0 one rank holds: FSDP2 pads every rank to ceil(rows/S); with `rank`, the rank's real chunk."""
+    chunk = -(-rows // shard_size)
+    if rank is None:
+        return chunk
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def sharded_bytes(t: Tensor, shard_size: int, rank: int | None = None, itemsize: int | None = None) -> int:
+    """Bytes of one rank's dim-0 shard of `t` (torch.chunk semantics, as fully_shard does)."""
+    rest = _numel(t.shape[1:])
+    return shard_rows(t.shape[0], shard_size, rank) * rest * (itemsize or t.itemsize)

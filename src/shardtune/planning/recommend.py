@@ -1,0 +1,118 @@
+"""Smallest changes that make a run fit a GPU memory budget, tried in order of how much they change the run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+
+MAX_GPUS = 4096
+
+
+@dataclass
+class Recommendation:
+    """A change to the run (flags to set) and the estimate with it; `fits` is False for the closest miss."""
+
+    description: str
+    flags: dict[str, Any]
+    estimate: MemoryEstimate
+    fits: bool
+    tried: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "description": self.description,
+            "flags": dict(self.flags),
+            "fits": self.fits,
+            "device_total_bytes": self.estimate.total,
+            "candidates_tried": self.tried,
+        }
+
+
+def _halvings(batch: int, accumulation: int) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Halve the per-device batch and double gradient accumulation, keeping the global batch."""
+    b, g = batch, accumulation
+    while b > 1:
+        b, g = b // 2, g * 2
+        yield (
+            f"per-device batch {b} with gradient accumulation {g} (same global batch)",
+            {"per_device_train_batch_size": b, "gradient_accumulation_steps": g},
+            {"batch_size": b},
+        )
+
+
+def _stage(label: str, flags: dict[str, Any], kwargs: dict[str, Any], batch: int, accumulation: int):
+    """One change, alone and then with each batch halving on top."""
+    yield label, dict(flags), dict(kwargs)
+    for desc, bflags, bkw in _halvings(batch, accumulation):
+        yield f"{label}, {desc}", {**flags, **bflags}, {**kwargs, **bkw}
+
+
+def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Changes in order of size: smaller batches, gradient checkpointing, CPU offload, 4-bit, then more GPUs."""
+    batch = kwargs.get("batch_size", 1)
+    yield from _halvings(batch, accumulation)
+    change: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    if not kwargs.get("gradient_checkpointing"):
+        change, flags = {"gradient_checkpointing": True}, {"gradient_checkpointing": True}
+        yield from _stage("gradient checkpointing", flags, change, batch, accumulation)
+    if not kwargs.get("offload"):
+        change, flags = {**change, "offload": True}, {**flags, "fsdp_offload_params": True}
+        yield from _stage(_describe(flags), flags, change, batch, accumulation)
+    if not kwargs.get("use_4bit"):
+        quant = {"use_4bit": True, "use_peft_lora": True, "use_8bit": False}
+        qflags = {"use_4bit_quantization": True, "bnb_4bit_quant_storage_dtype": "bfloat16"}
+        if not kwargs.get("use_peft_lora"):
+            qflags["use_peft_lora"] = True
+        no_offload = {k: v for k, v in change.items() if k != "offload"}
+        no_offload_flags = {k: v for k, v in flags.items() if k != "fsdp_offload_params"}
+        for c, f in (
+            ({**no_offload, **quant}, {**no_offload_flags, **qflags}),
+            ({**change, **quant}, {**flags, **qflags}),
+        ):
+            yield from _stage(_describe(f), f, c, batch, accumulation)
+    world = kwargs.get("world_size", 1)
+    nodes = kwargs.get("num_nodes", 1)
+    more = 1 << world.bit_length() if world & (world - 1) == 0 else 1 << (world - 1).bit_length()
+    while more <= MAX_GPUS:
+        if more % nodes == 0:
+            yield f"{more} GPUs", {"num_processes": more}, {"world_size": more}
+        more *= 2
+
+
+def _describe(flags: dict[str, Any]) -> str:
+    names = {
+        "gradient_checkpointing": "gradient checkpointing",
+        "fsdp_offload_params": "CPU offload",
+        "use_4bit_quantization": "4-bit base (QLoRA)",
+        "use_peft_lora": "LoRA",
+    }
+    return " + ".join(names[k] for k in names if k in flags)
+
+
+def recommend(
+    kwargs: dict[str, Any],
+    gpu_bytes: int,
+    accumulation: int = 1,
+    estimator: Callable[..., MemoryEstimate] = estimate_memory,
+    model: Any = None,
+) -> Recommendation:
+    """The first candidate change whose estimate fits `gpu_bytes`, or the closest one (fits=False) if none does."""
+    best: Recommendation | None = None
+    tried = 0
+    for description, flags, change in candidates(kwargs, accumulation):
+        tried += 1
+        est = estimator(model, **{**kwargs, **change})
+        if est.total <= gpu_bytes:
+            return Recommendation(description, flags, est, True, tried)
+        if best is None or est.total < best.estimate.total:
+            best = Recommendation(description, flags, est, False, tried)
+    if best is None:  # nothing to change (e.g. batch 1, everything on): report the run as it is
+        est = estimator(model, **kwargs)
+        return Recommendation("no change left to try", {}, est, est.total <= gpu_bytes, tried)
+    best.tried = tried
+    return best

@@ -1,0 +1,73 @@
+"""Shared fixtures: a tiny local Llama model, its tokenizer and a small chat dataset (no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> dict[str, Path]:
+    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+
+    root = tmp_path_factory.mktemp("assets")
+    tok = build_tokenizer(root / "model", vocab_size=600)
+    build_model(root / "model", vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    write_chat_dataset(root / "data", n_train=160, n_test=24, seed=3)
+    return {"model": root / "model", "data": root / "data", "root": root}
+
+
+def run_cli(
+    args: list[str],
+    *,
+    nproc: int = 1,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    timeout: int = 600,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `shardtune <args>` in a subprocess (under torchrun when nproc > 1), one thread per process."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(k, None)
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "shardtune",
+            *args,
+        ]
+    else:
+        cmd = [sys.executable, "-m", "shardtune", *args]
+    proc = subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_records(output_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("type") == kind]

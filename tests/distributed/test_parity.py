@@ -1,0 +1,112 @@
+"""2-rank FULL_SHARD runs against 1-process runs with the same global batch: same losses, same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_cli, train_records
+
+FSDP_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+}
+
+
+def _args(assets, out, extra=()):
+    return [
+        "train",
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--chat_template_format",
+        "chatml",
+        "--max_seq_len",
+        "96",
+        "--packing",
+        "True",
+        "--seed",
+        "7",
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "3e-3",
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        "1",
+        "--weight_decay",
+        "0.01",
+        "--save_strategy",
+        "no",
+        "--output_dir",
+        str(out),
+        "--gradient_accumulation_steps",
+        "2",
+        "--gradient_checkpointing",
+        "True",
+        *extra,
+    ]
+
+
+def _run_pair(assets, tmp_path, extra):
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    run_cli(_args(assets, one, ["--per_device_train_batch_size", "4", *extra]), nproc=1, env=FSDP_ENV)
+    run_cli(_args(assets, two, ["--per_device_train_batch_size", "2", *extra]), nproc=2, env=FSDP_ENV)
+    return one, two
+
+
+def _assert_same_losses(one, two):
+    l1 = [r["loss"] for r in train_records(one)]
+    l2 = [r["loss"] for r in train_records(two)]
+    assert len(l1) == len(l2) == 4
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=0)
+    # The model really trained: the loss moved.
+    assert abs(l1[-1] - l1[0]) > 1e-3
+
+
+@pytest.mark.parametrize("use_dora", [False])
+def test_lora_two_ranks_match_one_process(tiny_assets, tmp_path, use_dora):
+    extra = [
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--use_dora",
+        str(use_dora),
+    ]
+    one, two = _run_pair(tiny_assets, tmp_path, extra)
+    _assert_same_losses(one, two)
+    a1 = load_file(one / "adapter_model.safetensors")
+    a2 = load_file(two / "adapter_model.safetensors")
+    assert a1.keys() == a2.keys()
+    # Every decoder linear is adapted, and the rows of the chat template's new tokens are saved.
+    assert sum(k.endswith("lora_A.weight") for k in a1) == 2 * 7
+    assert any("trainable_tokens_delta" in k for k in a1)
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-4, atol=1e-6)
+    # lora_B starts at zero; after training it is not.
+    assert any(v.abs().max() > 0 for k, v in a1.items() if "lora_B" in k)
+
+
+def test_full_finetune_two_ranks_match_one_process(tiny_assets, tmp_path):
+    one, two = _run_pair(tiny_assets, tmp_path, ["--use_peft_lora", "False"])
+    _assert_same_losses(one, two)
+    w1 = load_file(one / "model.safetensors")
+    w2 = load_file(two / "model.safetensors")
+    assert w1.keys() == w2.keys() and len(w1) > 10
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6)
