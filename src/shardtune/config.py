@@ -204,9 +204,10 @@ class ConfigError(ValueError):
 def _unknown_flag_problems(remaining: list[str], extra: tuple = ()) -> list[str]:
     known = known_flags(extra)
     problems = []
-    for tok in remaining:
+    for i, tok in enumerate(remaining):
         if not tok.startswith("--"):
-            problems.append(f"unexpected argument {tok!r}")
+            if i == 0 or not remaining[i - 1].startswith("--"):
+                problems.append(f"unexpected argument {tok!r}")
             continue
         name = tok[2:].split("=", 1)[0]
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)

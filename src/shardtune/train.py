@@ -200,6 +200,7 @@ def run(cfg: RunConfig) -> int:
 
     m, t = cfg.model, cfg.train
     info = init_distributed(cfg.fsdp.sharding_strategy)
+    repo_id = _preflight(cfg, info)
     _seed_everything(t.seed)
     tokenizer, new_ids = modeling.load_tokenizer(
         m.model_name_or_path,
@@ -255,9 +256,16 @@ def run(cfg: RunConfig) -> int:
         save_steps=max(1, int(t.save_steps)),
         max_nonfinite_steps=t.max_nonfinite_steps,
     )
-    logger = RunLogger(
-        t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total, config=cfg.to_dict()
-    )
+    from shardtune.distributed.fsdp import local_state_bytes
+    from shardtune.distributed.mesh import all_gather_objects
+
+    # What each rank really holds for weights: recorded for `shardtune plan` to be checked against.
+    run_info = {
+        **cfg.to_dict(),
+        "world_size": info.world_size,
+        "param_bytes_per_rank": all_gather_objects(local_state_bytes(model)),
+    }
+    logger = RunLogger(t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total, config=run_info)
     print0(
         f"Training {total} steps ({spe} per epoch), global batch {t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps} rows."
     )
@@ -302,8 +310,54 @@ def run(cfg: RunConfig) -> int:
         logger.close()
         return EXIT_INTERRUPTED
     out = _export(cfg, model, tokenizer, info)
-    _finish(logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out)
+    summary = _finish(logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out)
+    if info.is_main:
+        _write_cards(cfg, out, summary)
+        if repo_id:
+            from shardtune import hub
+
+            hub.upload(
+                repo_id,
+                out,
+                hub_token=t.hub_token,
+                message=f"shardtune: end of training (step {state.step})",
+                ignore=["checkpoints/*", ".*", "merged/*"],
+            )
+            print0(f"Uploaded {out} to https://huggingface.co/{repo_id}.")
     return 0
+
+
+def _preflight(cfg: RunConfig, info) -> str | None:
+    """Checks that fail fast, before data and model loading: hub access, FSDP1-only options, GPU size."""
+    from shardtune import hub
+    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.launcher import fsdp1_only_notes
+
+    t = cfg.train
+    repo_id, problem = None, None
+    if info.is_main:
+        for note in fsdp1_only_notes(cfg.fsdp) if cfg.fsdp.enabled else []:
+            print0(note)
+        try:
+            repo_id = hub.preflight(
+                push_to_hub=t.push_to_hub,
+                hub_model_id=t.hub_model_id,
+                output_dir=t.output_dir,
+                hub_token=t.hub_token,
+                hub_private_repo=t.hub_private_repo,
+            )
+        except ValueError as e:
+            problem = str(e)
+        if info.device.type == "cuda" and not problem:
+            from shardtune.plan import warn_if_too_small
+
+            msg = warn_if_too_small(cfg, torch.cuda.get_device_properties(info.device).total_memory)
+            if msg:
+                warn0(msg)
+    repo_id, problem = broadcast_object((repo_id, problem))
+    if problem:
+        raise ValueError(problem)
+    return repo_id
 
 
 def _loop_dict(s, t, info) -> dict:
@@ -355,7 +409,14 @@ def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
     if cfg.train.merge_adapter and cfg.model.use_peft_lora and info.is_main:
         from shardtune.merge import merge_adapter
 
-        merged = merge_adapter(cfg.model.model_name_or_path, out, out / "merged")
+        dtype = "bf16" if cfg.train.bf16 else "fp16" if cfg.train.fp16 else None
+        merged = merge_adapter(
+            cfg.model.model_name_or_path,
+            out,
+            out / "merged",
+            dtype=dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         print0(f"Merged model written to {merged}.")
     barrier()
     return out
@@ -385,3 +446,53 @@ def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out)
     logger.finish(summary)
     if info.is_main:
         (Path(out) / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _method(cfg: RunConfig) -> str:
+    m = cfg.model
+    if not m.use_peft_lora:
+        return "full"
+    return "QLoRA" if m.use_4bit_quantization else "DoRA" if m.use_dora else "LoRA"
+
+
+def _write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
+    from shardtune.modelcard import write_model_card
+
+    m, d, t = cfg.model, cfg.data, cfg.train
+    hp = {
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler_type,
+        "num_train_epochs": t.num_train_epochs,
+        "steps": summary.get("steps"),
+        "per_device_train_batch_size": t.per_device_train_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "max_length": d.max_length,
+        "packing": d.packing,
+        "bf16": t.bf16,
+        "seed": t.seed,
+        "optim": t.optim,
+        "fsdp_sharding_strategy": cfg.fsdp.sharding_strategy,
+    }
+    if m.use_peft_lora:
+        hp.update(
+            lora_r=m.lora_r,
+            lora_alpha=m.lora_alpha,
+            lora_dropout=m.lora_dropout,
+            lora_target_modules=m.lora_target_modules,
+        )
+    metrics = {
+        "train_loss": summary.get("final_train_loss"),
+        "eval_loss": summary.get("final_eval_loss"),
+        "eval_perplexity": summary.get("final_eval_perplexity"),
+    }
+    kwargs = {
+        "base_model": m.model_name_or_path,
+        "method": _method(cfg),
+        "datasets": d.dataset_name,
+        "hyperparameters": hp,
+        "metrics": metrics,
+    }
+    write_model_card(out, library_name="peft" if m.use_peft_lora else "transformers", **kwargs)
+    if (out / "merged" / "config.json").exists():
+        write_model_card(out / "merged", library_name="transformers", **kwargs)

@@ -10,8 +10,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from shardtune.log import print0
-
 # FSDP1 strategies expressed in FSDP2 terms: whether a block's parameters are freed after forward.
 _RESHARD_AFTER_FORWARD = {
     "FULL_SHARD": True,
@@ -67,8 +65,6 @@ def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None
     if backward.upper() == "NO_PREFETCH":
         for b in blocks:
             b.set_modules_to_backward_prefetch([])
-    elif backward.upper() == "BACKWARD_POST":
-        print0("fsdp_backward_prefetch BACKWARD_POST: FSDP2 prefetches before each block's backward (as BACKWARD_PRE).")
 
 
 def assert_sharded(model: nn.Module, world_size: int) -> None:
