@@ -318,6 +318,17 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p.append(f"--eval_strategy {t.eval_strategy} needs an evaluation split in --splits (e.g. train,test).")
     if m.adapter_path and not m.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
+    from shardtune.quant import quantization_problems
+
+    p += quantization_problems(
+        use_4bit=m.use_4bit_quantization,
+        use_8bit=m.use_8bit_quantization,
+        quant_storage_dtype=m.bnb_4bit_quant_storage_dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        fsdp_enabled=cfg.fsdp.enabled,
+        mixed_precision=cfg.fsdp.mixed_precision,
+    )
     if check_paths:
         p += _path_problems(cfg)
     if p:

