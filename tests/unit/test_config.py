@@ -1,0 +1,185 @@
+"""Flags, files and environment → RunConfig, as the guide's command lines use them."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from shardtune.config import ConfigError, load_run_config, parse_args
+
+GUIDE_LORA = """--seed 100 --model_name_or_path "meta-llama/Llama-2-70b-hf" --dataset_name "smangrul/ultrachat-10k-chatml"
+--chat_template_format "chatml" --add_special_tokens False --append_concat_token False --splits "train,test"
+--max_seq_len 2048 --num_train_epochs 1 --logging_steps 5 --log_level "info" --logging_strategy "steps"
+--eval_strategy "epoch" --save_strategy "epoch" --push_to_hub --hub_private_repo True --hub_strategy "every_save"
+--bf16 True --packing True --learning_rate 1e-4 --lr_scheduler_type "cosine" --weight_decay 1e-4 --warmup_steps 0
+--max_grad_norm 1.0 --output_dir "llama-sft-lora-fsdp" --per_device_train_batch_size 8 --per_device_eval_batch_size 8
+--gradient_accumulation_steps 4 --gradient_checkpointing True --use_reentrant False --dataset_text_field "content"
+--use_flash_attn True --use_peft_lora True --lora_r 8 --lora_alpha 16 --lora_dropout 0.1
+--lora_target_modules "all-linear" --use_4bit_quantization False"""
+
+GUIDE_QLORA = """--seed 100 --model_name_or_path "meta-llama/Llama-2-70b-hf" --dataset_name "smangrul/ultrachat-10k-chatml"
+--chat_template_format "chatml" --add_special_tokens False --append_concat_token False --splits "train,test"
+--max_seq_len 2048 --num_train_epochs 1 --logging_steps 5 --log_level "info" --logging_strategy "steps"
+--eval_strategy "epoch" --save_strategy "epoch" --push_to_hub --hub_private_repo True --hub_strategy "every_save"
+--bf16 True --packing True --learning_rate 1e-4 --lr_scheduler_type "cosine" --weight_decay 1e-4 --warmup_steps 0
+--max_grad_norm 1.0 --output_dir "llama-sft-qlora-fsdp" --per_device_train_batch_size 2 --per_device_eval_batch_size 2
+--gradient_accumulation_steps 2 --gradient_checkpointing True --use_reentrant True --dataset_text_field "content"
+--use_flash_attn True --use_peft_lora True --lora_r 8 --lora_alpha 16 --lora_dropout 0.1
+--lora_target_modules "all-linear" --use_4bit_quantization True --use_nested_quant True
+--bnb_4bit_compute_dtype "bfloat16" --bnb_4bit_quant_storage_dtype "bfloat16\""""
+
+QLORA_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_OFFLOAD_PARAMS": "true",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "ACCELERATE_MIXED_PRECISION": "no",
+}
+
+
+def test_guide_lora_command_parses_to_expected_config():
+    cfg = load_run_config(
+        shlex.split(GUIDE_LORA), env={"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    )
+    m, d, t = cfg.model, cfg.data, cfg.train
+    assert (m.model_name_or_path, m.chat_template_format, m.use_peft_lora) == (
+        "meta-llama/Llama-2-70b-hf",
+        "chatml",
+        True,
+    )
+    assert (m.lora_r, m.lora_alpha, m.lora_dropout, m.lora_target_modules) == (8, 16, 0.1, "all-linear")
+    assert (m.use_4bit_quantization, m.use_reentrant, m.use_flash_attn, m.trust_remote_code) == (
+        False,
+        False,
+        True,
+        False,
+    )
+    assert (d.max_length, d.packing, d.splits, d.dataset_text_field) == (2048, True, "train,test", "content")
+    assert (d.add_special_tokens, d.append_concat_token) == (False, False)
+    assert (t.seed, t.bf16, t.learning_rate, t.weight_decay, t.lr_scheduler_type) == (100, True, 1e-4, 1e-4, "cosine")
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps, t.gradient_checkpointing) == (8, 4, True)
+    assert (t.push_to_hub, t.hub_private_repo, t.hub_strategy) == (True, True, "every_save")
+    assert (t.eval_strategy, t.save_strategy, t.logging_steps, t.output_dir) == (
+        "epoch",
+        "epoch",
+        5,
+        "llama-sft-lora-fsdp",
+    )
+    assert cfg.fsdp.enabled and cfg.fsdp.mixed_precision == "bf16"
+
+
+def test_guide_qlora_command_parses_to_expected_config():
+    cfg = load_run_config(shlex.split(GUIDE_QLORA), env=QLORA_ENV)
+    m, t = cfg.model, cfg.train
+    assert (m.use_4bit_quantization, m.use_nested_quant, m.use_reentrant) == (True, True, True)
+    assert (m.bnb_4bit_compute_dtype, m.bnb_4bit_quant_storage_dtype, m.bnb_4bit_quant_type) == (
+        "bfloat16",
+        "bfloat16",
+        "nf4",
+    )
+    assert (t.per_device_train_batch_size, t.gradient_accumulation_steps) == (2, 2)
+    assert cfg.fsdp.offload_params and cfg.fsdp.cpu_ram_efficient_loading
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_single_config_file_equals_flags(tmp_path, suffix):
+    import yaml
+
+    flags = parse_args(shlex.split(GUIDE_LORA))
+    data = {
+        "model_name_or_path": "meta-llama/Llama-2-70b-hf",
+        "dataset_name": "smangrul/ultrachat-10k-chatml",
+        "max_seq_len": 2048,
+        "bf16": True,
+        "packing": True,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "use_peft_lora": True,
+        "lora_target_modules": "all-linear",
+        "seed": 100,
+    }
+    path = tmp_path / f"run{suffix}"
+    path.write_text(json.dumps(data) if suffix == ".json" else yaml.safe_dump(data))
+    model, data_args, train = parse_args([str(path)])
+    assert data_args.max_length == 2048 == flags[1].max_length
+    assert (model.lora_r, train.bf16, train.seed) == (8, True, 100)
+
+
+@pytest.mark.parametrize(
+    "value,expected", [("true", True), ("True", True), ("false", False), ("False", False), ("1", True), ("0", False)]
+)
+def test_boolean_values_as_hf_argument_parser(value, expected):
+    _, d, _ = parse_args(["--packing", value])
+    assert d.packing is expected
+
+
+def test_bare_boolean_flag_means_true():
+    _, _, t = parse_args(["--push_to_hub"])
+    assert t.push_to_hub is True
+
+
+def test_unknown_flag_names_closest_known_flag():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--lora_rank", "8", "--learnin_rate", "1e-4"])
+    msg = str(e.value)
+    assert "--lora_rank" in msg and "--lora_r" in msg
+    assert "--learnin_rate" in msg and "did you mean --learning_rate" in msg
+    assert "'8'" not in msg  # a flag's value is not reported as a separate problem
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"lora_alpah": 16}))
+    with pytest.raises(ConfigError, match=r"lora_alpah.*did you mean --lora_alpha"):
+        parse_args([str(path)])
+
+
+def test_every_problem_reported_at_once(tmp_path):
+    argv = [
+        "--model_name_or_path",
+        str(tmp_path / "missing"),
+        "--dataset_name",
+        str(tmp_path / "nodata.jsonl"),
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "0",
+        "--lora_alpha",
+        "-1",
+        "--bf16",
+        "True",
+        "--fp16",
+        "True",
+        "--use_4bit_quantization",
+        "True",
+        "--use_8bit_quantization",
+        "True",
+    ]
+    with pytest.raises(ConfigError) as e:
+        load_run_config(argv, env={})
+    problems = e.value.problems
+    joined = "\n".join(problems)
+    for needle in (
+        "--lora_r must be > 0",
+        "--lora_alpha must be > 0",
+        "--bf16 and --fp16",
+        "--use_4bit_quantization and",
+        "no config.json",
+        "no such file",
+    ):
+        assert needle in joined, joined
+    assert len(problems) >= 6
+
+
+def test_required_flags(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_run_config([], env={})
+    assert any("--model_name_or_path is required" in p for p in e.value.problems)
+    assert any("--dataset_name is required" in p for p in e.value.problems)
+
+
+def test_trust_remote_code_defaults_to_false():
+    m, _, _ = parse_args([])
+    assert m.trust_remote_code is False
