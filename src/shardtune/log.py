@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -39,6 +40,9 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # bitsandbytes logs at import that an optional CPU kernel package is missing; its fallback works.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # peft reads transformers' deprecated `is_gradient_checkpointing` property when wrapping a model; the
+    # deprecation is transformers' business with peft, not the user's.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         from transformers.utils import logging as hf_logging
 
