@@ -163,9 +163,11 @@ def _usage(library: str, base_model: str, name: str) -> str:
     if library == "peft":
         return (
             "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n'
             f'base = AutoModelForCausalLM.from_pretrained("{base_model}", dtype="auto")\n'
-            f'model = PeftModel.from_pretrained(base, "{name}")\n'
-            f'tokenizer = AutoTokenizer.from_pretrained("{name}")'
+            "if len(tokenizer) > base.get_input_embeddings().num_embeddings:  # the chat template added tokens\n"
+            "    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)\n"
+            f'model = PeftModel.from_pretrained(base, "{name}")'
         )
     return (
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
