@@ -1,17 +1,28 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), written atomically, resumed exactly.
 
-A checkpoint folder `checkpoint-<step>` holds: the trainable weights and the optimizer state (DCP shards, or
-one full file with FULL_STATE_DICT), the scheduler, every rank's RNG state, the loop state (step, epoch, data
-position in samples) and the run's config. It is written to `checkpoint-<step>.tmp` and renamed only when every
-rank has finished, so a process killed mid-save leaves the previous checkpoint complete.
+A checkpoint folder `<output_dir>/checkpoints/checkpoint-<step>` holds:
+
+- the trainable weights and the optimizer state: DCP shards in `sharded/` (SHARDED_STATE_DICT, reshardable to
+  any number of ranks), or one consolidated `full_state.pt` written by rank 0 (FULL_STATE_DICT);
+- with a bitsandbytes 8-bit optimizer, its state per rank shard in `optim_rank<r>.pt` (see `LocalShards` in
+  shardtune.trainer: its quantized blocks follow each rank's shard, so it resumes on the same number of ranks);
+- `scheduler.pt`, every rank's RNG state `rng_rank<r>.pt`, the run's `config.json`, and `meta.json` (the loop
+  state: step, epoch and data position in samples; the world size; the state dict type; the optimizer).
+
+It is written to `checkpoint-<step>.tmp` and renamed only once every rank has finished writing, then older
+checkpoints beyond --save_total_limit are pruned: a process killed mid-save leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +30,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune.log import print0, warn0
 
+FORMAT_VERSION = 1
+FAULT_ENV = "SHARDTUNE_FAULT"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (no .tmp), oldest first."""
+    """Complete checkpoints (renamed into place, with meta.json), oldest first."""
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -41,38 +61,36 @@ def resolve(resume_from: str, output_dir: str | Path) -> Path:
         found = list_checkpoints(output_dir)
         if not found:
             raise ValueError(
-                f"--resume_from_checkpoint latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'}."
+                f"--resume_from_checkpoint latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'}; "
+                "check --output_dir, or drop --resume_from_checkpoint to start afresh."
             )
         return found[-1]
     path = Path(resume_from)
     if not (path / "meta.json").exists():
-        raise ValueError(f"--resume_from_checkpoint {resume_from}: not a complete shardtune checkpoint (no meta.json).")
+        hint = " (an unfinished save: resume from an earlier checkpoint)" if path.name.endswith(".tmp") else ""
+        raise ValueError(
+            f"--resume_from_checkpoint {resume_from}: not a complete shardtune checkpoint (no meta.json){hint}."
+        )
     return path
 
 
-def _options(state_dict_type: str, for_save: bool) -> StateDictOptions:
-    full = state_dict_type == "FULL_STATE_DICT"
-    return StateDictOptions(
-        ignore_frozen_params=True,
-        full_state_dict=full,
-        cpu_offload=full and for_save,
-        broadcast_from_rank0=full and not for_save,
-    )
+def fault_point(point: str, step: int, rank: int) -> None:
+    """Failure injection for tests: SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT>] (KILL by default)
+    makes that rank send itself the signal at that point: `step` (after optimizer step `step` and its log line)
+    or `save` (mid-save: this rank's files of checkpoint-<step> written, the folder not yet renamed)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in ("step", "save"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save>:<step>:<rank>[:<KILL|TERM|INT>].")
+    if parts[0] == point and int(parts[1]) == step and int(parts[2]) == rank:
+        sig = getattr(signal, "SIG" + (parts[3] if len(parts) == 4 else "KILL"))
+        print(f"{FAULT_ENV}: rank {rank} sends itself {sig.name} at {point} {step}.", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), sig)
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+# --------------------------------------------------------------------------------------------------- saving
 
 
 def save(
@@ -88,33 +106,67 @@ def save(
 ) -> Path:
     """Write checkpoint-<step> atomically (all ranks call this); prune the oldest beyond save_total_limit."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
     root = Path(output_dir) / "checkpoints"
-    final = root / f"checkpoint-{loop_state['step']}"
-    tmp = root / f"checkpoint-{loop_state['step']}.tmp"
+    step = int(loop_state["step"])
+    final, tmp = root / f"checkpoint-{step}", root / f"checkpoint-{step}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in [*root.glob("*.tmp"), *root.glob("*.old")]:  # left by a run killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
     dist.barrier()
-    msd, osd = get_state_dict(model, optimizer, options=_options(state_dict_type, for_save=True))
-    if state_dict_type == "FULL_STATE_DICT":
-        if rank == 0:
-            torch.save({"model": msd, "optim": osd}, tmp / "full_state.pt")
-    else:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "sharded"))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    shards = getattr(optimizer, "local_shards", None)
+    _save_weights(tmp, model, None if shards else optimizer, state_dict_type, rank)
+    if shards is not None:
+        _save_synced(
+            {"names": shards.names, "shapes": shards.shapes(), "state": optimizer.state_dict()},
+            tmp / f"optim_rank{rank}.pt",
+        )
+    _save_synced(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    fault_point("save", step, rank)
     dist.barrier()
     if rank == 0:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        meta = {"loop": loop_state, "world_size": world, "state_dict_type": state_dict_type}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        _save_synced(scheduler.state_dict(), tmp / "scheduler.pt")
+        _write_text_synced(tmp / "config.json", json.dumps(config, indent=2, default=str))
+        meta = {
+            "format": FORMAT_VERSION,
+            "loop": loop_state,
+            "world_size": world,
+            "state_dict_type": state_dict_type,
+            "optimizer": {"class": type(optimizer).__name__, "per_rank": shards is not None},
+        }
+        _write_text_synced(tmp / "meta.json", json.dumps(meta, indent=2))
+        _move_into_place(tmp, final)
         _prune(output_dir, save_total_limit)
     dist.barrier()
-    print0(f"Saved checkpoint {final}.")
+    print0(f"Saved checkpoint {final} ({time.perf_counter() - start:.1f} s).")
     return final
+
+
+def _save_weights(tmp: Path, model: nn.Module, optimizer, state_dict_type: str, rank: int) -> None:
+    """Trainable weights (and a torch optimizer's state): DCP shards, or one full file from rank 0."""
+    full = state_dict_type == "FULL_STATE_DICT"
+    opts = StateDictOptions(ignore_frozen_params=True, full_state_dict=full, cpu_offload=full)
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=opts), "optim": {}}
+    else:
+        msd, osd = get_state_dict(model, optimizer, options=opts)
+        state = {"model": msd, "optim": osd}
+    if not full:
+        dcp.save(state, checkpoint_id=str(tmp / "sharded"))
+    elif rank == 0:
+        _save_synced(state, tmp / "full_state.pt")
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename tmp to final; a checkpoint of the same step (from a run resumed before it) is replaced."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(final.parent)
 
 
 def _prune(output_dir: str | Path, limit: int | None) -> None:
@@ -125,38 +177,277 @@ def _prune(output_dir: str | Path, limit: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, *, model: nn.Module, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and this rank's RNG; return the saved meta (loop state, world size)."""
+def _save_synced(obj, path: Path) -> None:
+    """torch.save, then fsync: the data is on disk before the folder is renamed into place."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # Plain lists instead of a numpy array, so that the file loads with torch.load(weights_only=True).
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+# Settings that may change between a run and its resumption without a warning.
+_RESUME_FREE = {
+    "output_dir",
+    "resume_from_checkpoint",
+    "logging_steps",
+    "logging_strategy",
+    "log_level",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private_repo",
+    "hub_strategy",
+    "hub_token",
+    "report_to",
+    "run_name",
+    "dataset_cache_dir",
+    "per_device_eval_batch_size",
+    "eval_steps",
+    "eval_strategy",
+    "max_nonfinite_steps",
+    "merge_adapter",
+    "overwrite_output_dir",
+    "dataloader_num_workers",
+}
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """`flag: old → new` for each setting (other than those free to change) that differs from the saved config."""
+    out = []
+    for part in ("model", "data", "train", "fsdp"):
+        a, b = saved.get(part, {}), now.get(part, {})
+        out += [
+            f"{k}: {a.get(k)!r} → {b.get(k)!r}" for k in sorted(b) if k not in _RESUME_FREE and a.get(k) != b.get(k)
+        ]
+    return out
+
+
+def resume_position(meta: dict, *, per_device: int, world: int, grad_accum: int) -> tuple[dict, list[str]]:
+    """The loop state to continue from (LoopState fields) on this run's ranks, and warnings to show.
+
+    The data position is kept in samples, so it survives a change of ranks or batch size: the run continues at
+    the micro-batch that starts at that sample of the epoch.
+    """
+    loop = dict(meta["loop"])
+    samples = int(loop.pop("samples_in_epoch", 0))
+    saved_gb = loop.pop("global_batch", None)
+    notes = []
+    gb = per_device * world * grad_accum
+    if saved_gb != gb:
+        notes.append(
+            f"The checkpoint was trained with a global batch of {saved_gb} rows ({meta['world_size']} rank(s)); "
+            f"this run uses {gb} ({per_device} per device × {world} rank(s) × {grad_accum} accumulation steps): "
+            "the loss curve and the learning-rate schedule per sample change from here on."
+        )
+    per_micro = per_device * world
+    loop["batch_in_epoch"] = samples // per_micro
+    if samples % per_micro:
+        notes.append(
+            f"The checkpoint stopped {samples} samples into epoch {loop['epoch']}, not a multiple of this run's "
+            f"{per_micro} rows per micro-batch: continuing at sample {loop['batch_in_epoch'] * per_micro}."
+        )
+    return loop, notes
+
+
+def read_meta(path: str | Path) -> dict:
+    """A checkpoint's meta.json: loop state, world size, state dict type, optimizer."""
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def load(path: str | Path, *, model: nn.Module, optimizer, scheduler) -> dict:
+    """Restore weights, optimizer, scheduler and this rank's RNG (all ranks call this); return the meta.
+
+    SHARDED and FULL checkpoints load on any number of ranks; a bitsandbytes optimizer's per-shard state
+    only on the number of ranks that saved it.
+    """
+    path = Path(path)
     rank, world = dist.get_rank(), dist.get_world_size()
-    meta = json.loads((path / "meta.json").read_text())
-    sdt = meta["state_dict_type"]
-    msd, osd = get_state_dict(model, optimizer, options=_options("SHARDED_STATE_DICT", for_save=True))
-    if sdt == "FULL_STATE_DICT":
-        full = torch.load(path / "full_state.pt", weights_only=False) if rank == 0 else {"model": {}, "optim": {}}
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=full["model"],
-            optim_state_dict=full["optim"],
-            options=_options(sdt, for_save=False),
-        )
+    meta = read_meta(path)
+    shards = getattr(optimizer, "local_shards", None)
+    check_resumable(
+        path, meta, per_rank_optimizer=shards is not None, optimizer_name=type(optimizer).__name__, world=world
+    )
+    torch_optim = None if shards is not None else optimizer
+    if meta["state_dict_type"] == "FULL_STATE_DICT":
+        _load_full(path, model, torch_optim, rank)
     else:
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path / "sharded"))
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(ignore_frozen_params=True),
-        )
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng = path / f"rng_rank{rank}.pt"
-    if not rng.exists():
+        _load_sharded(path, model, torch_optim)
+    if shards is not None:
+        _load_local_optimizer(path, optimizer, shards, rank)
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    saved_world = int(meta["world_size"])
+    if saved_world != world:
         warn0(
-            f"{path} was saved by {meta['world_size']} rank(s); this run has {world}: ranks without a saved "
-            "RNG state continue from rank 0's."
+            f"{path} was saved by {saved_world} rank(s); this run has {world}: rank r continues from the RNG "
+            f"state of saved rank r mod {saved_world} (dropout masks differ from an uninterrupted run)."
         )
-        rng = path / "rng_rank0.pt"
-    _set_rng_state(torch.load(rng, weights_only=False))
+    _set_rng_state(torch.load(path / f"rng_rank{rank % saved_world}.pt", weights_only=True))
     return meta
+
+
+def check_resumable(path: str | Path, meta: dict, *, per_rank_optimizer: bool, optimizer_name: str, world: int) -> None:
+    """Raise ValueError when this run's optimizer or world size cannot take the checkpoint's optimizer state."""
+    saved = meta.get("optimizer", {})
+    if bool(saved.get("per_rank")) != per_rank_optimizer:
+        raise ValueError(
+            f"{path} holds the state of a {saved.get('class')} optimizer; this run uses {optimizer_name}. "
+            f"Resume with the --optim the checkpoint was trained with (see {Path(path) / 'config.json'})."
+        )
+    if per_rank_optimizer and int(meta["world_size"]) != world:
+        n = meta["world_size"]
+        raise ValueError(
+            f"{path}: the 8-bit optimizer state of {saved.get('class')} is quantized block by block within each "
+            f"rank's shard, so it cannot be resharded from {n} to {world} rank(s). Resume on {n} rank(s) "
+            f"(torchrun --nproc_per_node {n}, or accelerate launch --num_processes {n}); for runs that must "
+            "change size, train with --optim adamw_torch, whose state reshards."
+        )
+
+
+def _template(model: nn.Module, optimizer) -> dict:
+    """This rank's current trainable weights (and optimizer state) as DTensors: the layout to load into."""
+    opts = StateDictOptions(ignore_frozen_params=True)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=opts)}
+    msd, osd = get_state_dict(model, optimizer, options=opts)  # initializes an empty optimizer state
+    return {"model": msd, "optim": osd}
+
+
+def _apply(model: nn.Module, optimizer, state: dict) -> None:
+    # strict=False: frozen base weights are not in the checkpoint (ignore_frozen_params). The keys that are
+    # were taken from the live model's trainable weights, so nothing trainable can be missing.
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+    if optimizer is None:
+        result = set_model_state_dict(model, state["model"], options=opts)
+    else:
+        result = set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+        )
+    assert not result.unexpected_keys, f"unexpected keys: {result.unexpected_keys}"
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
+    state = _template(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(path / "sharded"))
+    except dcp.api.CheckpointException as e:
+        raise ValueError(
+            f"{path}: its weights or optimizer state do not fit this model ({_first_line(e)}). Resume with the "
+            f"model, adapter and --optim settings the checkpoint was trained with (see {path / 'config.json'})."
+        ) from e
+    _apply(model, optimizer, state)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+def _load_full(path: Path, model: nn.Module, optimizer, rank: int) -> None:
+    """Rank 0 reads the consolidated file; every rank receives its shards (any number of ranks)."""
+    template = _template(model, optimizer)
+    full, problem = None, None
+    if rank == 0:
+        full = torch.load(path / "full_state.pt", weights_only=True, map_location="cpu")
+        problem = _key_problem(template, full)
+    problem = _broadcast_object(problem)
+    if problem:
+        raise ValueError(
+            f"{path / 'full_state.pt'} does not fit this model: {problem}. Resume with the model, adapter and "
+            f"--optim settings the checkpoint was trained with (see {path / 'config.json'})."
+        )
+    _apply(model, optimizer, _from_full(template, full))
+
+
+def _leaf_paths(d: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for k, v in d.items():
+        out |= _leaf_paths(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}"}
+    return out
+
+
+def _key_problem(template: dict, full: dict) -> str | None:
+    want, have = _leaf_paths(template), _leaf_paths({k: full.get(k, {}) for k in template})
+    if want == have:
+        return None
+    missing, extra = sorted(want - have), sorted(have - want)
+    return f"{len(missing)} entries missing (e.g. {missing[:3]}), {len(extra)} unexpected (e.g. {extra[:3]})"
+
+
+def _from_full(template: dict, full: dict | None) -> dict:
+    """Rank 0's full tensors → this rank's part, in the layout of `template` (None on other ranks)."""
+    out = {}
+    for key, t in template.items():
+        src = full[key] if full is not None else None
+        if isinstance(t, dict):
+            out[key] = _from_full(t, src)
+        elif isinstance(t, DTensor):
+            data = (
+                src.to(t.device, t.dtype) if src is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            )
+            out[key] = distribute_tensor(data, t.device_mesh, t.placements, src_data_rank=0)
+        elif torch.is_tensor(t):  # small replicated tensors (an optimizer's step count), possibly on CPU under NCCL
+            out[key] = _broadcast_object(src).to(t.device, t.dtype)
+        else:
+            out[key] = _broadcast_object(src)
+    return out
+
+
+def _broadcast_object(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _load_local_optimizer(path: Path, optimizer, shards, rank: int) -> None:
+    blob = torch.load(path / f"optim_rank{rank}.pt", weights_only=True, map_location="cpu")
+    problem = None
+    if blob["names"] != shards.names or blob["shapes"] != shards.shapes():
+        problem = (
+            f"rank {rank}: the saved 8-bit optimizer state is for other parameters or shard shapes; resume with the "
+            f"model, adapter and FSDP settings of {path / 'config.json'}"
+        )
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise ValueError(f"{path}: " + "; ".join(p for p in problems if p))
+    optimizer.load_state_dict(blob["state"])

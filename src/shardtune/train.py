@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
-import signal
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,6 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         error(f"error: {e}")
         return EXIT_CONFIG
+    except RuntimeError as e:
+        from shardtune.distributed.mesh import is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        # gloo's message: "[.../pair.cc:537] Read error [addr]: Connection reset by peer. This is typically ..."
+        first = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        first = first.split(". ")[0]
+        error(
+            f"error: lost contact with another rank ({first}). Another process of this run has died: the "
+            "launcher's report names it (torchrun: 'Root Cause'). Fix its error, then resume with "
+            "--resume_from_checkpoint latest."
+        )
+        return EXIT_FAILED
     finally:
         from shardtune.distributed.mesh import shutdown
 
@@ -142,52 +156,10 @@ def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
     )
 
 
-def build_optimizer(
-    params: list[torch.nn.Parameter],
-    *,
-    optim: str,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    device_type: str,
-):
-    """AdamW; weight decay on matrices only (not on norms, biases or 1-D scales)."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
-    if optim in ("adamw_8bit", "paged_adamw_8bit"):
-        import bitsandbytes as bnb
-
-        cls = bnb.optim.PagedAdamW8bit if optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-        return cls(groups, lr=lr, betas=betas, eps=eps)
-    fused = optim == "adamw_torch_fused"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True)
-
-
 def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
     return max(1, math.ceil(cfg.train.num_train_epochs * steps_per_epoch))
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT: finish the current step, save, exit. The ranks agree on the step to stop at."""
-
-    def __init__(self, device):
-        self.device, self.raised = device, False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.raised = True
-
-    def __call__(self) -> bool:
-        from shardtune.distributed.mesh import all_reduce_sum
-
-        return all_reduce_sum([float(self.raised)], self.device)[0] > 0
 
 
 def run(cfg: RunConfig) -> int:
@@ -196,7 +168,15 @@ def run(cfg: RunConfig) -> int:
     from shardtune.distributed.mesh import init_distributed
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.metrics import RunLogger
-    from shardtune.trainer import LoopSettings, LoopState, NonFiniteError, steps_per_epoch, train
+    from shardtune.trainer import (
+        LoopSettings,
+        LoopState,
+        NonFiniteError,
+        StopFlag,
+        build_optimizer,
+        steps_per_epoch,
+        train,
+    )
 
     m, t = cfg.model, cfg.train
     info = init_distributed(cfg.fsdp.sharding_strategy)
@@ -224,21 +204,19 @@ def run(cfg: RunConfig) -> int:
     total = _total_steps(cfg, spe)
     _seed_everything(t.seed)
     model = build_sharded_model(_model_spec(cfg, info, len(tokenizer), new_ids), info)
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(
-        params,
+        [(n, p) for n, p in model.named_parameters() if p.requires_grad],
         optim=t.optim,
         lr=t.learning_rate,
         weight_decay=t.weight_decay,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_epsilon,
-        device_type=info.device.type,
     )
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     state = LoopState()
     if t.resume_from_checkpoint:
-        state = _resume(cfg, model, optimizer, scheduler, info, spe)
+        state = _resume(cfg, model, optimizer, scheduler, info)
     settings = LoopSettings(
         batch_size=t.per_device_train_batch_size,
         eval_batch_size=t.per_device_eval_batch_size,
@@ -261,7 +239,7 @@ def run(cfg: RunConfig) -> int:
 
     # What each rank really holds for weights: recorded for `shardtune plan` to be checked against.
     run_info = {
-        **cfg.to_dict(),
+        **_config_record(cfg),
         "world_size": info.world_size,
         "param_bytes_per_rank": all_gather_objects(local_state_bytes(model)),
     }
@@ -271,18 +249,18 @@ def run(cfg: RunConfig) -> int:
     )
 
     def save_fn(s: LoopState) -> None:
-        checkpoint.save(
-            t.output_dir,
+        _save_checkpoint(
+            cfg,
+            s,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            loop_state=_loop_dict(s, t, info),
-            config=cfg.to_dict(),
-            state_dict_type=cfg.fsdp.state_dict_type,
-            save_total_limit=t.save_total_limit,
+            tokenizer=tokenizer,
+            info=info,
+            repo_id=repo_id,
         )
 
-    stop = _StopFlag(info.device)
+    stop = StopFlag(info.device)
     start = time.perf_counter()
     try:
         state = train(
@@ -295,7 +273,8 @@ def run(cfg: RunConfig) -> int:
             s=settings,
             state=state,
             logger=logger,
-            save_fn=save_fn if t.save_strategy != "no" else None,
+            # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
+            save_fn=save_fn,
             stop_requested=stop,
         )
     except NonFiniteError as e:
@@ -303,9 +282,10 @@ def run(cfg: RunConfig) -> int:
         logger.close()
         return EXIT_FAILED
     if state.step < total:
+        last = checkpoint.list_checkpoints(t.output_dir)[-1]
         print0(
-            f"Interrupted at step {state.step}/{total}. Resume with the same command plus "
-            f"--resume_from_checkpoint latest"
+            f"Interrupted at step {state.step}/{total}; checkpoint saved in {last}. Resume with the same command "
+            f"plus --resume_from_checkpoint latest (or --resume_from_checkpoint {last})."
         )
         logger.close()
         return EXIT_INTERRUPTED
@@ -328,7 +308,8 @@ def run(cfg: RunConfig) -> int:
 
 
 def _preflight(cfg: RunConfig, info) -> str | None:
-    """Checks that fail fast, before data and model loading: hub access, FSDP1-only options, GPU size."""
+    """Checks that fail fast, before data and model loading: hub access, FSDP1-only options, the optimizer on
+    this device, the checkpoint to resume from, GPU size."""
     from shardtune import hub
     from shardtune.distributed.mesh import broadcast_object
     from shardtune.launcher import fsdp1_only_notes
@@ -348,6 +329,8 @@ def _preflight(cfg: RunConfig, info) -> str | None:
             )
         except ValueError as e:
             problem = str(e)
+        if not problem:
+            problem = _optimizer_and_resume_problem(cfg, info)
         if info.device.type == "cuda" and not problem:
             from shardtune.plan import warn_if_too_small
 
@@ -360,36 +343,115 @@ def _preflight(cfg: RunConfig, info) -> str | None:
     return repo_id
 
 
+def _config_record(cfg: RunConfig) -> dict:
+    """The run's settings as saved in metrics.jsonl and checkpoints (which may be uploaded): no hub token."""
+    d = cfg.to_dict()
+    if d["train"].get("hub_token"):
+        d["train"]["hub_token"] = "<redacted>"
+    return d
+
+
+def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
+    from shardtune.trainer import BNB_OPTIMIZERS, optimizer_problems
+
+    t = cfg.train
+    problems = optimizer_problems(t.optim, info.device)
+    if problems:
+        return "; ".join(problems)
+    if not t.resume_from_checkpoint:
+        return None
+    try:
+        path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+        checkpoint.check_resumable(
+            path,
+            checkpoint.read_meta(path),
+            per_rank_optimizer=t.optim in BNB_OPTIMIZERS,
+            optimizer_name=f"--optim {t.optim}",
+            world=info.world_size,
+        )
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _save_checkpoint(cfg: RunConfig, s, *, model, optimizer, scheduler, tokenizer, info, repo_id: str | None) -> None:
+    """Save a checkpoint; with a hub repository, upload as --hub_strategy says (rank 0)."""
+    t = cfg.train
+    path = checkpoint.save(
+        t.output_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loop_state=_loop_dict(s, t, info),
+        config=_config_record(cfg),
+        state_dict_type=cfg.fsdp.state_dict_type,
+        save_total_limit=t.save_total_limit,
+    )
+    if not repo_id or t.hub_strategy == "end":
+        return
+    if t.hub_strategy == "every_save":
+        _write_weights(cfg, model, tokenizer, info)  # the adapter (or model) as of this step, for the upload
+    if info.is_main:
+        from shardtune import hub
+
+        try:
+            hub.push_checkpoint(
+                repo_id, path, t.output_dir, strategy=t.hub_strategy, hub_token=t.hub_token, step=s.step
+            )
+        except ValueError as e:  # a hub outage must not end a run whose checkpoint is safe on disk
+            warn0(str(e))
+            return
+        print0(f"Pushed step {s.step} to https://huggingface.co/{repo_id} (--hub_strategy {t.hub_strategy}).")
+
+
 def _loop_dict(s, t, info) -> dict:
+    """The loop state to save; the data position is also recorded in samples, which survive a change of ranks."""
     d = s.to_dict()
     d["samples_in_epoch"] = s.batch_in_epoch * t.per_device_train_batch_size * info.world_size
     d["global_batch"] = t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps
     return d
 
 
-def _resume(cfg, model, optimizer, scheduler, info, spe):
+def _resume(cfg, model, optimizer, scheduler, info):
     from shardtune.trainer import LoopState
 
     t = cfg.train
     path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+    saved_cfg = path / "config.json"
+    if saved_cfg.exists():
+        changed = checkpoint.changed_settings(
+            json.loads(saved_cfg.read_text()), json.loads(json.dumps(_config_record(cfg), default=str))
+        )
+        if changed:
+            warn0(f"Resuming {path} with settings that differ from its run: " + "; ".join(changed))
     meta = checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
-    loop = dict(meta["loop"])
-    gb = t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps
-    if loop.get("global_batch") != gb:
-        warn0(f"The checkpoint was trained with a global batch of {loop.get('global_batch')} rows; this run uses {gb}.")
-    per_micro = t.per_device_train_batch_size * info.world_size
-    samples = loop.pop("samples_in_epoch", 0)
-    loop.pop("global_batch", None)
+    loop, notes = checkpoint.resume_position(
+        meta,
+        per_device=t.per_device_train_batch_size,
+        world=info.world_size,
+        grad_accum=t.gradient_accumulation_steps,
+    )
+    for note in notes:
+        warn0(note)
     state = LoopState(**loop)
-    state.batch_in_epoch = samples // per_micro
-    print0(f"Resumed from {path} at step {state.step} (epoch {state.epoch}, sample {samples} of the epoch).")
+    newer = [c.name for c in checkpoint.list_checkpoints(t.output_dir) if int(c.name.split("-")[-1]) > state.step]
+    if newer:
+        warn0(
+            f"{Path(t.output_dir) / 'checkpoints'} holds checkpoints from after step {state.step} "
+            f"({', '.join(newer)}), left by the run being redone: each is replaced when this run saves that step; "
+            "until then --resume_from_checkpoint latest would pick them."
+        )
+    print0(
+        f"Resumed from {path} at step {state.step} (epoch {state.epoch}, "
+        f"sample {meta['loop'].get('samples_in_epoch', 0)} of the epoch)."
+    )
     return state
 
 
-def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
+def _write_weights(cfg: RunConfig, model, tokenizer, info) -> Path:
+    """Gather the adapter (or the whole model) and write it to output_dir in PEFT/transformers format."""
     from shardtune import export
     from shardtune.distributed.gather import gather_full, gather_trainable
-    from shardtune.distributed.mesh import barrier
 
     out = Path(cfg.train.output_dir)
     inner = model.model
@@ -397,14 +459,19 @@ def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
         sd = gather_trainable(inner)
         if info.is_main:
             export.save_adapter(inner, sd, tokenizer, out)
-            print0(f"Adapter written to {out}.")
     else:
         sd = gather_full(inner)
         if info.is_main:
             dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
             export.save_full_model(inner, sd, tokenizer, out, dtype=dtype)
-            print0(f"Model written to {out}.")
-    del sd
+    return out
+
+
+def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
+    from shardtune.distributed.mesh import barrier
+
+    out = _write_weights(cfg, model, tokenizer, info)
+    print0(f"{'Adapter' if cfg.model.use_peft_lora else 'Model'} written to {out}.")
     barrier()
     if cfg.train.merge_adapter and cfg.model.use_peft_lora and info.is_main:
         from shardtune.merge import merge_adapter

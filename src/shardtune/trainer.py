@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -10,9 +12,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from shardtune.checkpoint import fault_point
 from shardtune.data import PreparedSplit, iterate_batches, num_batches
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0
+
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 
 
 @dataclass
@@ -51,6 +56,141 @@ class LoopSettings:
 
 class NonFiniteError(RuntimeError):
     pass
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor itself otherwise), without autograd tracking."""
+    with torch.no_grad():
+        return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LocalShards:
+    """Lets a bitsandbytes optimizer step FSDP2 parameters.
+
+    bitsandbytes' update kernels have no DTensor sharding rule ("Operator bitsandbytes.optimizer_update_32bit
+    does not have a sharding strategy registered"), so the optimizer is given plain tensors that alias each
+    rank's local shard. Before each step they are re-pointed at the current local shard and gradient (FSDP2
+    may reallocate a shard at lazy init); after it their gradients are dropped. The optimizer state is
+    therefore per rank shard, and is saved and restored per rank by shardtune.checkpoint.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.proxies = [nn.Parameter(_local(p).detach()) for p in self.params]
+
+    def shapes(self) -> list[list[int]]:
+        return [list(x.shape) for x in self.proxies]
+
+    def pre_step(self, optimizer, args, kwargs) -> None:
+        for p, x in zip(self.params, self.proxies, strict=True):
+            local = _local(p)
+            # bitsandbytes replaces a non-contiguous p.data with a copy, which would stop updating the shard.
+            assert local.is_contiguous(), "an FSDP2 local shard is not contiguous"
+            x.data = local
+            # Empty shards (a rank holding none of a small tensor's rows) are left out of the step.
+            x.grad = _local(p.grad) if p.grad is not None and x.numel() else None
+
+    def post_step(self, optimizer, args, kwargs) -> None:
+        for x in self.proxies:
+            x.grad = None
+
+
+def _param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, biases or 1-D scales)."""
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    named_params: list[tuple[str, nn.Parameter]],
+    *,
+    optim: str,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+):
+    """AdamW over the trainable parameters: torch's (foreach or fused) or bitsandbytes' 8-bit one.
+
+    A bitsandbytes optimizer gets a `local_shards` attribute (LocalShards), which checkpoints use.
+    """
+    if optim in BNB_OPTIMIZERS:
+        import bitsandbytes as bnb
+
+        shards = LocalShards(named_params)
+        cls = bnb.optim.PagedAdamW8bit if optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        opt = cls(_param_groups(list(zip(shards.names, shards.proxies)), weight_decay), lr=lr, betas=betas, eps=eps)
+        opt.register_step_pre_hook(shards.pre_step)
+        opt.register_step_post_hook(shards.post_step)
+        opt.local_shards = shards
+        return opt
+    fused = optim == "adamw_torch_fused"
+    groups = _param_groups(named_params, weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True)
+
+
+def optimizer_problems(optim: str, device: torch.device) -> list[str]:
+    """Why --optim cannot run on this device (empty when it can); checked before data and model loading."""
+    if optim == "adamw_torch_fused":
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        if device.type not in _get_fused_kernels_supported_devices():
+            return [f"--optim adamw_torch_fused: torch has no fused AdamW for {device.type}; use --optim adamw_torch."]
+        return []
+    if optim not in BNB_OPTIMIZERS:
+        return []
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        return [f"--optim {optim} needs bitsandbytes ({e}): pip install bitsandbytes, or use --optim adamw_torch."]
+    # One real 8-bit step on a small tensor: the surest test that this bitsandbytes build supports the device.
+    try:
+        p = nn.Parameter(torch.zeros(4096, device=device))
+        p.grad = torch.ones_like(p)
+        bnb.optim.AdamW8bit([p], lr=1e-3).step()
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        return [
+            f"--optim {optim}: bitsandbytes cannot run its 8-bit optimizer on {device.type} ({e}); use --optim adamw_torch."
+        ]
+    if optim == "paged_adamw_8bit" and device.type != "cuda":
+        print0(f"--optim paged_adamw_8bit: paging needs CUDA; on {device.type} the 8-bit states are ordinary tensors.")
+    return []
+
+
+class StopFlag:
+    """SIGTERM/SIGINT: finish the current step, save, exit. The ranks agree on the step to stop at.
+
+    torchrun forwards the signal it receives to every worker, so a worker may see one Ctrl-C twice within
+    milliseconds; a signal repeated later than _FORCE_AFTER_S seconds ends the process at once.
+    """
+
+    _FORCE_AFTER_S = 2.0
+
+    def __init__(self, device):
+        self.device, self.signal, self.first, self.announced = device, None, None, False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        now = time.monotonic()
+        if self.first is not None and now - self.first > self._FORCE_AFTER_S:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.first is None:
+            self.first, self.signal = now, signal.Signals(signum).name
+
+    def __call__(self) -> bool:
+        """Whether any rank received a signal (a collective: every rank calls it once per step)."""
+        stop = all_reduce_sum([float(self.signal is not None)], self.device)[0] > 0
+        if stop and not self.announced:
+            self.announced = True
+            print0(f"Stop requested ({self.signal or 'a signal on another rank'}): saving a checkpoint, then stopping.")
+        return stop
 
 
 def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, grad_accum: int) -> int:
@@ -192,49 +332,64 @@ def train(
         step_batches = [next(batches) for _ in range(s.grad_accum)]
         loss, _, n_tokens = train_step(model, step_batches, info)
         grad_norm = clip_grad_norm(params, s.max_grad_norm)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            optimizer.zero_grad(set_to_none=True)
-            state.nonfinite_steps += 1
-            print0(
-                f"step {state.step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
-                f"({state.nonfinite_steps}/{s.max_nonfinite_steps})."
-            )
-            if state.nonfinite_steps >= s.max_nonfinite_steps:
-                raise NonFiniteError(
-                    f"{state.nonfinite_steps} steps had a non-finite loss or gradient norm "
-                    "(--max_nonfinite_steps); the last checkpoint is intact. Lower the learning rate "
-                    "or check the data."
-                )
-        else:
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        else:
+            _skip_nonfinite(state, s, loss, grad_norm)
+        # The model's gradients, not the optimizer's: a bitsandbytes optimizer steps aliases (LocalShards).
+        model.zero_grad(set_to_none=True)
         scheduler.step()
         _advance(state, s, n_tokens, loss)
         end_of_epoch = state.batch_in_epoch == 0
         if _due(state.step, s.logging_steps, s.logging_strategy, end_of_epoch) or state.step == s.total_steps:
-            elapsed = time.perf_counter() - t0
-            mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
-            record = {
-                "loss": loss,
-                "learning_rate": scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                "epoch": state.epoch + state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1),
-                "tokens": state.tokens,
-                "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
-                "memory_gb": max(mem),
-                "memory_per_rank_gb": mem,
-            }
-            logger.log_train(state.step, record)
+            logger.log_train(state.step, _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0))
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
         if eval_split is not None and _due(state.step, s.eval_steps, s.eval_strategy, end_of_epoch):
             logger.log_eval(
                 state.step, evaluate(model, eval_split, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
             )
-        if save_fn and (_due(state.step, s.save_steps, s.save_strategy, end_of_epoch) or stop_requested()):
+        fault_point("step", state.step, info.rank)
+        # One collective per step, so that every rank takes the same decision.
+        stop = stop_requested()
+        # A scheduled save waits for a finite step: the weights that just gave a non-finite loss are not a
+        # state worth keeping over the previous checkpoint. A stop request saves regardless.
+        if save_fn and (stop or (finite and _due(state.step, s.save_steps, s.save_strategy, end_of_epoch))):
             save_fn(state)
-        if stop_requested():
+        if stop:
             break
     return state
+
+
+def _skip_nonfinite(state: LoopState, s: LoopSettings, loss: float, grad_norm: float) -> None:
+    """Count a step whose loss or gradient norm is not finite (its update is dropped); stop after too many."""
+    state.nonfinite_steps += 1
+    print0(
+        f"step {state.step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
+        f"({state.nonfinite_steps}/{s.max_nonfinite_steps})."
+    )
+    if state.nonfinite_steps >= s.max_nonfinite_steps:
+        raise NonFiniteError(
+            f"{state.nonfinite_steps} steps had a non-finite loss or gradient norm (--max_nonfinite_steps "
+            f"{s.max_nonfinite_steps}); stopped at step {state.step + 1} without saving, so the last checkpoint is "
+            "the last good state. Lower the learning rate, check the data, or resume from that checkpoint."
+        )
+
+
+def _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0) -> dict:
+    elapsed = time.perf_counter() - t0
+    mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
+    return {
+        "loss": loss,
+        "learning_rate": scheduler.get_last_lr()[0],
+        "grad_norm": grad_norm,
+        "epoch": state.epoch + state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1),
+        "tokens": state.tokens,
+        "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
+        "memory_gb": max(mem),
+        "memory_per_rank_gb": mem,
+        "nonfinite_steps": state.nonfinite_steps,
+    }
 
 
 def _advance(state: LoopState, s: LoopSettings, n_tokens: int, loss: float) -> None:

@@ -112,6 +112,17 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+# How gloo and NCCL report that the process at the other end of a collective has gone away.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether a collective failed because another rank died (rather than from a bug of our own)."""
+    if isinstance(exc, dist.DistBackendError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
