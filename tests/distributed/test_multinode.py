@@ -1,0 +1,129 @@
+"""Two simulated nodes of two processes each on loopback (two `shardtune launch` processes, one per
+machine_rank) with HYBRID_SHARD, against one node of four processes with FULL_SHARD and the same global batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, run_cli, train_records
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _yaml(tmp_path, strategy: str, machines: int, processes: int):
+    cfg = yaml.safe_load((ROOT / "configs/fsdp_config_cpu.yaml").read_text())
+    cfg["fsdp_config"]["fsdp_sharding_strategy"] = strategy
+    cfg.update(num_machines=machines, num_processes=processes)
+    path = tmp_path / f"{strategy}_{machines}x{processes}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train_flags(assets, out, steps=3):
+    return [
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--chat_template_format",
+        "chatml",
+        "--max_seq_len",
+        "96",
+        "--packing",
+        "True",
+        "--seed",
+        "11",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "3e-3",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--output_dir",
+        str(out),
+    ]
+
+
+def _launch_two_machines(config, flags, port):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shardtune",
+                "launch",
+                "--config_file",
+                str(config),
+                "--machine_rank",
+                str(r),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                *flags,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+
+
+def test_hybrid_two_nodes_equals_one_node_full_shard_and_resumes_on_one_node(tiny_assets, tmp_path):
+    hybrid, full = tmp_path / "hybrid", tmp_path / "full"
+    _launch_two_machines(_yaml(tmp_path, "HYBRID_SHARD", 2, 4), _train_flags(tiny_assets, hybrid), _port())
+    run_cli(["launch", "--config_file", str(_yaml(tmp_path, "FULL_SHARD", 1, 4)), *_train_flags(tiny_assets, full)])
+    lh = [r["loss"] for r in train_records(hybrid)]
+    lf = [r["loss"] for r in train_records(full)]
+    assert len(lh) == 3
+    torch.testing.assert_close(torch.tensor(lh), torch.tensor(lf), rtol=1e-5, atol=0)
+    a, b = load_file(hybrid / "adapter_model.safetensors"), load_file(full / "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+    # The 2×2 run's checkpoint at step 2 resumes on one node of two processes (global batch 4 → 2: a warning).
+    ckpt = hybrid / "checkpoints" / "checkpoint-2"
+    assert (ckpt / "meta.json").exists()
+    resumed = tmp_path / "resumed"
+    proc = run_cli(
+        [
+            "launch",
+            "--config_file",
+            str(_yaml(tmp_path, "FULL_SHARD", 1, 2)),
+            *_train_flags(tiny_assets, resumed, steps=4),
+            "--resume_from_checkpoint",
+            str(ckpt),
+        ]
+    )
+    assert "global batch" in proc.stderr + proc.stdout
+    assert [r["step"] for r in train_records(resumed)] == [3, 4]
