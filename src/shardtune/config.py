@@ -137,6 +137,11 @@ class TrainArguments:
     merge_adapter: bool = _f(False, "Also write the base model with the adapter merged into output_dir/merged.")
     max_nonfinite_steps: int = _f(3, "Stop after this many skipped steps with a non-finite loss or gradient norm.")
     run_name: str | None = _f(None, "A name for the run in logs.")
+    ddp_timeout: int = _f(
+        1800,
+        "Seconds a collective waits for the other ranks before failing; lower it so that a "
+        "hung or lost rank stops the run sooner.",
+    )
     # Accepted so that command lines written for transformers' Trainer keep working.
     overwrite_output_dir: bool = _f(False, "Accepted for compatibility; outputs are always replaced atomically.")
     dataloader_num_workers: int = _f(0, "Accepted for compatibility; rows are pre-tokenized and packed.")

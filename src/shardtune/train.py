@@ -179,7 +179,7 @@ def run(cfg: RunConfig) -> int:
     )
 
     m, t = cfg.model, cfg.train
-    info = init_distributed(cfg.fsdp.sharding_strategy)
+    info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
     repo_id = _preflight(cfg, info)
     _seed_everything(t.seed)
     tokenizer, new_ids = modeling.load_tokenizer(
