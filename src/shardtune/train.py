@@ -301,7 +301,7 @@ def run(cfg: RunConfig) -> int:
                 out,
                 hub_token=t.hub_token,
                 message=f"shardtune: end of training (step {state.step})",
-                ignore=["checkpoints/*", ".*", "merged/*"],
+                ignore=hub.END_IGNORE,
             )
             print0(f"Uploaded {out} to https://huggingface.co/{repo_id}.")
     return 0

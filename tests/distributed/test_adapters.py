@@ -1,0 +1,257 @@
+"""Adapters on a sharded model: switching and disabling (2 ranks vs unsharded), and the helpers' user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardtune import adapters
+from tests.conftest import ROOT, _free_port, run_cli, train_records
+from tests.e2e.test_merge_after_training import _eval_loss, _peft_model
+
+FSDP_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+}
+
+WORKER = Path(__file__).with_name("adapters_worker.py")
+
+
+def _make_adapters(base: Path, out: Path) -> Path:
+    """Adapter `a`: LoRA on every linear plus a trained lm_head (modules_to_save); `b`: DoRA. Non-zero weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for seed, (name, dora, mts) in enumerate([("a", False, ["lm_head"]), ("b", True, None)]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        cfg = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            use_dora=dora,
+            modules_to_save=mts,
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+        )
+        peft_model = get_peft_model(model, cfg)
+        if mts:
+            with torch.no_grad():
+                peft_model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+        peft_model.save_pretrained(out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_adapters(tiny_assets, tmp_path_factory) -> Path:
+    return _make_adapters(tiny_assets["model"], tmp_path_factory.mktemp("adapters"))
+
+
+def test_switching_and_disabling_on_two_ranks_match_unsharded(tiny_assets, two_adapters, tmp_path):
+    out = tmp_path / "result"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    proc = subprocess.run(
+        [*cmd, str(WORKER), str(tiny_assets["model"]), str(two_adapters), str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in (0, 1):
+        r = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert r["world_size"] == 2 and r["fast_dora_layers"] == 2 * 7
+        assert r["flags_at_start_match_ref"]
+        assert r["mts_rows"] == [600, 300]
+        # The three settings give clearly different outputs...
+        assert r["gap_a_base"] > 1e-2 and r["gap_a_b"] > 1e-2
+        # ...and the sharded model matches the unsharded one in each of them.
+        for key in ("a", "disabled", "a_after_disabled", "using_b", "a_after_using"):
+            assert r[key] < 1e-5, (rank, key, r[key])
+        assert r["flags_after_disabled_unchanged"] and r["flags_after_using_unchanged"]
+        assert r["active_inside"] == "b" and r["active_after_using"] == "a"
+        # Switching to `b` for training after an eval forward: exactly b's weights train, on every block.
+        assert r["trainable_after_switch"] == ["b"]
+        assert r["flags_match_ref_after_switch"]
+        assert r["n_b_params"] == 2 * 7 * 3  # lora_A, lora_B and the DoRA magnitude of 7 linears in 2 blocks
+        assert r["b_grads_missing"] == [] and r["frozen_with_grads"] == []
+        assert r["b_grad_min_norm"] > 0 and r["b_grad_diff"] < 1e-5
+        # --adapter_path with meta loading on rank 1: the loaded adapter, trainable, and the base when disabled.
+        assert r["continued"] < 1e-5 and r["continued_disabled"] < 1e-5
+        assert r["continued_trainable"] == 2 * 7 * 2 + 1  # lora_A/lora_B of 14 linears + lm_head
+
+
+@pytest.fixture(scope="module")
+def unsharded(tiny_assets, two_adapters):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.modeling import CausalLMForTraining
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
+    pm = PeftModel.from_pretrained(base, two_adapters / "a", adapter_name="a", is_trainable=True)
+    pm.load_adapter(two_adapters / "b", adapter_name="b")
+    return CausalLMForTraining(pm)
+
+
+def test_helpers_name_the_problem(tiny_assets, unsharded):
+    from transformers import AutoModelForCausalLM
+
+    assert adapters.adapter_names(unsharded) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"no adapter named 'c'.*loaded: a, b"):
+        adapters.set_active_adapter(unsharded, "c")
+    plain = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
+    with pytest.raises(ValueError, match="holds no PEFT adapter.*--use_peft_lora True"):
+        adapters.active_adapter(plain)
+    layer = unsharded.model.base_model.model.model.layers[0].self_attn.q_proj
+    layer.merge(adapter_names=["a"])
+    try:
+        with (
+            pytest.raises(ValueError, match="merged into .*q_proj.*unmerge them first"),
+            adapters.disabled_adapter(unsharded),
+        ):
+            pass
+    finally:
+        layer.unmerge()
+
+
+def test_disabled_adapter_restores_frozen_flags(unsharded):
+    """peft's own context manager would leave the active adapter trainable on exit, even if it was frozen."""
+    unsharded.model.set_adapter("a", inference_mode=True)
+    try:
+        before = {n: p.requires_grad for n, p in unsharded.named_parameters()}
+        assert not any(before.values())
+        with adapters.disabled_adapter(unsharded):
+            pass
+        assert {n: p.requires_grad for n, p in unsharded.named_parameters()} == before
+    finally:
+        unsharded.model.set_adapter("a")
+
+
+def _dora_args(assets, out: Path, batch: int, extra: tuple[str, ...] = ()) -> list[str]:
+    args = ["train", "--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"])]
+    args += ["--chat_template_format", "chatml", "--max_seq_len", "96", "--packing", "True", "--seed", "7"]
+    args += ["--max_steps", "4", "--logging_steps", "1", "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine"]
+    args += ["--warmup_steps", "1", "--save_strategy", "no", "--gradient_accumulation_steps", "2"]
+    args += ["--gradient_checkpointing", "True", "--eval_strategy", "epoch", "--per_device_eval_batch_size", "4"]
+    args += ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
+    args += ["--lora_target_modules", "all-linear", "--use_dora", "True"]
+    return [*args, "--per_device_train_batch_size", str(batch), "--output_dir", str(out), *extra]
+
+
+def test_dora_two_ranks_match_one_process_and_reload(tiny_assets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    # The reference also names its adapter: the saved files do not depend on the name.
+    run_cli(_dora_args(tiny_assets, one, 4, ("--adapter_name", "dora_one")), nproc=1, env=FSDP_ENV)
+    run_cli(_dora_args(tiny_assets, two, 2, ("--merge_adapter", "True")), nproc=2, env=FSDP_ENV)
+    l1 = [r["loss"] for r in train_records(one)]
+    l2 = [r["loss"] for r in train_records(two)]
+    assert len(l1) == len(l2) == 4 and abs(l1[-1] - l1[0]) > 1e-3
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=0)
+    a1 = load_file(one / "adapter_model.safetensors")
+    a2 = load_file(two / "adapter_model.safetensors")
+    assert a1.keys() == a2.keys()
+    magnitudes = [k for k in a1 if "lora_magnitude_vector" in k]
+    assert len(magnitudes) == 2 * 7
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-4, atol=1e-6)
+    # The magnitudes trained away from their initial value, the norm of the base weight rows.
+    base = load_file(tiny_assets["model"] / "model.safetensors")
+    k = next(k for k in magnitudes if "layers.0.self_attn.q_proj" in k)
+    assert float((a1[k] - base["model.layers.0.self_attn.q_proj.weight"].norm(dim=1)).abs().max()) > 1e-4
+    # Reloaded with PeftModel, each adapter reproduces the eval loss its run reported.
+    for out in (one, two):
+        summary = json.loads((out / "train_summary.json").read_text())
+        peft_model = _peft_model(tiny_assets["model"], out)
+        assert _eval_loss(tiny_assets, out, peft_model) == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    # The merged DoRA model gives the PeftModel's logits.
+    ids = torch.randint(3, 600, (2, 24), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(two / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fast_dora_matches_peft(dtype, tol, dropout):
+    """Output and every gradient (input, lora_A, lora_B, magnitude) against peft's DoRA, with and without dropout,
+    on layers with and without bias."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(48, 80, bias=True), nn.SiLU(), nn.Linear(80, 32, bias=False)).to(dtype)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0", "2"], use_dora=True)
+    ref = get_peft_model(base, cfg)
+    with torch.no_grad():  # train the adapter away from its init, so that every term of the forward matters
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    fast = copy.deepcopy(ref)
+    assert adapters.use_fast_dora(fast) == 2 and adapters.use_fast_dora(fast) == 0
+    x = torch.randn(3, 7, 48, dtype=dtype)
+    results = []
+    for model in (ref, fast):
+        xx = x.clone().requires_grad_(True)
+        torch.manual_seed(1)  # the same dropout masks
+        y = model(xx)
+        y.float().square().sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((y.detach(), xx.grad, grads))
+    (y_ref, gx_ref, g_ref), (y, gx, g) = results
+    assert len(g_ref) == 6 and g.keys() == g_ref.keys()
+
+    def close(got, want):
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= tol * float(want.float().abs().max()), err
+
+    close(y, y_ref)
+    close(gx, gx_ref)
+    for k in g_ref:
+        close(g[k], g_ref[k])
+    # Eval mode (no dropout): the same too.
+    ref.eval()
+    fast.eval()
+    with torch.no_grad():
+        close(fast(x), ref(x))
+
+
+def test_fast_dora_matches_peft_on_a_4bit_base():
+    """QDoRA: the norm is taken over the dequantized weight, as peft does."""
+    import copy
+
+    import bitsandbytes as bnb
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(64, 96, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(96, 64) * 0.05, requires_grad=False, quant_type="nf4")
+    model = nn.Sequential(layer).to("cpu")  # bitsandbytes quantizes when the weight is moved
+    assert layer.weight.dtype == torch.uint8
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True, init_lora_weights=False)
+    ref = get_peft_model(model, cfg)
+    fast = copy.deepcopy(ref)
+    assert adapters.use_fast_dora(fast) == 1
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        want, got = ref(x), fast(x)
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
