@@ -5,7 +5,13 @@ Nothing here imports torch.distributed: sharding lives in shardtune.distributed.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import importlib.util
+import json
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -67,10 +73,17 @@ def bnb_config(
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
-        bnb_4bit_compute_dtype=DTYPES[compute_dtype_name],
+        bnb_4bit_compute_dtype=_named_dtype(compute_dtype_name, "--bnb_4bit_compute_dtype"),
         bnb_4bit_use_double_quant=nested,
-        bnb_4bit_quant_storage=DTYPES[storage_dtype_name],
+        bnb_4bit_quant_storage=_named_dtype(storage_dtype_name, "--bnb_4bit_quant_storage_dtype"),
     )
+
+
+def _named_dtype(name: str, flag: str) -> torch.dtype:
+    dtype = DTYPES.get(name.strip().lower().removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"{flag} {name!r} is not a dtype; use bfloat16, float16 or float32.")
+    return dtype
 
 
 def load_base_model(
@@ -81,11 +94,27 @@ def load_base_model(
     trust_remote_code: bool,
     quantization_config=None,
     on_meta: bool = False,
+    quantize_device: torch.device | None = None,
 ) -> nn.Module:
-    """Load AutoModelForCausalLM in `dtype` (the frozen base is held in the compute dtype), or its skeleton on meta."""
+    """Load AutoModelForCausalLM in `dtype` (the frozen base is held in the compute dtype), or its skeleton on meta.
+
+    A 4-bit base is quantized tensor by tensor while it is read (shardtune.quant); 8-bit is refused by the config.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if on_meta:
+    if quantization_config is not None and getattr(quantization_config, "load_in_4bit", False):
+        from shardtune.quant import load_4bit_model
+
+        model = load_4bit_model(
+            model_name_or_path,
+            quantization_config=quantization_config,
+            dtype=dtype,
+            attn_impl=attn_impl,
+            trust_remote_code=trust_remote_code,
+            on_meta=on_meta,
+            quantize_device=quantize_device,
+        )
+    elif on_meta:
         config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
@@ -102,6 +131,136 @@ def load_base_model(
         )
     model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device while modules compute their buffers (rotary frequencies) for real.
+
+    Parameters are allocated, then moved to meta as they are registered, before any initializer touches them.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            kwargs = dict(param.__dict__) if type(param) is not nn.Parameter else {}
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad, **kwargs)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_skeleton(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: str, trust_remote_code: bool):
+    """The model with every parameter on meta (nothing read, nothing initialised) and real buffers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code
+        )
+    return model
+
+
+def checkpoint_files(model_name_or_path: str) -> list[Path]:
+    """The model's .safetensors files (downloaded from the hub when it is not a local folder)."""
+    path = Path(model_name_or_path).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model_name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    raise ValueError(
+        f"{model_name_or_path}: no model.safetensors (or index) found; shardtune reads safetensors checkpoints "
+        "tensor by tensor. Convert the weights with transformers' save_pretrained(safe_serialization=True)."
+    )
+
+
+def iter_checkpoint(model_name_or_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time; pread, not mmap, so a tensor's memory is returned once it is dropped."""
+    from safetensors import safe_open
+
+    for file in checkpoint_files(model_name_or_path):
+        with safe_open(str(file), framework="pt", device="cpu", backend="pread") as f:
+            for name in f.offset_keys():  # in file order: sequential reads
+                yield name, f.get_tensor(name)
+
+
+def load_checkpoint_into(
+    model: nn.Module,
+    model_name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    convert: Callable[[nn.Module, str, torch.Tensor], bool] | None = None,
+) -> None:
+    """Fill a meta skeleton from the checkpoint one tensor at a time, each cast to dtype (as from_pretrained does).
+
+    convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True.
+    """
+    unexpected = []
+    for key, tensor in iter_checkpoint(model_name_or_path):
+        module_name, _, name = key.rpartition(".")
+        module = model.get_submodule(module_name) if _has_submodule(model, module_name) else None
+        if module is None or (name not in module._parameters and name not in module._buffers):
+            unexpected.append(key)
+            continue
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if convert is not None and convert(module, name, tensor):
+            continue
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
+        else:
+            module._buffers[name] = tensor
+        del tensor
+        release_free_memory()
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(
+            f"{model_name_or_path}: the checkpoint lacks {len(missing)} of the model's weights (e.g. {missing[:3]}); "
+            f"its tensor names (e.g. {unexpected[:3]}) do not match the model's. Load this model without "
+            "--use_4bit_quantization, or save it again with transformers' save_pretrained."
+        )
+
+
+def release_free_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc only; elsewhere a no-op).
+
+    glibc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) in its heap; reading and quantizing
+    tensor after tensor, or receiving shard after shard, then leaves a fragmented heap that holds on to memory
+    nothing uses. Measured on a 1.1 GB checkpoint quantized to a 0.44 GiB 4-bit model: 0.83 GiB resident without
+    this, 0.47 GiB with it.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None  # musl and macOS have none
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> int:
@@ -205,8 +364,13 @@ def decoder_block_classes(model: nn.Module, override: str | None = None) -> tupl
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; a packed 4-bit weight counts the values it stands for, not its bytes."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        shape = getattr(getattr(module, "quant_state", None), "shape", None)
+        if shape is not None:
+            total += math.prod(shape) - module.weight.numel()
     return trainable, total
 
 

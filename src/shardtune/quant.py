@@ -1,9 +1,257 @@
-"""4-bit and 8-bit frozen bases (bitsandbytes) under FSDP2: checks of the flag combinations."""
+"""4-bit frozen bases (bitsandbytes) under FSDP2.
+
+- `quantization_problems`: flag combinations that would train wrongly, refused before loading.
+- `load_4bit_model`: builds the model on the meta device and fills it tensor by tensor from the safetensors
+  files, quantizing each linear weight as soon as it is read, so the whole bf16 model is never in memory. On
+  ranks that receive their shards from rank 0 it only builds the skeleton (packed shapes, quantization state
+  on meta).
+- `prepare_for_fsdp`: each packed weight becomes an ordinary parameter of the storage dtype (which FSDP2 shards
+  and all-gathers like any bf16 tensor) and its `QuantState` stays on the layer, replicated on every rank.
+
+FSDP2 turns parameters into DTensors, which drops `Params4bit.quant_state`. bitsandbytes' `Linear4bit.forward`
+rebuilds the `Params4bit` from `module.quant_state` when the weight has lost it
+(`fix_4bit_weight_quant_state_from_module`, written for FSDP), so the all-gathered weight finds its state on
+every forward; PEFT's DoRA dequantizes that same rebuilt `Params4bit`.
+
+Nothing here imports torch.distributed: broadcasting the states lives in shardtune.distributed.loading.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 
-def quantization_problems(*, use_4bit: bool, use_8bit: bool, quant_storage_dtype: str, bf16: bool, fp16: bool,
-                          fsdp_enabled: bool, mixed_precision: str) -> list[str]:
+import torch
+from torch import nn
+
+# Floating storage dtypes that FSDP2 can shard and all-gather as the packed 4-bit weights' parameter dtype.
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_PRECISION_FOR = {"bfloat16": "--bf16 True", "float16": "--fp16 True", "float32": "neither --bf16 nor --fp16"}
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _dtype_name(name: str) -> str:
+    name = name.strip().lower().removeprefix("torch.")
+    return _ALIASES.get(name, name)
+
+
+def fsdp_param_dtype_name(*, bf16: bool, fp16: bool, mixed_precision: str) -> str:
+    """The dtype FSDP computes in (and casts floating parameters to): what the packed weights must be stored in."""
+    if bf16 or mixed_precision == "bf16":
+        return "bfloat16"
+    if fp16 or mixed_precision == "fp16":
+        return "float16"
+    return "float32"
+
+
+def _precision_flags(bf16: bool, fp16: bool, mixed_precision: str) -> str:
+    if bf16 or fp16:
+        return "--bf16 True" if bf16 else "--fp16 True"
+    if mixed_precision in ("bf16", "fp16"):
+        return f"mixed_precision: {mixed_precision}"
+    return "neither --bf16 nor --fp16"
+
+
+def quantization_problems(
+    *,
+    use_4bit: bool,
+    use_8bit: bool,
+    quant_storage_dtype: str,
+    bf16: bool,
+    fp16: bool,
+    fsdp_enabled: bool,
+    mixed_precision: str,
+) -> list[str]:
     """Combinations that would train wrongly under FSDP, each with the flags to set."""
-    return []
+    problems = []
+    want = fsdp_param_dtype_name(bf16=bf16, fp16=fp16, mixed_precision=mixed_precision)
+    if use_8bit:
+        problems.append(
+            "--use_8bit_quantization is not supported: shardtune shards every model with FSDP2 (a single process "
+            "too), and bitsandbytes' 8-bit layers keep int8 weights with per-row scales that FSDP2 can neither cast "
+            "nor all-gather with their scales. Use 4-bit QLoRA instead: --use_4bit_quantization True "
+            f"--bnb_4bit_quant_storage_dtype {want}."
+        )
+    if not use_4bit:
+        return problems
+    storage = _dtype_name(quant_storage_dtype)
+    if storage not in (*STORAGE_DTYPES, "uint8"):
+        problems.append(
+            f"--bnb_4bit_quant_storage_dtype {quant_storage_dtype!r} is not a dtype; use {want} "
+            "(the dtype FSDP computes in)."
+        )
+    elif storage == "uint8" and fsdp_enabled:
+        problems.append(
+            "--bnb_4bit_quant_storage_dtype uint8 (the default) cannot be used under FSDP: the packed 4-bit weights "
+            "are sharded and all-gathered as FSDP parameters, which must be of FSDP's floating parameter dtype. "
+            f"Set --bnb_4bit_quant_storage_dtype {want} (with {_precision_flags(bf16, fp16, mixed_precision)})."
+        )
+    elif storage != "uint8" and storage != want and (fsdp_enabled or want != "float32"):
+        problems.append(
+            f"--bnb_4bit_quant_storage_dtype {storage} differs from FSDP's parameter dtype {want} "
+            f"({_precision_flags(bf16, fp16, mixed_precision)}): FSDP would cast the packed 4-bit bytes as if they "
+            f"were numbers. Set --bnb_4bit_quant_storage_dtype {want}, or match the precision to the storage "
+            f"({_PRECISION_FOR[storage]})."
+        )
+    return problems
+
+
+def linear4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every bitsandbytes 4-bit linear layer, in module order (the same order on every rank)."""
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            yield name, module
+
+
+def load_4bit_model(
+    model_name_or_path: str,
+    *,
+    quantization_config,
+    dtype: torch.dtype,
+    attn_impl: str,
+    trust_remote_code: bool,
+    on_meta: bool = False,
+    quantize_device: torch.device | None = None,
+) -> nn.Module:
+    """A 4-bit model whose linear weights are quantized one tensor at a time while the checkpoint is read.
+
+    dtype is the dtype the checkpoint is cast to before quantizing (as transformers does) and that of the
+    unquantized parameters. With on_meta, nothing is read: packed weights and quantization states are on meta,
+    with the shapes rank 0 will send. quantize_device (CUDA) only speeds quantization up; results return to CPU.
+    """
+    from transformers.quantizers import AutoHfQuantizer
+
+    from shardtune import modeling
+
+    model = modeling.build_skeleton(
+        model_name_or_path, dtype=dtype, attn_impl=attn_impl, trust_remote_code=trust_remote_code
+    )
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise ValueError(
+            f"{model_name_or_path} is already quantized; --use_4bit_quantization quantizes an unquantized base "
+            "while loading it. Point --model_name_or_path at the unquantized model."
+        )
+    quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)
+    # Replaces nn.Linear by bnb Linear4bit on meta, skipping the output head (transformers' own choice).
+    quantizer.preprocess_model(model, device_map=None)
+    if on_meta:
+        for _, module in linear4bit_modules(model):
+            _quantize_on_meta(module, dtype)
+    else:
+        device = quantize_device or torch.device("cpu")
+        modeling.load_checkpoint_into(
+            model, model_name_or_path, dtype=dtype, convert=lambda m, n, t: _quantize_into(m, n, t, device)
+        )
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    for _, module in linear4bit_modules(model):
+        # bitsandbytes repacks weights in place for its AVX512-BF16 inference kernel on CPU in eval mode; under
+        # FSDP that would rewrite the all-gathered buffer and the shared QuantState.
+        module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def _quantize_into(module: nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> bool:
+    """Quantize a Linear4bit weight as it is read (True); anything else is left to the caller (False)."""
+    import bitsandbytes as bnb
+
+    if not (isinstance(module, bnb.nn.Linear4bit) and name == "weight"):
+        return False
+    old = module._parameters["weight"]
+    # The same construction as transformers' Bnb4bitQuantize, so the packed bytes match its from_pretrained.
+    param = bnb.nn.Params4bit(tensor, requires_grad=False, **old.__dict__).to(device)  # sets module.quant_state
+    if param.device.type != "cpu":
+        param = param.to("cpu")  # the state moves with it: rank 0 holds the model in host memory until sharding
+    module._parameters["weight"] = param
+    return True
+
+
+def _quantize_on_meta(module: nn.Module, dtype: torch.dtype) -> None:
+    """The packed weight and its QuantState on meta, shaped as bitsandbytes' quantize_4bit makes them."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    old = module._parameters["weight"]
+    n = old.numel()
+    storage = old.quant_storage
+    blocks = -(-n // old.blocksize)
+    meta = torch.device("meta")
+    state2 = offset = None
+    absmax_dtype = torch.float32
+    if old.compress_statistics:
+        absmax_dtype = torch.uint8
+        offset = torch.empty((), dtype=torch.float32, device=meta)
+        state2 = QuantState(
+            absmax=torch.empty(-(-blocks // 256), dtype=torch.float32, device=meta),
+            code=torch.empty(256, dtype=torch.float32, device=meta),
+            blocksize=256,
+            dtype=torch.float32,
+        )
+    state = QuantState(
+        absmax=torch.empty(blocks, dtype=absmax_dtype, device=meta),
+        shape=old.shape,
+        code=torch.empty(16, dtype=torch.float32, device=meta),
+        blocksize=old.blocksize,
+        quant_type=old.quant_type,
+        dtype=dtype,
+        offset=offset,
+        state2=state2,
+    )
+    packed = torch.empty(((n + 1) // (storage.itemsize * 2), 1), dtype=storage, device=meta)
+    kwargs = {k: v for k, v in old.__dict__.items() if k not in ("quant_state", "bnb_quantized")}
+    module._parameters["weight"] = bnb.nn.Params4bit(
+        packed, requires_grad=False, quant_state=state, bnb_quantized=True, **kwargs
+    )
+    module.quant_state = state
+
+
+def quant_state_tensors(state) -> list[tuple[object, str]]:
+    """(holder, attribute) of every tensor in a QuantState, nested state included, in a fixed order."""
+    out = [(state, "absmax"), (state, "code")]
+    if state.nested:
+        out += [(state, "offset"), (state.state2, "absmax"), (state.state2, "code")]
+    return out
+
+
+def prepare_for_fsdp(model: nn.Module, param_dtype: torch.dtype | None) -> int:
+    """Make every packed 4-bit weight a plain frozen parameter of its storage dtype; keep its state on the layer.
+
+    FSDP2 casts floating parameters to param_dtype before all-gathering them: a packed weight stored in
+    another floating dtype would have its bytes converted as numbers. Returns the number of layers prepared.
+    """
+    count = 0
+    for name, module in linear4bit_modules(model):
+        weight = module.weight
+        state = getattr(weight, "quant_state", None)
+        state = module.quant_state if state is None else state
+        assert state is not None, f"{name}: 4-bit layer without a quantization state"
+        if weight.dtype.is_floating_point and param_dtype is not None and weight.dtype != param_dtype:
+            raise ValueError(
+                f"{name}: packed 4-bit weights are stored as {weight.dtype} but FSDP computes in {param_dtype}; "
+                f"set --bnb_4bit_quant_storage_dtype to {str(param_dtype).removeprefix('torch.')}."
+            )
+        module.quant_state = state
+        module.quant_storage = weight.dtype
+        module._parameters["weight"] = nn.Parameter(weight.data, requires_grad=False)
+        count += 1
+    return count
+
+
+def move_quant_states(model: nn.Module, device: torch.device) -> None:
+    for _, module in linear4bit_modules(model):
+        module.quant_state.to(device)
+
+
+def quantized_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the packed 4-bit weights held here (local shards), in full, and of the replicated states."""
+    out = {"packed_local": 0, "packed_total": 0, "quant_state": 0}
+    for _, module in linear4bit_modules(model):
+        w = module.weight
+        local = w.to_local() if hasattr(w, "to_local") else w
+        out["packed_local"] += local.numel() * local.element_size()
+        out["packed_total"] += w.numel() * w.element_size()
+        for holder, attr in quant_state_tensors(module.quant_state):
+            t = getattr(holder, attr)
+            out["quant_state"] += t.numel() * t.element_size()
+    return out

@@ -2,24 +2,29 @@
 
 1. Process group and mesh (done by `init_distributed` before this is called).
 2. Model skeleton: real weights on rank 0 (or on every rank without cpu_ram_efficient_loading); meta elsewhere.
-3. Quantize (4-bit, storage dtype = FSDP's param dtype); resize embeddings; attach the PEFT adapter; freeze the base.
+   A 4-bit base is quantized tensor by tensor while rank 0 reads it (shardtune.quant).
+3. Resize embeddings; attach the PEFT adapter; freeze the base; packed 4-bit weights become plain parameters of
+   the storage dtype (= FSDP's param dtype) with their quantization state kept on the layer.
 4. Activation checkpointing per decoder block.
-5. `fully_shard` each decoder block, then the root.
-6. Materialize and fill the shards (broadcast from rank 0 / slice from each rank's own copy).
+5. `fully_shard` each decoder block, then the root (rank 0 first hands its real tensors to the loader, so that
+   it shards on meta like the others).
+6. Materialize and fill the shards (broadcast from rank 0 one tensor at a time / slice from each rank's own
+   copy); give every rank the 4-bit quantization states, replicated, on its device.
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from shardtune import modeling
+from shardtune import modeling, quant
 from shardtune.distributed.fsdp import assert_sharded, shard_model
-from shardtune.distributed.loading import full_state_dict_for_broadcast, materialize_from_rank0
-from shardtune.distributed.mesh import DistInfo
+from shardtune.distributed.loading import broadcast_quant_states, materialize_from_rank0, take_full_tensors
+from shardtune.distributed.mesh import DistInfo, all_gather_objects
 from shardtune.log import print0
 
 
@@ -60,8 +65,9 @@ class ModelSpec:
 
 def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMForTraining:
     """Steps 2–7 of the setup order; returns the sharded training module."""
-    on_meta = spec.cpu_ram_efficient_loading and not info.is_main and info.world_size > 1
-    assert spec.quantization_config is None or not on_meta, "4-bit meta loading is handled by shardtune.quant"
+    from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1
+    on_meta = from_rank0 and not info.is_main
+    quantized = spec.quantization_config is not None
     # Step 2: real weights on rank 0 (or everywhere), a skeleton on meta elsewhere.
     base = modeling.load_base_model(
         spec.model_name_or_path,
@@ -70,6 +76,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
         trust_remote_code=spec.trust_remote_code,
         quantization_config=spec.quantization_config,
         on_meta=on_meta,
+        quantize_device=info.device if info.device.type == "cuda" else None,
     )
     # Step 3: resize for new tokens, attach the adapter, freeze the base.
     old_rows = base.get_input_embeddings().weight.shape[0]
@@ -77,7 +84,11 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     # Train and save every row the base checkpoint lacks (new tokens and the padding to a multiple of 8, whose
     # output logits still enter the softmax), so the adapter reproduces the trained model after reload.
     spec.new_token_ids = sorted(set(spec.new_token_ids) | set(range(old_rows, new_rows)))
-    model = _attach(base, spec)
+    # On meta ranks, whatever PEFT allocates stays on meta (DoRA deep-copies a 4-bit layer to dequantize it).
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = _attach(base, spec)
+    if quantized:
+        quant.prepare_for_fsdp(model, spec.param_dtype)
     # Step 4: activation checkpointing inside each decoder block.
     if spec.gradient_checkpointing:
         _enable_checkpointing(model, spec)
@@ -90,11 +101,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     if spec.torch_compile:
         for b in blocks:
             b.compile()
-    full_sd = (
-        full_state_dict_for_broadcast(train_module)
-        if (spec.cpu_ram_efficient_loading and info.is_main and info.world_size > 1)
-        else None
-    )
+    full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_main else None
     # Step 5: shard each block, then the root.
     offload = spec.offload and info.device.type == "cuda"
     if spec.offload and not offload:
@@ -113,19 +120,38 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
         reshard_after_forward=spec.reshard_after_forward,
     )
     # Step 6: fill the shards.
-    if spec.cpu_ram_efficient_loading and info.world_size > 1:
-        materialize_from_rank0(train_module, full_sd, info.device)
-        del full_sd
+    if from_rank0:
+        materialize_from_rank0(train_module, full_tensors, info.device)
+        del full_tensors
     elif info.device.type == "cuda" and not offload:
         train_module.to(info.device)
+    if quantized and from_rank0:
+        broadcast_quant_states(train_module, info.device)
+    elif quantized:
+        quant.move_quant_states(train_module, info.device)
     # Step 7.
-    assert_sharded(train_module, info.mesh.size(-1) if info.mesh.ndim > 1 else info.world_size)
+    shards = info.mesh.size(-1) if info.mesh.ndim > 1 else info.world_size
+    assert_sharded(train_module, shards)
     trainable, total = modeling.count_parameters(model)
     print0(
         f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
         f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks sharded over {info.world_size} rank(s)."
     )
+    if quantized:
+        _report_4bit(train_module, shards, offload)
     return train_module
+
+
+def _report_4bit(model: nn.Module, shards: int, offload: bool) -> None:
+    """Each rank holds 1/N of the packed 4-bit bytes; the quantization states are replicated."""
+    per_rank = all_gather_objects(quant.quantized_bytes(model))
+    mib = 2**20
+    held = ", ".join(f"{b['packed_local'] / mib:.2f}" for b in per_rank)
+    print0(
+        f"4-bit base: {per_rank[0]['packed_total'] / mib:.2f} MiB of packed weights sharded over {shards} rank(s), "
+        f"held per rank: [{held}] MiB{' (in host RAM: fsdp_offload_params)' if offload else ''}; quantization "
+        f"states {per_rank[0]['quant_state'] / mib:.2f} MiB replicated on every rank."
+    )
 
 
 def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
