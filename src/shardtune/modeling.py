@@ -420,6 +420,9 @@ class CausalLMForTraining(nn.Module):
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Full logits (for tests and evaluation of small batches)."""
+        if hasattr(self, "unshard"):
+            # Sharded root: calling the decoder directly skips the root's FSDP hooks, so gather its weights here.
+            self.unshard()
         return self._head(self.hidden_states(input_ids, position_ids)).float()
 
 

@@ -87,6 +87,11 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     # On meta ranks, whatever PEFT allocates stays on meta (DoRA deep-copies a 4-bit layer to dequantize it).
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         model = _attach(base, spec)
+    if spec.use_peft_lora and spec.use_dora:
+        from shardtune.adapters import use_fast_dora
+
+        # Same outputs and gradients as peft's DoRA forward, with fewer passes over the weight (docs/adapters.md).
+        use_fast_dora(model)
     if quantized:
         quant.prepare_for_fsdp(model, spec.param_dtype)
     # Step 4: activation checkpointing inside each decoder block.
