@@ -12,7 +12,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from shardtune.config import (
@@ -181,7 +181,8 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
     """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens."""
     shape = ModelShape.from_config(config)
     if chat_template_format in ("chatml", "zephyr"):
-        shape = shape.with_vocab(-(-(shape.vocab_size + _CHAT_NEW_TOKENS) // 8) * 8)
+        padded = -(-(shape.vocab_size + _CHAT_NEW_TOKENS) // 8) * 8
+        shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)
     return shape
 
 

@@ -63,6 +63,23 @@ def _run_pair(assets, tmp_path, extra):
     return one, two
 
 
+def _assert_planner_matches(out, model_dir, **kwargs):
+    """`shardtune plan`'s per-rank weight bytes equal what each rank's sharded tensors held in the run."""
+    import json
+
+    from transformers import AutoConfig
+
+    from shardtune.plan import plan_shape
+    from shardtune.planning.estimate import model_state_bytes_per_rank
+
+    start = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "start")
+    held = start["config"]["param_bytes_per_rank"]
+    shape = plan_shape(AutoConfig.from_pretrained(model_dir), "chatml")
+    for rank, got in enumerate(held):
+        est = model_state_bytes_per_rank(shape, world_size=len(held), bf16=False, rank=rank, **kwargs)
+        assert (est["frozen"], est["trainable"]) == (got["frozen"], got["trainable"]), (rank, est, got)
+
+
 def _assert_same_losses(one, two):
     l1 = [r["loss"] for r in train_records(one)]
     l2 = [r["loss"] for r in train_records(two)]
@@ -98,6 +115,8 @@ def test_lora_two_ranks_match_one_process(tiny_assets, tmp_path, use_dora):
     assert any("trainable_tokens_delta" in k for k in a1)
     for k in a1:
         torch.testing.assert_close(a2[k], a1[k], rtol=1e-4, atol=1e-6)
+    for out in (one, two):
+        _assert_planner_matches(out, tiny_assets["model"], lora_r=4, use_dora=use_dora)
     # lora_B starts at zero; after training it is not.
     assert any(v.abs().max() > 0 for k, v in a1.items() if "lora_B" in k)
 
@@ -105,6 +124,8 @@ def test_lora_two_ranks_match_one_process(tiny_assets, tmp_path, use_dora):
 def test_full_finetune_two_ranks_match_one_process(tiny_assets, tmp_path):
     one, two = _run_pair(tiny_assets, tmp_path, ["--use_peft_lora", "False"])
     _assert_same_losses(one, two)
+    for out in (one, two):
+        _assert_planner_matches(out, tiny_assets["model"], use_peft_lora=False)
     w1 = load_file(one / "model.safetensors")
     w2 = load_file(two / "model.safetensors")
     assert w1.keys() == w2.keys() and len(w1) > 10

@@ -38,6 +38,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    # Embedding rows the base checkpoint lacks (chat tokens + padding to a multiple of 8): trained as LoRA's
+    # trainable token rows in the input embedding and the untied output head.
+    new_token_rows: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -279,6 +282,10 @@ def model_tensors(
             key = "embed_tokens.weight" if module == "embed_tokens" else f"{module}.weight"
             for t in [t for t in out if t.name == key and t.group == "root"]:
                 out.append(Tensor(f"{module}.modules_to_save.weight", t.shape, trainable_bytes, True, "root"))
+        token_modules = ["embed_tokens"] + ([] if shape.tie_word_embeddings else ["lm_head"])
+        for module in [m for m in token_modules if m not in modules_to_save] if shape.new_token_rows else []:
+            delta = (shape.new_token_rows, h)
+            out.append(Tensor(f"{module}.token_adapter.trainable_tokens_delta", delta, trainable_bytes, True, "root"))
     return out
 
 
