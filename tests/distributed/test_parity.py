@@ -131,3 +131,41 @@ def test_full_finetune_two_ranks_match_one_process(tiny_assets, tmp_path):
     assert w1.keys() == w2.keys() and len(w1) > 10
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD"])
+def test_other_sharding_strategies_match_one_process(tiny_assets, tmp_path, strategy):
+    extra = [
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--max_steps",
+        "2",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cli(_args(tiny_assets, one, ["--per_device_train_batch_size", "4", *extra]), nproc=1, env=FSDP_ENV)
+    run_cli(
+        _args(tiny_assets, two, ["--per_device_train_batch_size", "2", *extra]),
+        nproc=2,
+        env={**FSDP_ENV, "FSDP_SHARDING_STRATEGY": strategy},
+    )
+    l1 = [r["loss"] for r in train_records(one)]
+    l2 = [r["loss"] for r in train_records(two)]
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=0)
+    held = _held_bytes(two)
+    if strategy == "NO_SHARD":  # full replicas: each rank holds every byte
+        assert held[0] == held[1] == _held_bytes(one)[0]
+    else:
+        assert held[0]["frozen"] < 0.6 * _held_bytes(one)[0]["frozen"]
+
+
+def _held_bytes(out):
+    import json
+
+    start = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "start")
+    return start["config"]["param_bytes_per_rank"]
