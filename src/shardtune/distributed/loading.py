@@ -1,17 +1,60 @@
-"""Filling sharded parameters: from each rank's own copy, or sent from rank 0 (cpu_ram_efficient_loading).
+"""Filling sharded parameters: from each rank's own copy, or sent from rank 0 of the node
+(cpu_ram_efficient_loading).
 
-With cpu_ram_efficient_loading only rank 0 reads the checkpoint; the other ranks build the model on the meta
-device. Rank 0 then scatters its full tensors one at a time, each rank receiving only its rows, and frees each
-tensor once it is sent: the other ranks never hold more than their shards, and rank 0's shards fill the memory its
-full tensors give back.
+With cpu_ram_efficient_loading only rank 0 of each node (LOCAL_RANK 0) reads the checkpoint; the other ranks build
+the model on the meta device. Each node's rank 0 then scatters its full tensors one at a time over a node-local
+process group, each rank of the node receiving only its rows, and frees each tensor once it is sent: the other
+ranks never hold more than their shards, and the node's rank 0 fills its shards from the memory its full tensors
+give back. Nothing crosses nodes; on one node this is rank 0 sending over the default group.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class NodeGroup:
+    """The ranks of this node: `src` (global rank of the node's local rank 0) sends to them over `group`."""
+
+    src: int
+    ranks: list[int]
+    group: dist.ProcessGroup | None  # None: the default group (a single node)
+
+
+def node_group(rank: int, local_rank: int) -> NodeGroup:
+    """This rank's node-local process group; a collective call, made by every rank in the same order.
+
+    Nodes are told apart by their local rank 0's global rank (torchrun numbers a node's ranks contiguously), so
+    nodes of different sizes work too. Every rank creates every node's group, as `dist.new_group` requires.
+    """
+    leaders: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(leaders, rank - local_rank)
+    mine, group = leaders[rank], None
+    nodes = sorted(set(leaders))
+    if len(nodes) == 1:
+        return NodeGroup(mine, list(range(len(leaders))), None)
+    for leader in nodes:
+        members = [r for r, lead in enumerate(leaders) if lead == leader]
+        g = dist.new_group(members)
+        if leader == mine:
+            group, ranks = g, members
+    return NodeGroup(mine, ranks, group)
+
+
+def note_checkpoint_read(rank: int) -> None:
+    """For tests: with SHARDTUNE_LOAD_LOG=<dir>, a rank that reads the checkpoint touches <dir>/loaded-rank<r>."""
+    where = os.environ.get("SHARDTUNE_LOAD_LOG")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / f"loaded-rank{rank}").touch()
 
 
 def take_full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -39,30 +82,31 @@ def take_full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def materialize_from_rank0(
-    model: nn.Module, full_tensors: dict[str, torch.Tensor] | None, device: torch.device
+    model: nn.Module, full_tensors: dict[str, torch.Tensor] | None, device: torch.device, node: NodeGroup
 ) -> None:
     """Setup order step 6 for meta-initialised ranks: allocate the local shards, then receive their values.
 
-    Every rank's model is sharded on meta at this point (rank 0's real tensors were taken out by
-    `take_full_tensors`). For each parameter, rank 0 scatters the rows of the full tensor (each rank receives
-    only its own shard) and drops the tensor. Buffers (rotary frequencies) are broadcast.
+    Every rank's model is sharded on meta at this point (the node's rank 0 had its real tensors taken out by
+    `take_full_tensors`). For each parameter, the node's rank 0 scatters the rows of the full tensor to the ranks
+    of its node (each receives only its own shard) and drops the tensor. Buffers (rotary frequencies) are
+    broadcast within the node.
     """
     from shardtune.modeling import release_free_memory
 
-    rank = dist.get_rank()
-    if rank == 0:
+    sender = dist.get_rank() == node.src
+    if sender:
         names = {n for n, _ in model.named_parameters()}
-        assert full_tensors is not None and names <= set(full_tensors), "rank 0 lacks some parameters"
+        assert full_tensors is not None and names <= set(full_tensors), "the node's rank 0 lacks some parameters"
     _allocate(model, device)
     for name, param in model.named_parameters():
-        full = full_tensors.pop(name).to(device) if rank == 0 else None
-        _scatter_rows(param, full, device)
+        full = full_tensors.pop(name).to(device) if sender else None
+        _scatter_rows(param, full, device, node)
         del full
         release_free_memory()
-    if rank == 0:
+    if sender:
         full_tensors.clear()
     for buf in model.buffers():
-        dist.broadcast(buf.data, src=0)
+        dist.broadcast(buf.data, src=node.src, group=node.group)
 
 
 def _allocate(model: nn.Module, device: torch.device) -> None:
@@ -80,15 +124,17 @@ def _shard_index(global_rank: int, mesh) -> int:
 
 
 @torch.no_grad()
-def _scatter_rows(param: torch.Tensor, full: torch.Tensor | None, device: torch.device) -> None:
-    """Fill this rank's shard of `param` from rank 0's full tensor, sending each rank only its rows.
+def _scatter_rows(param: torch.Tensor, full: torch.Tensor | None, device: torch.device, node: NodeGroup) -> None:
+    """Fill this rank's shard of `param` from its node's rank 0's full tensor, sending each rank only its rows.
 
-    FSDP2 shards dim 0 like torch.chunk: shard i holds rows [i·c, (i+1)·c) with c = ceil(rows / shards).
+    FSDP2 shards dim 0 like torch.chunk: shard i holds rows [i·c, (i+1)·c) with c = ceil(rows / shards), i being
+    the rank's index along the mesh's shard dimension (a slice of the global tensor when FULL_SHARD spans nodes).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    sender = rank == node.src
     if not isinstance(param, DTensor):
-        buf = full if rank == 0 else torch.empty(param.shape, dtype=param.dtype, device=device)
-        dist.broadcast(buf, src=0)
+        buf = full if sender else torch.empty(param.shape, dtype=param.dtype, device=device)
+        dist.broadcast(buf, src=node.src, group=node.group)
         param.copy_(buf)
         return
     mesh, rows, rest = param.device_mesh, param.shape[0], tuple(param.shape[1:])
@@ -100,9 +146,9 @@ def _scatter_rows(param: torch.Tensor, full: torch.Tensor | None, device: torch.
     direct = local.shape[0] == chunk and local.is_contiguous()
     out = local if direct else torch.empty((chunk, *rest), dtype=param.dtype, device=device)
     pieces = None
-    if rank == 0:
-        pieces = [_padded_rows(full, _shard_index(r, mesh) * chunk, chunk) for r in range(world)]
-    dist.scatter(out, pieces, src=0)
+    if sender:
+        pieces = [_padded_rows(full, _shard_index(r, mesh) * chunk, chunk) for r in node.ranks]
+    dist.scatter(out, pieces, src=node.src, group=node.group)
     if not direct:
         local.copy_(out[: local.shape[0]])
 
@@ -117,8 +163,8 @@ def _padded_rows(full: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
     return padded
 
 
-def broadcast_quant_states(model: nn.Module, device: torch.device) -> None:
-    """Give every rank rank 0's 4-bit quantization states (replicated, not sharded), on `device`.
+def broadcast_quant_states(model: nn.Module, device: torch.device, node: NodeGroup) -> None:
+    """Give every rank its node's rank 0's 4-bit quantization states (replicated, not sharded), on `device`.
 
     The other ranks built theirs on meta with the same shapes; the shapes are checked before any tensor is sent.
     """
@@ -127,10 +173,10 @@ def broadcast_quant_states(model: nn.Module, device: torch.device) -> None:
     holders = [h for _, m in linear4bit_modules(model) for h in quant_state_tensors(m.quant_state)]
     shapes = [(tuple(getattr(h, a).shape), str(getattr(h, a).dtype)) for h, a in holders]
     box = [shapes]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] == shapes, "4-bit quantization states differ in shape between rank 0 and this rank"
+    dist.broadcast_object_list(box, src=node.src, group=node.group)
+    assert box[0] == shapes, "4-bit quantization states differ in shape between the node's rank 0 and this rank"
     for holder, attr in holders:
         t = getattr(holder, attr)
         t = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=node.src, group=node.group)
         setattr(holder, attr, t)

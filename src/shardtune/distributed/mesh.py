@@ -124,5 +124,10 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def shutdown() -> None:
+    """Leave together: a rank tearing down its groups while a peer is still in a collective can abort at exit."""
     if dist.is_initialized():
+        try:
+            dist.barrier()
+        except (RuntimeError, dist.DistBackendError):  # a peer is already gone; nothing to wait for
+            pass
         dist.destroy_process_group()

@@ -1,15 +1,15 @@
 """Build the sharded training model, in FSDP2 setup order:
 
 1. Process group and mesh (done by `init_distributed` before this is called).
-2. Model skeleton: real weights on rank 0 (or on every rank without cpu_ram_efficient_loading); meta elsewhere.
-   A 4-bit base is quantized tensor by tensor while rank 0 reads it (shardtune.quant).
+2. Model skeleton: real weights on rank 0 of each node (or on every rank without cpu_ram_efficient_loading); meta
+   elsewhere. A 4-bit base is quantized tensor by tensor while it is read (shardtune.quant).
 3. Resize embeddings; attach the PEFT adapter; freeze the base; packed 4-bit weights become plain parameters of
    the storage dtype (= FSDP's param dtype) with their quantization state kept on the layer.
 4. Activation checkpointing per decoder block.
-5. `fully_shard` each decoder block, then the root (rank 0 first hands its real tensors to the loader, so that
-   it shards on meta like the others).
-6. Materialize and fill the shards (broadcast from rank 0 one tensor at a time / slice from each rank's own
-   copy); give every rank the 4-bit quantization states, replicated, on its device.
+5. `fully_shard` each decoder block, then the root (each node's rank 0 first hands its real tensors to the
+   loader, so that it shards on meta like the others).
+6. Materialize and fill the shards (scattered from the node's rank 0 one tensor at a time / slice from each rank's
+   own copy); give every rank the 4-bit quantization states, replicated, on its device.
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
 """
 
@@ -23,7 +23,13 @@ from torch import nn
 
 from shardtune import modeling, quant
 from shardtune.distributed.fsdp import assert_sharded, shard_model
-from shardtune.distributed.loading import broadcast_quant_states, materialize_from_rank0, take_full_tensors
+from shardtune.distributed.loading import (
+    broadcast_quant_states,
+    materialize_from_rank0,
+    node_group,
+    note_checkpoint_read,
+    take_full_tensors,
+)
 from shardtune.distributed.mesh import DistInfo, all_gather_objects
 from shardtune.log import print0
 
@@ -66,9 +72,17 @@ class ModelSpec:
 def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMForTraining:
     """Steps 2–7 of the setup order; returns the sharded training module."""
     from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1
-    on_meta = from_rank0 and not info.is_main
+    node = node_group(info.rank, info.local_rank) if from_rank0 else None
+    on_meta = from_rank0 and not info.is_local_main
     quantized = spec.quantization_config is not None
-    # Step 2: real weights on rank 0 (or everywhere), a skeleton on meta elsewhere.
+    if from_rank0:
+        print0(
+            f"cpu_ram_efficient_loading: rank 0 of each node reads the checkpoint; the other ranks build the model "
+            f"on meta and receive their shards from it ({info.world_size} rank(s))."
+        )
+    if not on_meta:
+        note_checkpoint_read(info.rank)
+    # Step 2: real weights on rank 0 of each node (or everywhere), a skeleton on meta elsewhere.
     base = modeling.load_base_model(
         spec.model_name_or_path,
         dtype=spec.dtype,
@@ -106,7 +120,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     if spec.torch_compile:
         for b in blocks:
             b.compile()
-    full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_main else None
+    full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_local_main else None
     # Step 5: shard each block, then the root.
     offload = spec.offload and info.device.type == "cuda"
     if spec.offload and not offload:
@@ -126,12 +140,12 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     )
     # Step 6: fill the shards.
     if from_rank0:
-        materialize_from_rank0(train_module, full_tensors, info.device)
+        materialize_from_rank0(train_module, full_tensors, info.device, node)
         del full_tensors
     elif info.device.type == "cuda" and not offload:
         train_module.to(info.device)
     if quantized and from_rank0:
-        broadcast_quant_states(train_module, info.device)
+        broadcast_quant_states(train_module, info.device, node)
     elif quantized:
         quant.move_quant_states(train_module, info.device)
     # Step 7.

@@ -1,0 +1,124 @@
+"""fsdp_cpu_ram_efficient_loading reads the checkpoint once per node: two simulated nodes of two processes each on
+loopback (two torchrun processes, --nnodes 2) train exactly like one node of four processes, and only global ranks
+0 and 2 (each node's LOCAL_RANK 0) read the checkpoint; the other ranks get their shards from their node's rank 0.
+FULL_SHARD spans the nodes here, so rank 2 cuts ranks 2 and 3's slices of the global tensors; HYBRID_SHARD over
+two nodes (same loader, shards within a node) is covered by test_multinode.py, whose config sets
+fsdp_cpu_ram_efficient_loading.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import _free_port, run_cli, train_records
+
+
+def _env(strategy: str, load_log) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+        "FSDP_SYNC_MODULE_STATES": "true",
+        "FSDP_SHARDING_STRATEGY": strategy,
+        "SHARDTUNE_LOAD_LOG": str(load_log),
+    }
+
+
+def _flags(assets, out) -> list[str]:
+    return [
+        "train",
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--chat_template_format",
+        "chatml",
+        "--max_seq_len",
+        "96",
+        "--packing",
+        "True",
+        "--seed",
+        "5",
+        "--per_device_train_batch_size",
+        "1",
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "3e-3",
+        "--save_strategy",
+        "no",
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0.0",
+        "--lora_target_modules",
+        "all-linear",
+        "--output_dir",
+        str(out),
+    ]
+
+
+def _two_nodes(flags: list[str], env: dict[str, str]) -> None:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(r),
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "-m",
+                "shardtune",
+                *flags,
+            ],
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, (out + err)[-5000:]
+    assert "rank 0 of each node reads the checkpoint" in "".join(o + e for o, e in outs)
+
+
+def _read_by(load_log) -> list[str]:
+    return sorted(p.name for p in load_log.iterdir())
+
+
+def test_full_shard_two_nodes_read_once_per_node_and_train_like_one_node(tiny_assets, tmp_path):
+    two, one = tmp_path / "two_nodes", tmp_path / "one_node"
+    _two_nodes(_flags(tiny_assets, two), _env("FULL_SHARD", tmp_path / "log2"))
+    run_cli(_flags(tiny_assets, one), nproc=4, env=_env("FULL_SHARD", tmp_path / "log1"))
+    assert _read_by(tmp_path / "log2") == ["loaded-rank0", "loaded-rank2"]
+    assert _read_by(tmp_path / "log1") == ["loaded-rank0"]
+    l2 = [r["loss"] for r in train_records(two)]
+    l1 = [r["loss"] for r in train_records(one)]
+    assert len(l2) == 3
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=0)
+    a, b = load_file(two / "adapter_model.safetensors"), load_file(one / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
