@@ -47,6 +47,9 @@ DEVICE_ROWS = (
     "CUDA context",
 )
 _NOT_ALLOCATED = ("allocator overhead", "CUDA context")
+# Present only with sharded_checkpoint=True: the GPU copies a SHARDED_STATE_DICT save makes (see _sharded_save).
+SAVE_COPIES_ROW = "state dict copies (checkpoint save)"
+SAVE_PHASE = "checkpoint save (FSDP1 SHARDED_STATE_DICT)"
 
 
 @dataclass
@@ -284,6 +287,30 @@ def _fsdp_buffers(
     return gather, scatter
 
 
+def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
+    """(copies, gathered) bytes at the peak of an FSDP1 SHARDED_STATE_DICT `model.state_dict()`.
+
+    torch's `_sharded_pre_state_dict_hook` unshards each FSDP unit on the GPU (offload_to_cpu=False whatever the
+    config), and `_sharded_post_state_dict_hook` replaces every parameter by a ShardedTensor holding a GPU clone of
+    its `torch.chunk` for this rank (`_create_chunk_sharded_tensor`); accelerate's default ShardedStateDictConfig
+    does not move it to the CPU. The root unit stays unsharded until its own post-hook, which runs after every
+    block's, so the peak is either the last block (all block copies, that block and the root unsharded) or the
+    root (all copies, the root unsharded). Parameters are gathered in their stored dtype (summon_full_params
+    forces full precision).
+    """
+
+    def per_rank(group: str) -> int:
+        return sum(sharded_bytes(t, shard) for t in tensors if t.group == group)
+
+    def full(group: str) -> int:
+        return sum(t.numel * t.itemsize for t in tensors if t.group == group)
+
+    block_copies = per_rank("block") * num_layers
+    last_block = (block_copies, full("root") + full("block"))
+    root = (block_copies + per_rank("root"), full("root"))
+    return max(last_block, root, key=sum)
+
+
 @dataclass
 class _Dynamic:
     stored: int
@@ -384,14 +411,16 @@ def estimate_memory(
     base_dtype: str | None = None,
     adapter_dtype: str = "float32",
     prefetch: bool = True,
+    sharded_checkpoint: bool = False,
     dropout_mask_bytes: int = act.CUDA_DROPOUT_MASK_BYTES,
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
     allocator_overhead: float = ALLOCATOR_OVERHEAD,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
-    The defaults describe shardtune itself. base_dtype, adapter_dtype, loss_impl and prefetch describe other
-    trainers (e.g. a base held in fp32 with bf16 autocast), which the published comparisons use.
+    The defaults describe shardtune itself. base_dtype, adapter_dtype, loss_impl, prefetch and sharded_checkpoint
+    describe other trainers (e.g. a base held in fp32 with bf16 autocast; the HF Trainer saving FSDP1 checkpoints
+    with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU), which the published comparisons use.
     """
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = _as_shape(model)
@@ -452,6 +481,8 @@ def estimate_memory(
         "FSDP reduce-scatter buffers": scatter,
     }
     device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
+    if sharded_checkpoint:
+        device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, on_gpu, phase)
     device["CUDA context"] = cuda_context_bytes
     table = {
         impl: {
@@ -461,8 +492,42 @@ def estimate_memory(
         for impl in act.ATTN_IMPLEMENTATIONS
     }
     host = _host(state, tensors, shape, world_size // num_nodes, offload)
-    notes = _notes(use_4bit, offload, loss_impl)
+    notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint)
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes)
+
+
+def _with_checkpoint_save(
+    step: dict[str, int],
+    state: dict[str, int],
+    tensors: list[Tensor],
+    num_layers: int,
+    shard: int,
+    on_gpu: int,
+    step_phase: str,
+) -> tuple[dict[str, int], str]:
+    """The step's rows, or the checkpoint save's if it needs more: the resident model state (gradients are
+    freed by the Trainer's zero_grad before it saves), the quantization constants, the units gathered for the
+    save and the copies of `_sharded_save`.
+
+    The save runs after the step, with the step's blocks cached: the allocator takes new memory only for what
+    exceeds them, so the reserved peak is the larger of the step's reserved bytes and the save's live bytes.
+    """
+    copies, gathered = _sharded_save(tensors, num_layers, shard)
+    rows = [k for k in step if k != "allocator overhead"] + [SAVE_COPIES_ROW, "allocator overhead"]
+    save = dict.fromkeys(rows, 0)
+    save.update(
+        {
+            "frozen base weights": state["frozen"] * on_gpu,
+            "quantization constants": step["quantization constants"],
+            "trainable weights": state["trainable"] * on_gpu,
+            "optimizer state": state["optimizer"] * on_gpu,
+            "FSDP all-gather buffers": gathered,
+            SAVE_COPIES_ROW: copies,
+        }
+    )
+    if sum(save.values()) <= sum(step.values()):  # within what the step already reserved
+        return {k: step.get(k, 0) for k in rows}, step_phase
+    return save, SAVE_PHASE
 
 
 def _host(
@@ -481,7 +546,7 @@ def _host(
     }
 
 
-def _notes(use_4bit: bool, offload: bool, loss_impl: str) -> list[str]:
+def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bool) -> list[str]:
     notes = []
     if use_4bit:
         notes.append("4-bit quantization constants are not FSDP parameters: every GPU keeps all of them.")
@@ -489,6 +554,11 @@ def _notes(use_4bit: bool, offload: bool, loss_impl: str) -> list[str]:
         notes.append(
             "CPU offload: sharded parameters, gradients and optimizer states live in host RAM; the GPU "
             "holds the blocks being gathered, the root, activations and logits."
+        )
+    if sharded_checkpoint:
+        notes.append(
+            "FSDP1 SHARDED_STATE_DICT checkpoint save: every parameter's shard is copied on the GPU while the "
+            "state dict is built (offloaded or not, frozen or not)."
         )
     if loss_impl == "chunked":
         notes.append(
