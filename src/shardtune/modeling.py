@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune import fastpath
 from shardtune.log import print0
 
 DTYPES = {
@@ -36,13 +37,14 @@ def compute_dtype(bf16: bool, fp16: bool) -> torch.dtype:
 
 
 def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
-    """flash_attention_2 where it is installed on CUDA, otherwise SDPA (said once in the log)."""
+    """flash_attention_2 where it is installed on CUDA, otherwise SDPA run once per packed document
+    (shardtune.fastpath; said once in the log)."""
     if use_flash_attn:
         if device_type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
         reason = "not on CUDA" if device_type != "cuda" else "flash_attn is not installed"
-        print0(f"--use_flash_attn: {reason}; using SDPA attention (documents in packed rows stay separate).")
-    return "sdpa"
+        print0(f"--use_flash_attn: {reason}; using SDPA attention, run per document of each packed row.")
+    return fastpath.register_attention()
 
 
 def load_tokenizer(
@@ -382,10 +384,11 @@ class CausalLMForTraining(nn.Module):
     loss and the number of targets, so that the caller normalises over the whole global batch.
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024):
+    def __init__(self, model: nn.Module, chunk_size: int = 1024, per_document_attention: bool = True):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
+        self.per_document_attention = per_document_attention  # see shardtune.fastpath
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         # Plain attributes, not registered submodules: they are already registered under self.model.
         object.__setattr__(self, "_decoder", base.get_decoder())
@@ -397,7 +400,11 @@ class CausalLMForTraining(nn.Module):
             )
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        extra = {}
+        # Compiled blocks take the masked path: spans that change every batch would recompile them.
+        if self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
+            extra[fastpath.DOCUMENTS_KWARG] = fastpath.packed_documents(position_ids)
+        out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor):

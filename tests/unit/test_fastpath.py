@@ -1,0 +1,133 @@
+"""shardtune.fastpath: the fast dropout and the per-document attention give what the library versions give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardtune import fastpath
+from shardtune.modeling import CausalLMForTraining
+
+# --- dropout -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_fast_dropout_keep_rate_scale_and_gradient(p):
+    torch.manual_seed(0)
+    x = torch.randn(1000, 1000, requires_grad=True)
+    drop = fastpath.FastDropout(p)
+    y = drop(x)
+    kept = y != 0
+    # 1e6 draws: the kept fraction's standard deviation is below 5e-4.
+    assert abs(float(kept.float().mean()) - (1 - p)) < 3e-3
+    torch.testing.assert_close(y[kept], x.detach()[kept] / (1 - p))
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, kept.float() / (1 - p))
+    # Masks differ from draw to draw, and eval mode is the identity.
+    assert not torch.equal(drop(x) != 0, kept)
+    drop.eval()
+    assert torch.equal(drop(x), x)
+
+
+def test_fast_dropout_draws_the_same_mask_when_checkpointing_recomputes():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), fastpath.FastDropout(0.3), nn.Linear(64, 8))
+    x = torch.randn(32, 64)
+    grads = []
+    for checkpointed in (False, True):
+        net.zero_grad()
+        torch.manual_seed(1)
+        y = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False) if checkpointed else net(x)
+        y.square().sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_use_fast_dropout_replaces_every_lora_dropout():
+    from peft import LoraConfig, get_peft_model
+
+    base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = get_peft_model(base, LoraConfig(r=2, lora_dropout=0.2, target_modules=["0", "2"]))
+    assert fastpath.use_fast_dropout(model) == 2
+    drops = [d for m in model.modules() for d in getattr(m, "lora_dropout", {}).values()]
+    assert len(drops) == 2 and all(type(d) is fastpath.FastDropout and d.p == 0.2 for d in drops)
+    assert fastpath.use_fast_dropout(model) == 0  # already replaced
+    # Without dropout peft uses nn.Identity, which stays.
+    plain = get_peft_model(nn.Sequential(nn.Linear(16, 4)), LoraConfig(r=2, lora_dropout=0.0, target_modules=["0"]))
+    assert fastpath.use_fast_dropout(plain) == 0
+
+
+# --- packed documents ---------------------------------------------------------------------------------------------
+
+
+def _positions(*lengths: int) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def test_packed_documents_groups_short_documents_into_spans():
+    pos = torch.stack([_positions(30, 40, 100, 200, 10, 20), _positions(400)])
+    rows = fastpath.packed_documents(pos, span_tokens=128)
+    assert [sp.size for sp in rows[0]] == [70, 100, 200, 30]
+    assert [sp.mask is None for sp in rows[0]] == [False, True, True, False]
+    assert [(sp.size, sp.mask) for sp in rows[1]] == [(400, None)]
+    # A span's mask is causal inside each document and blocks attention across documents.
+    doc = torch.tensor([0] * 30 + [1] * 40)
+    want = (doc[:, None] == doc[None, :]) & torch.ones(70, 70, dtype=torch.bool).tril()
+    assert torch.equal(rows[0][0].mask[0, 0], want)
+
+
+def _tiny_llama(attn: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_per_document_attention_matches_the_masked_attention(dtype, tol):
+    """Loss and every gradient equal transformers' SDPA with its block-diagonal mask, on rows mixing short
+    documents (grouped spans), a document longer than a span, and a row with one document."""
+    ref = _tiny_llama("sdpa", dtype)
+    fast = _tiny_llama(fastpath.register_attention(), dtype)
+    fast.load_state_dict(ref.state_dict())
+    pos = torch.stack([_positions(150, 20, 30, 100), _positions(300)])
+    ids = torch.randint(0, 97, pos.shape, generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    results = []
+    for model, per_doc in ((ref, False), (fast, True)):
+        module = CausalLMForTraining(model, chunk_size=256, per_document_attention=per_doc)
+        loss, n = module(ids, pos, labels)
+        loss.backward()
+        results.append((loss.detach() / n, {k: p.grad for k, p in model.named_parameters()}))
+    (want, want_g), (got, got_g) = results
+    assert float((got - want).abs()) <= tol * float(want.abs())
+    for k, g in want_g.items():
+        err = float((got_g[k].float() - g.float()).abs().max())
+        assert err <= tol * float(g.float().abs().max()), (k, err)
+
+
+def test_attention_without_spans_is_transformers_sdpa():
+    """Generation and any caller that passes no spans get transformers' SDPA, mask included."""
+    ref = _tiny_llama("sdpa", torch.float32)
+    fast = _tiny_llama(fastpath.register_attention(), torch.float32)
+    fast.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 97, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :4] = 0  # left padding, as in batched generation
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=padding).logits
+        got = fast(input_ids=ids, attention_mask=padding).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        out = fast.generate(ids[:1], max_new_tokens=4, do_sample=False)
+        assert torch.equal(out, ref.generate(ids[:1], max_new_tokens=4, do_sample=False))
