@@ -23,14 +23,17 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dora_speed.json"
 MODEL = {"vocab_size": 1024, "hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
+# forward: "peft" (peft's DoRA forward), "fast-peft" (shardtune's, --dora_dropout peft), "fast" (shardtune's
+# default, --dora_dropout lora_path). Without dropout the last two are the same computation.
 VARIANTS = {
-    "lora": {"use_dora": False, "fast_dora": False},
-    "dora (peft)": {"use_dora": True, "fast_dora": False},
-    "dora (shardtune)": {"use_dora": True, "fast_dora": True},
+    "lora": {"use_dora": False},
+    "dora (peft)": {"use_dora": True, "forward": "peft"},
+    "dora (shardtune, peft dropout)": {"use_dora": True, "forward": "fast-peft"},
+    "dora (shardtune)": {"use_dora": True, "forward": "fast"},
 }
 
 
-def _spec(model_dir: str, *, use_dora: bool, dropout: float, rank: int):
+def _spec(model_dir: str, *, use_dora: bool, dropout: float, rank: int, dora_dropout: str = "lora_path"):
     from shardtune.distributed.setup import ModelSpec
 
     return ModelSpec(
@@ -62,7 +65,19 @@ def _spec(model_dir: str, *, use_dora: bool, dropout: float, rank: int):
         transformer_cls_to_wrap=None,
         reshard_after_forward=None,
         torch_compile=False,
+        dora_dropout=dora_dropout,
     )
+
+
+def _use_peft_dora_forward(model) -> None:
+    """Put peft's own DoRA forward back (build_sharded_model installs shardtune's)."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+
+    for m in model.modules():
+        variants = getattr(m, "lora_variant", None)
+        if isinstance(variants, dict):
+            for name in variants:
+                variants[name] = DoraLinearVariant()
 
 
 def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
@@ -72,9 +87,14 @@ def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
 
     setup_logging("warning")
     torch.manual_seed(0)
-    model = build_sharded_model(_spec(model_dir, use_dora=variant["use_dora"], dropout=dropout, rank=rank), info)
-    if variant["fast_dora"]:
-        adapters.use_fast_dora(model)
+    forward = variant.get("forward")
+    mode = "peft" if forward == "fast-peft" else "lora_path"
+    spec = _spec(model_dir, use_dora=variant["use_dora"], dropout=dropout, rank=rank, dora_dropout=mode)
+    model = build_sharded_model(spec, info)
+    if forward == "peft":
+        _use_peft_dora_forward(model)
+    elif forward is not None:
+        assert adapters.use_fast_dora(model) == 0  # already installed by build_sharded_model
     params = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
@@ -176,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     _ensure_model(Path(args.model_dir))
     results = {int(n): _run_ranks(int(n), args) for n in args.nproc.split(",")}
     rows = _table(results, args)
-    print(f"{'ranks':>5}  {'dropout':>7}  {'variant':<18} {'step (s)':>9}  {'vs LoRA':>7}")
+    print(f"{'ranks':>5}  {'dropout':>7}  {'variant':<31} {'step (s)':>9}  {'vs LoRA':>7}")
     for r in rows:
-        print(f"{r['ranks']:>5}  {r['lora_dropout']:>7}  {r['variant']:<18} {r['step_s']:>9.3f}  {r['vs_lora']:>6.2f}x")
+        print(f"{r['ranks']:>5}  {r['lora_dropout']:>7}  {r['variant']:<31} {r['step_s']:>9.3f}  {r['vs_lora']:>6.2f}x")
     setup = {k: getattr(args, k) for k in ("seq", "batch", "steps", "rounds", "rank")}
     device = "cuda" if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     setup["load_average_1m"] = os.getloadavg()[0]  # other jobs on the machine slow every variant alike

@@ -134,9 +134,13 @@ def dora_weight_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.T
 
 
 def _fast_dora_forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
-    """peft's DoRA linear forward, y = W·x + b + (m/‖W+sBA‖ − 1)·W·x̃ + (m/‖W+sBA‖)·s·B·A·x̃ with x̃ = dropout(x),
-    computed as y = rest + g·(W·x̃ + s·B·A·x̃), g = m/‖·‖: the norm from the low-rank identity and one
-    multiply-add over the activations instead of five elementwise passes. Same value and gradients."""
+    """DoRA linear forward, y = W·x + b + (g − 1)·W·x' + g·s·B·A·x̃, with g = m/‖W+sBA‖ and x̃ = dropout(x),
+    computed as y = rest + g·(W·x' + s·B·A·x̃): the norm from the low-rank identity and one multiply-add over the
+    activations instead of five elementwise passes.
+
+    x' is x itself (dropout on the low-rank path only, as torchtune's DoRALinear: W·x' is the base output already
+    computed), or x̃ with `--dora_dropout peft` (peft's definition: a second product with W). Without dropout, and
+    in eval, both are peft's forward, with the same value and gradients."""
     from peft.utils.integrations import dequantize_module_weight
     from peft.utils.other import transpose
 
@@ -147,14 +151,16 @@ def _fast_dora_forward(module, active_adapter: str, x: torch.Tensor, result: tor
     # The norm is a constant for autograd (DoRA paper, section 4.3), as in peft.
     norm = dora_weight_norm(weight, lora_A.weight, lora_B.weight, scaling)
     g = (module.lora_magnitude_vector[active_adapter].weight / norm).to(result.dtype)
-    if isinstance(dropout, nn.Identity) or not module.training:
-        bias = base_layer.bias
-        base, rest = (result, None) if bias is None else (result - bias, bias)
-    else:
+    dropped = not isinstance(dropout, nn.Identity) and module.training
+    if dropped and getattr(module, "_shardtune_peft_dropout", False):
         x = dropout(x)
-        # With dropout the magnitude scales W·x̃, not W·x: a second product with W (as in peft and DoRA's code).
         base = F.linear(x, weight.to(x.dtype))
         rest = result - base
+    else:
+        if dropped:
+            x = dropout(x)
+        bias = base_layer.bias
+        base, rest = (result, None) if bias is None else (result - bias, bias)
     z = torch.add(base, lora_B(lora_A(x)).to(base.dtype), alpha=scaling)
     return g * z if rest is None else torch.addcmul(rest, g, z)
 
@@ -167,11 +173,12 @@ def _fast_dora_variant() -> type:
     return type("FastDoraLinearVariant", (DoraLinearVariant,), {"forward": staticmethod(_fast_dora_forward)})
 
 
-def use_fast_dora(model: nn.Module) -> int:
+def use_fast_dora(model: nn.Module, *, peft_dropout: bool = False) -> int:
     """Give every DoRA linear layer of the model shardtune's faster forward; return how many were switched.
 
-    Call before sharding or after: the switch is a per-layer forward, no weight or state dict changes. Merging,
-    unmerging and saving stay peft's own.
+    peft_dropout: lora_dropout also drops the input of the base product that the magnitude scales (peft's
+    definition); otherwise it acts on the low-rank path only. Call before sharding or after: the switch is a
+    per-layer forward, no weight or state dict changes. Merging, unmerging and saving stay peft's own.
     """
     from peft.tuners.lora.variants import DoraLinearVariant
 
@@ -184,5 +191,6 @@ def use_fast_dora(model: nn.Module) -> int:
         for name, variant in list(variants.items()):
             if type(variant) is DoraLinearVariant:
                 variants[name] = fast()
+                m._shardtune_peft_dropout = peft_dropout
                 n += 1
     return n

@@ -206,7 +206,7 @@ def test_fast_dora_matches_peft(dtype, tol, dropout):
             if "lora_" in n:
                 p.add_(0.3 * torch.randn_like(p))
     fast = copy.deepcopy(ref)
-    assert adapters.use_fast_dora(fast) == 2 and adapters.use_fast_dora(fast) == 0
+    assert adapters.use_fast_dora(fast, peft_dropout=True) == 2 and adapters.use_fast_dora(fast) == 0
     x = torch.randn(3, 7, 48, dtype=dtype)
     results = []
     for model in (ref, fast):
@@ -232,6 +232,39 @@ def test_fast_dora_matches_peft(dtype, tol, dropout):
     fast.eval()
     with torch.no_grad():
         close(fast(x), ref(x))
+
+
+def test_fast_dora_lora_path_dropout_follows_its_formula():
+    """--dora_dropout lora_path: y = g·(W·x) + b + g·s·B·A·dropout(x), g = m/‖W + s·B·A‖ (rows), one dropout draw;
+    checked against that formula written out, output and gradients."""
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(48, 80, bias=True))
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["0"], use_dora=True)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    assert adapters.use_fast_dora(model) == 1
+    layer = model.base_model.model[0]
+    w, b = layer.base_layer.weight, layer.base_layer.bias
+    a, bb = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    m, s = layer.lora_magnitude_vector["default"].weight, layer.scaling["default"]
+    x = torch.randn(3, 7, 48)
+    torch.manual_seed(1)
+    y = model(x)
+    torch.manual_seed(1)
+    xd = torch.nn.functional.dropout(x, 0.3)
+    g = m / torch.linalg.vector_norm(w + s * bb @ a, dim=1).detach()
+    want = g * (x @ w.T) + b + g * s * (xd @ a.T @ bb.T)
+    assert float((y - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    grads = torch.autograd.grad(y.square().sum(), [a, bb, m])
+    want_grads = torch.autograd.grad(want.square().sum(), [a, bb, m])
+    for got, exp in zip(grads, want_grads, strict=True):
+        assert float((got - exp).abs().max()) <= 1e-4 * float(exp.abs().max())
 
 
 def test_fast_dora_matches_peft_on_a_4bit_base():
