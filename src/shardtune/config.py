@@ -47,6 +47,14 @@ class ModelArguments:
         "Comma-separated module names to adapt, or all-linear for every linear layer but the output head.",
     )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
+    dora_dropout: str = _f(
+        "lora_path",
+        "Where --lora_dropout acts in DoRA layers. lora_path: on the low-rank path's input only, the magnitude "
+        "scaling the undropped base output (as torchtune's DoRALinear); no extra work. peft: also on the input of "
+        "the base product that the magnitude scales (peft's definition), one more product with the frozen weight "
+        "per layer. The same without dropout and at inference.",
+        choices=["lora_path", "peft"],
+    )
     modules_to_save: str | None = _f(
         None, "Comma-separated modules trained in full and saved with the adapter, e.g. embed_tokens,lm_head."
     )
@@ -112,6 +120,11 @@ class TrainArguments:
     bf16: bool = _f(False, "bf16 weights and compute (the frozen base is held in bf16).")
     fp16: bool = _f(False, "fp16 compute.")
     gradient_checkpointing: bool = _f(False, "Recompute each decoder block's activations in backward.")
+    checkpoint_every_n_layers: int = _f(
+        1,
+        "With --gradient_checkpointing (or fsdp_activation_checkpointing): recompute only every N-th decoder "
+        "block; the others keep their activations. Faster, and the memory grows with the blocks not recomputed.",
+    )
     torch_compile: bool = _f(False, "Compile each decoder block with torch.compile.")
     logging_steps: float = _f(10, "Log every N optimizer steps.")
     logging_strategy: str = _f("steps", "steps, epoch or no.", choices=["steps", "epoch", "no"])
@@ -299,6 +312,8 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(t, name) < 1:
             p.append(f"--{name} must be >= 1 (got {getattr(t, name)}).")
+    if t.checkpoint_every_n_layers < 1:
+        p.append(f"--checkpoint_every_n_layers must be >= 1 (got {t.checkpoint_every_n_layers}); 1 checkpoints all.")
     if d.max_length < 8:
         p.append(f"--max_length/--max_seq_len must be >= 8 (got {d.max_length}).")
     if t.learning_rate < 0:

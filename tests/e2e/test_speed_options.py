@@ -1,0 +1,77 @@
+"""The speed options change how the step runs, not what it computes: same losses as the default run."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import run_cli, train_records
+
+
+def _args(assets, out, extra):
+    return [
+        "train",
+        "--model_name_or_path",
+        str(assets["model"]),
+        "--dataset_name",
+        str(assets["data"]),
+        "--chat_template_format",
+        "chatml",
+        "--max_seq_len",
+        "128",
+        "--packing",
+        "True",
+        "--seed",
+        "11",
+        "--max_steps",
+        "3",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "3e-3",
+        "--save_strategy",
+        "no",
+        "--per_device_train_batch_size",
+        "2",
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_target_modules",
+        "all-linear",
+        "--gradient_checkpointing",
+        "True",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
+
+
+def _losses(out):
+    losses = [r["loss"] for r in train_records(out)]
+    assert len(losses) == 3
+    return torch.tensor(losses)
+
+
+def test_checkpointing_every_second_block_gives_the_same_losses(tiny_assets, tmp_path):
+    """With dropout on: the recomputed blocks draw the same dropout masks as the blocks that keep activations."""
+    drop = ["--lora_dropout", "0.1"]
+    every = run_cli(_args(tiny_assets, tmp_path / "every", drop))
+    second = run_cli(_args(tiny_assets, tmp_path / "second", [*drop, "--checkpoint_every_n_layers", "2"]))
+    assert "Activation checkpointing: 2 of 2 decoder blocks" in every.stdout + every.stderr
+    assert "Activation checkpointing: 1 of 2 decoder blocks" in second.stdout + second.stderr
+    torch.testing.assert_close(_losses(tmp_path / "second"), _losses(tmp_path / "every"), rtol=1e-5, atol=0)
+
+
+def test_torch_compile_with_fsdp2_and_checkpointing_gives_the_same_losses(tiny_assets, tmp_path):
+    """Compiled blocks run transformers' masked SDPA; eager ones the per-document attention: same numbers."""
+    nodrop = ["--lora_dropout", "0.0"]
+    run_cli(_args(tiny_assets, tmp_path / "eager", nodrop))
+    run_cli(_args(tiny_assets, tmp_path / "compiled", [*nodrop, "--torch_compile", "True"]), timeout=900)
+    torch.testing.assert_close(_losses(tmp_path / "compiled"), _losses(tmp_path / "eager"), rtol=1e-4, atol=0)
+
+
+def test_checkpoint_every_must_be_positive(tiny_assets, tmp_path):
+    proc = run_cli(_args(tiny_assets, tmp_path / "bad", ["--checkpoint_every_n_layers", "0"]), check=False)
+    assert proc.returncode == 2
+    assert "--checkpoint_every_n_layers must be >= 1 (got 0)" in proc.stderr
+    assert not (tmp_path / "bad").exists()
