@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import speed  # noqa: E402  (bench/ is not a package)
+import speed  # bench/ is not a package
 
 # Operator families for the summary: the first pattern that a (lower-cased) operator name contains wins.
 FAMILIES = [
@@ -35,14 +35,14 @@ FAMILIES = [
 class StepProfiler:
     """Starts torch.profiler at the start of step `at` and stops it at the start of the next step."""
 
-    def __init__(self, at: int):
-        self.at, self.seen, self.prof = at, 0, None
+    def __init__(self, at: int, record_shapes: bool = False):
+        self.at, self.seen, self.prof, self.record_shapes = at, 0, None, record_shapes
 
     def on_step_start(self) -> None:
         import torch
 
         if self.seen == self.at:
-            self.prof = torch.profiler.profile(activities=_activities(), record_shapes=False)
+            self.prof = torch.profiler.profile(activities=_activities(), record_shapes=self.record_shapes)
             self.prof.__enter__()
         elif self.seen == self.at + 1 and self.prof is not None:
             self.prof.__exit__(None, None, None)
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--no_gradient_checkpointing", action="store_true")
     ap.add_argument("--shardtune_flags", default="")
+    ap.add_argument("--by_shape", action="store_true", help="One row per operator and input shapes.")
     ap.add_argument("--rows", type=int, default=30, help="Rows of the table.")
     ap.add_argument("--sort", default=None, help="key_averages sort key (default: self time on the device).")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "shardtune-bench"))
@@ -105,27 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     tok, _ = load_tokenizer(
         str(assets["model"]), tokenizer_name_or_path=None, chat_template_format="chatml", trust_remote_code=False
     )
-    tmp = Path(tempfile.mkdtemp(prefix="profile-", dir=workdir))
-    spec = {
-        "kind": "reference" if a.reference else "shardtune",
-        "world": 1,
-        "flags": a.shardtune_flags.split(),
-        "settings": speed.asdict(s),
-        "model": str(assets["model"]),
-        "data": str(assets["data"]),
-        "output_dir": str(tmp / "out"),
-        "cache_dir": str(workdir / "cache"),
-        "threads": a.threads,
-        "device": device,
-        "pad_id": tok.pad_token_id,
-        "attn": "sdpa",
-    }
-    profiler = StepProfiler(at=s.warmup)
+    kind = "reference" if a.reference else "shardtune"
+    spec = speed.worker_spec(
+        speed.Contender(kind, kind, a.shardtune_flags.split()), s, assets, workdir, device, tok.pad_token_id
+    )
+    profiler = StepProfiler(at=s.warmup, record_shapes=a.by_shape)
     _patch_recorder(profiler)
     rec = (speed.run_reference_worker if a.reference else speed.run_shardtune_worker)(spec)
     step_s = rec["starts"][s.warmup + 1] - rec["starts"][s.warmup]
     # The profiled step is slower than an unprofiled one; the table's shares are what matter.
-    events = profiler.prof.key_averages()
+    events = profiler.prof.key_averages(group_by_input_shape=a.by_shape)
     time_key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     table = events.table(sort_by=a.sort or time_key, row_limit=a.rows)
     fam = families(events, time_key)

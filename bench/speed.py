@@ -2,7 +2,7 @@
 
 In one run, on the same machine, model, data and settings, each contender trains in its own subprocess for
 `--warmup` optimizer steps and is then timed over `--steps` more; contenders are interleaved over `--rounds`
-and the median round is reported. The script prints a table of tokens/s (non-padding tokens), ratios, achieved
+and the fastest round is reported (other load on the machine only ever slows a round down). The script prints a table of tokens/s (non-padding tokens), ratios, achieved
 FLOP/s (frozen base + adapter + attention, formula in docs/speed.md), that FLOP/s as a fraction of the matmul
 peak measured in the same run for the same dtype and threads, and peak memory per rank; and writes it as JSON.
 
@@ -20,10 +20,13 @@ a single process: accelerate refuses FSDP on a CPU-only machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -115,13 +118,14 @@ class FlopModel:
     total_params: int
 
 
-def flop_model(model_dir: Path, lora_r: int, extra_rows: int = 8) -> FlopModel:
-    """Count the base's linear weights and the all-linear LoRA weights from the model's config (on meta)."""
+def flop_model(model_dir: Path, lora_r: int, vocab_rows: int) -> FlopModel:
+    """Count the base's linear weights and the all-linear LoRA weights from the model's config (on meta);
+    vocab_rows: the embedding rows after chatml's tokens are added (resized to a multiple of 8)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(model_dir)
-    cfg.vocab_size += extra_rows  # chatml adds tokens; the embeddings are resized to a multiple of 8
+    cfg.vocab_size = vocab_rows
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     head = model.get_output_embeddings()
@@ -164,7 +168,7 @@ def batch_counts(input_ids, position_ids, pad_id: int) -> tuple[int, int]:
         real = ids != pad_id
         tokens += int(real.sum())
         starts = torch.nonzero(pos == 0).flatten().tolist() + [len(pos)]
-        for a, b in zip(starts[:-1], starts[1:]):
+        for a, b in itertools.pairwise(starts):
             if bool(real[a]):
                 n = b - a
                 pairs += n * (n + 1) // 2
@@ -277,51 +281,41 @@ def _rss_peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+# The guide's run_peft_fsdp.sh flags that the benchmark keeps as they are (no eval, no checkpoints here).
+GUIDE_FLAGS = shlex.split(
+    "--seed 100 --chat_template_format chatml --add_special_tokens False --append_concat_token False --splits "
+    "train,test --logging_steps 5 --log_level warning --eval_strategy no --save_strategy no --packing True "
+    "--learning_rate 1e-4 --lr_scheduler_type cosine --weight_decay 1e-4 --max_grad_norm 1.0 "
+    "--gradient_accumulation_steps 1 --use_reentrant False --use_flash_attn True --use_peft_lora True "
+    "--lora_target_modules all-linear"
+)
+
+
 def shardtune_argv(spec: dict) -> list[str]:
-    """`shardtune train` flags: the guide's command scaled to the benchmark (no eval, no checkpoints)."""
+    """`shardtune train` flags: the guide's command with the benchmark's model, data, sizes and step count."""
     s = Settings(**spec["settings"])
-    per_rank = s.batch // spec["world"]
     flags = {
-        "--seed": "100",
         "--model_name_or_path": spec["model"],
         "--dataset_name": spec["data"],
-        "--chat_template_format": "chatml",
-        "--add_special_tokens": "False",
-        "--append_concat_token": "False",
-        "--splits": "train,test",
-        "--max_seq_len": str(s.seq_len),
-        "--max_steps": str(s.warmup + s.steps + 1),
-        "--logging_steps": "5",
-        "--log_level": "warning",
-        "--eval_strategy": "no",
-        "--save_strategy": "no",
-        "--bf16": str(s.bf16),
-        "--packing": "True",
-        "--learning_rate": "1e-4",
-        "--lr_scheduler_type": "cosine",
-        "--weight_decay": "1e-4",
-        "--max_grad_norm": "1.0",
         "--output_dir": spec["output_dir"],
         "--dataset_cache_dir": spec["cache_dir"],
-        "--per_device_train_batch_size": str(per_rank),
-        "--gradient_accumulation_steps": "1",
-        "--gradient_checkpointing": str(s.gradient_checkpointing),
-        "--use_reentrant": "False",
-        "--use_flash_attn": "True",
-        "--use_peft_lora": "True",
-        "--lora_r": str(s.lora_r),
-        "--lora_alpha": str(s.lora_alpha),
-        "--lora_dropout": str(s.lora_dropout),
-        "--lora_target_modules": "all-linear",
+        "--max_seq_len": s.seq_len,
+        "--max_steps": s.warmup + s.steps + 1,
+        "--per_device_train_batch_size": s.batch // spec["world"],
+        "--bf16": s.bf16,
+        "--gradient_checkpointing": s.gradient_checkpointing,
+        "--lora_r": s.lora_r,
+        "--lora_alpha": s.lora_alpha,
+        "--lora_dropout": s.lora_dropout,
     }
-    return [x for kv in flags.items() for x in kv] + list(spec["flags"])
+    return GUIDE_FLAGS + [str(x) for kv in flags.items() for x in kv] + list(spec["flags"])
 
 
 def run_shardtune_worker(spec: dict) -> dict:
     """Run `shardtune train` in this process, timing each optimizer step at the entry of `train_step`."""
     import torch
 
-    import shardtune.trainer as trainer
+    from shardtune import trainer
     from shardtune.train import main as train_main
 
     torch.set_num_threads(spec["threads"])
@@ -466,31 +460,39 @@ def _env(c: Contender, s: Settings) -> dict[str, str]:
     return env
 
 
-def run_contender(c: Contender, s: Settings, assets: dict, workdir: Path, device: str, pad_id: int) -> dict:
-    """Train one contender in a fresh process (torchrun for 2 ranks) and return its per-rank records."""
+def worker_spec(c: Contender, s: Settings, assets: dict, workdir: Path, device: str, pad_id: int) -> dict:
+    """What a worker process needs, in a fresh folder under workdir (the data cache is shared)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{c.name}-", dir=workdir))
-    spec = {
+    flash = device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    return {
         "kind": c.kind,
         "world": c.world,
         "flags": c.flags,
         "settings": asdict(s),
         "model": str(assets["model"]),
         "data": str(assets["data"]),
+        "dir": str(tmp),
         "output_dir": str(tmp / "out"),
         "cache_dir": str(workdir / "cache"),
         "result": str(tmp / "result"),
         "threads": max(1, s.threads // c.world),
         "device": device,
         "pad_id": pad_id,
-        "attn": "sdpa",
+        "attn": "flash_attention_2" if flash else "sdpa",  # the guide's --use_flash_attn, where it can run
     }
+
+
+def run_contender(c: Contender, s: Settings, assets: dict, workdir: Path, device: str, pad_id: int) -> dict:
+    """Train one contender in a fresh process (torchrun for 2 ranks) and return its per-rank records."""
+    spec = worker_spec(c, s, assets, workdir, device, pad_id)
+    tmp = Path(spec["dir"])
     (tmp / "spec.json").write_text(json.dumps(spec))
     me = [str(Path(__file__).resolve()), "--_worker", str(tmp / "spec.json")]
     if c.world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(c.world), *me]
     else:
         cmd = [sys.executable, *me]
-    proc = subprocess.run(cmd, env=_env(c, s), capture_output=True, text=True, cwd=tmp)
+    proc = subprocess.run(cmd, env=_env(c, s), capture_output=True, text=True, cwd=tmp, check=False)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"{c.name} failed (exit {proc.returncode}):\n{tail}")
@@ -545,9 +547,9 @@ def format_table(report: dict) -> str:
     )
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
-        ratio = lambda x: f"{r['tokens_per_s'] / x:.2f}" if x else "-"  # noqa: E731
+        vs_ref, vs_single = (f"{r['tokens_per_s'] / x:.2f}" if x else "-" for x in (base, single))
         lines.append(
-            f"{name:<18}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{ratio(base):>7}{ratio(single):>9}"
+            f"{name:<18}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{vs_ref:>7}{vs_single:>9}"
             f"{r['step_s']:>8.2f}{r['flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{r['tokens_per_cpu_s']:>10.0f}"
             f"{'/'.join(f'{g:.2f}' for g in r['peak_gb_per_rank']):>14}"
             f"{'/'.join(f'{g:.2f}' for g in r['train_peak_gb_per_rank']):>15}"
@@ -619,12 +621,39 @@ def _contenders(a: argparse.Namespace, device: str) -> list[Contender]:
         "reference": Contender("reference", "reference"),
     }
     out = [known[n] for n in a.only.split(",") if n]
+    if a.batch % 2:
+        raise SystemExit(f"--batch {a.batch}: use an even number of rows, so that 2 ranks get the same share.")
     if device == "cuda":
         import torch
 
         if torch.cuda.device_count() < 2:  # two ranks need two GPUs under NCCL
             out = [c for c in out if c.world == 1]
     return out + [_parse_variant(v) for v in a.variant]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _measure(contenders: list[Contender], s: Settings, assets: dict, workdir: Path, device: str, pad_id: int):
+    """Interleave the contenders over the rounds (alternating their order) and the matmul peaks between them."""
+    dtype = "bfloat16" if s.bf16 else "float32"
+    shapes = peak_shapes(assets["model"], s.batch * s.seq_len, device)
+    peaks = {"machine": 0.0, "one_thread": 0.0}
+    raw: dict[str, list[dict]] = {c.name: [] for c in contenders}
+    for rnd in range(s.rounds):
+        peaks["machine"] = max(peaks["machine"], matmul_peak(dtype, s.threads, device, shapes))
+        peaks["one_thread"] = max(peaks["one_thread"], matmul_peak(dtype, 1, device, shapes))
+        for c in contenders if rnd % 2 == 0 else contenders[::-1]:
+            print(f"round {rnd + 1}/{s.rounds}: {c.name} ...", flush=True)
+            raw[c.name].append(run_contender(c, s, assets, workdir, device, pad_id))
+    return raw, peaks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -643,36 +672,28 @@ def main(argv: list[str] | None = None) -> int:
     tok, _ = load_tokenizer(
         str(assets["model"]), tokenizer_name_or_path=None, chat_template_format="chatml", trust_remote_code=False
     )
-    fm = flop_model(assets["model"], s.lora_r, extra_rows=-(-len(tok) // 8) * 8 - tok.vocab_size)
-    dtype = "bfloat16" if s.bf16 else "float32"
+    fm = flop_model(assets["model"], s.lora_r, vocab_rows=-(-len(tok) // 8) * 8)
     contenders = _contenders(a, device)
-    peaks = {"machine": 0.0, "one_thread": 0.0}
-    shapes = peak_shapes(assets["model"], s.batch * s.seq_len, device)
-    raw: dict[str, list[dict]] = {c.name: [] for c in contenders}
-    for rnd in range(s.rounds):
-        peaks["machine"] = max(peaks["machine"], matmul_peak(dtype, s.threads, device, shapes))
-        peaks["one_thread"] = max(peaks["one_thread"], matmul_peak(dtype, 1, device, shapes))
-        for c in contenders if rnd % 2 == 0 else contenders[::-1]:
-            print(f"round {rnd + 1}/{s.rounds}: {c.name} ...", flush=True)
-            raw[c.name].append(run_contender(c, s, assets, workdir, device, tok.pad_token_id))
+    load_before = os.getloadavg()
+    raw, peaks = _measure(contenders, s, assets, workdir, device, tok.pad_token_id)
     report = {
         "command": "python bench/speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "settings": asdict(s),
         "device": device if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
+        "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "torch": torch.__version__,
-        "dtype": dtype,
+        "dtype": "bfloat16" if s.bf16 else "float32",
         "model": asdict(fm),
         "matmul_peak": peaks,
         "contenders": {},
     }
     for c in contenders:
-        layout = f"{c.world}×{max(1, s.threads // c.world)}"
         summary = summarize(raw[c.name], s, fm, peaks["machine"], _checkpointing(c, s))
-        report["contenders"][c.name] = {"layout": layout, "flags": c.flags, "src": c.src, **summary}
-    table = format_table(report)
-    report["table"] = table
-    print(table)
+        layout = f"{c.world}×{max(1, s.threads // c.world)}"
+        report["contenders"][c.name] = {"layout": layout, "flags": c.flags, "src": c.src, "fsdp": c.fsdp, **summary}
+    report["table"] = format_table(report)
+    print(report["table"])
     suffix = ("" if s.model == "25m" else f"-{s.model}") + ("-cuda" if device == "cuda" else "")
     out = Path(a.out) if a.out else RESULTS / f"speed{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
