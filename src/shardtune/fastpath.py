@@ -37,20 +37,22 @@ class _BitsDropout(torch.autograd.Function):
     comparisons producing bool and products with bool tensors run 3-5x slower than these vectorized steps."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, p: float, scale: float) -> torch.Tensor:
         n = x.numel()
         bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         # A uniform int16 is >= t with probability (32768 - t) / 65536 = 1 - p; clamp(b - t + 1, 0, 1) is that test.
         t = round(p * 65536) - 32768
         keep = bits.view(torch.int16)[:n].view(x.shape).to(torch.int32).sub_(t - 1).clamp_(0, 1).to(torch.uint8)
         ctx.save_for_backward(keep)
-        ctx.scale = 1.0 / (1.0 - p)
-        return x * keep.to(x.dtype) * ctx.scale
+        ctx.scale = scale
+        y = x * keep.to(x.dtype)
+        return y if scale == 1.0 else y.mul_(scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (keep,) = ctx.saved_tensors
-        return grad * keep.to(grad.dtype) * ctx.scale, None
+        g = grad * keep.to(grad.dtype)
+        return (g if ctx.scale == 1.0 else g.mul_(ctx.scale)), None, None
 
 
 class FastDropout(nn.Dropout):
@@ -60,12 +62,18 @@ class FastDropout(nn.Dropout):
     CUDA, and under torch.compile, the native dropout is already fast and is used as it is.
     """
 
+    def fast(self, x: torch.Tensor) -> bool:
+        """Whether this call draws its own mask (else it is nn.Dropout's)."""
+        return self.training and 0.0 < self.p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        if not self.fast(x):
             return super().forward(x)
-        if self.p == 1.0:
-            return x * 0.0
-        return _BitsDropout.apply(x, self.p)
+        return _BitsDropout.apply(x, self.p, 1.0 / (1.0 - self.p))
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """x with the dropped elements zeroed, not rescaled: the caller applies 1/(1-p) (only when fast(x))."""
+        return _BitsDropout.apply(x, self.p, 1.0)
 
 
 def use_fast_dropout(model: nn.Module) -> int:
@@ -78,6 +86,63 @@ def use_fast_dropout(model: nn.Module) -> int:
                 if type(d) is nn.Dropout:
                     drops[name] = FastDropout(d.p)
                     n += 1
+    return n
+
+
+# ---------------------------------------------------------------- LoRA forward
+
+
+def _fast_lora_forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+    """peft's vanilla LoRA forward, result + s·B·(A·dropout(x)), with the product by B, the scaling (and dropout's
+    1/(1-p)) and the sum done by one addmm: two fewer passes over the (tokens, out) output per layer, forward and
+    backward, and `result` is not kept for backward. Same value and gradients up to rounding."""
+    lora_A, lora_B = module.lora_A[active_adapter], module.lora_B[active_adapter]
+    dropout, scaling = module.lora_dropout[active_adapter], module.scaling[active_adapter]
+    if isinstance(dropout, FastDropout) and dropout.fast(x):
+        h, alpha = lora_A(dropout.mask(x)), scaling / (1.0 - dropout.p)
+    else:
+        h, alpha = lora_A(dropout(x)), scaling
+    if lora_B.bias is not None or h.dtype != result.dtype or lora_B.weight.dtype != h.dtype:
+        return result + lora_B(h) * alpha
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_B.weight.t(), alpha=alpha)
+    return out.view(result.shape)
+
+
+def _delta(module, adapter: str, weight: torch.Tensor) -> torch.Tensor:
+    return module.get_delta_weight(adapter).to(weight.dtype)
+
+
+@functools.cache
+def _fast_lora_variant() -> type:
+    from peft.tuners.lora.layer import LoraVariant
+
+    # Merging and unmerging are vanilla LoRA's, casts included (peft handles lora_bias outside the variant).
+    return type(
+        "FastLoraVariant",
+        (LoraVariant,),
+        {
+            "init": staticmethod(lambda module, adapter_name, **kw: None),
+            "merge_safe": staticmethod(lambda module, adapter, w: w + _delta(module, adapter, w)),
+            "merge_unsafe": staticmethod(lambda module, adapter, w: w.data.add_(module.get_delta_weight(adapter))),
+            "unmerge": staticmethod(lambda module, adapter, w: w - _delta(module, adapter, w)),
+            "forward": staticmethod(_fast_lora_forward),
+        },
+    )
+
+
+def use_fast_lora(model: nn.Module) -> int:
+    """Give every plain LoRA adapter on a (non-quantized) linear layer the forward above; return how many.
+    DoRA and other variants keep theirs; 4-bit layers keep peft's forward."""
+    from peft.tuners.lora.layer import Linear
+
+    fast, n = _fast_lora_variant(), 0
+    for m in model.modules():
+        if type(m) is not Linear:
+            continue
+        for name in m.lora_A:
+            if name not in m.lora_variant:
+                m.lora_variant[name] = fast()
+                n += 1
     return n
 
 

@@ -131,3 +131,71 @@ def test_attention_without_spans_is_transformers_sdpa():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         out = fast.generate(ids[:1], max_new_tokens=4, do_sample=False)
         assert torch.equal(out, ref.generate(ids[:1], max_new_tokens=4, do_sample=False))
+
+
+# --- LoRA forward -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fast_lora_forward_matches_peft(dtype, tol, dropout):
+    """Output and every gradient against peft's own LoRA forward (the same dropout masks); merge and unmerge give
+    peft's weights; a layer with lora_bias keeps peft's path."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(48, 80), nn.SiLU(), nn.Linear(80, 32, bias=False)).to(dtype)
+    ref = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0", "2"]))
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                p.add_(0.3 * torch.randn_like(p))
+    fastpath.use_fast_dropout(ref)
+    fast = copy.deepcopy(ref)
+    assert fastpath.use_fast_lora(fast) == 2 and fastpath.use_fast_lora(fast) == 0
+    x = torch.randn(3, 7, 48, dtype=dtype)
+    results = []
+    for model in (ref, fast):
+        xx = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        y = model(xx)
+        y.float().square().sum().backward()
+        results.append((y.detach(), xx.grad, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (y_ref, gx_ref, g_ref), (y, gx, g) = results
+
+    def close(got, want):
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= tol * float(want.float().abs().max()), err
+
+    close(y, y_ref)
+    close(gx, gx_ref)
+    assert len(g_ref) == 4
+    for k in g_ref:
+        close(g[k], g_ref[k])
+    for model in (ref, fast):
+        model.base_model.merge_adapter()
+    for (n, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+    fast.base_model.unmerge_adapter()
+    ref.base_model.unmerge_adapter()
+    for (n, a), (_, b) in zip(ref.named_parameters(), fast.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
+
+
+def test_fast_lora_skips_variants_and_keeps_lora_bias_exact():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    dora = get_peft_model(nn.Sequential(nn.Linear(16, 8)), LoraConfig(r=2, target_modules=["0"], use_dora=True))
+    assert fastpath.use_fast_lora(dora) == 0
+    model = get_peft_model(nn.Sequential(nn.Linear(16, 8)), LoraConfig(r=2, target_modules=["0"], lora_bias=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(torch.randn_like(p))
+    x = torch.randn(5, 16)
+    want = model(x)
+    assert fastpath.use_fast_lora(model) == 1
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
