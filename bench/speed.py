@@ -541,15 +541,16 @@ def format_table(report: dict) -> str:
     rows = report["contenders"]
     base = rows.get("reference", {}).get("tokens_per_s")
     single = rows.get("shardtune", {}).get("tokens_per_s")
+    w = max(18, *(len(n) + 2 for n in rows))
     head = (
-        f"{'contender':<18}{'ranks×thr':>10}{'tokens/s':>10}{'×ref':>7}{'×single':>9}{'step s':>8}"
+        f"{'contender':<{w}}{'ranks×thr':>10}{'tokens/s':>10}{'×ref':>7}{'×single':>9}{'step s':>8}"
         f"{'GFLOP/s':>9}{'MFU':>7}{'tok/CPU-s':>10}{'peak GB/rank':>14}{'train GB/rank':>15}"
     )
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
         vs_ref, vs_single = (f"{r['tokens_per_s'] / x:.2f}" if x else "-" for x in (base, single))
         lines.append(
-            f"{name:<18}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{vs_ref:>7}{vs_single:>9}"
+            f"{name:<{w}}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{vs_ref:>7}{vs_single:>9}"
             f"{r['step_s']:>8.2f}{r['flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{r['tokens_per_cpu_s']:>10.0f}"
             f"{'/'.join(f'{g:.2f}' for g in r['peak_gb_per_rank']):>14}"
             f"{'/'.join(f'{g:.2f}' for g in r['train_peak_gb_per_rank']):>15}"

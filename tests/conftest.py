@@ -71,3 +71,18 @@ def _free_port() -> int:
 def train_records(output_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("type") == kind]
+
+
+def train_args(assets: dict[str, Path], out: Path, **flags) -> list[str]:
+    """`train` argv on the tiny model and chat data with chatml, packing and no saving; `flags` add or override
+    (`max_seq_len=128` becomes `--max_seq_len 128`)."""
+    base = {
+        "model_name_or_path": assets["model"],
+        "dataset_name": assets["data"],
+        "chat_template_format": "chatml",
+        "packing": True,
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "output_dir": out,
+    }
+    return ["train", *(x for k, v in {**base, **flags}.items() for x in (f"--{k}", str(v)))]

@@ -4,46 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import run_cli, train_records
+from tests.conftest import run_cli, train_args, train_records
 
 
 def _args(assets, out, extra):
-    return [
-        "train",
-        "--model_name_or_path",
-        str(assets["model"]),
-        "--dataset_name",
-        str(assets["data"]),
-        "--chat_template_format",
-        "chatml",
-        "--max_seq_len",
-        "128",
-        "--packing",
-        "True",
-        "--seed",
-        "11",
-        "--max_steps",
-        "3",
-        "--logging_steps",
-        "1",
-        "--learning_rate",
-        "3e-3",
-        "--save_strategy",
-        "no",
-        "--per_device_train_batch_size",
-        "2",
-        "--use_peft_lora",
-        "True",
-        "--lora_r",
-        "4",
-        "--lora_target_modules",
-        "all-linear",
-        "--gradient_checkpointing",
-        "True",
-        "--output_dir",
-        str(out),
-        *extra,
-    ]
+    flags = {"max_seq_len": 128, "seed": 11, "max_steps": 3, "learning_rate": 3e-3, "per_device_train_batch_size": 2}
+    lora = {"use_peft_lora": True, "lora_r": 4, "lora_target_modules": "all-linear", "gradient_checkpointing": True}
+    return train_args(assets, out, **flags, **lora) + list(extra)
 
 
 def _losses(out):

@@ -47,18 +47,26 @@ def shard_model(
     raf = _RESHARD_AFTER_FORWARD[sharding_strategy] if reshard_after_forward is None else reshard_after_forward
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     mp = mixed_precision_policy(param_dtype)
+    # Reshard after forward follows the YAML's strategy: freeing each block's gathered weights after its forward is
+    # what lets a 70B model fit (FULL_SHARD), at one more all-gather per block in backward (docs/speed.md measures
+    # the choices). Two exceptions cost one block's weights and save a gather each step:
     for i, block in enumerate(blocks):
-        # The last block is all-gathered again as soon as backward starts: keeping it unsharded saves a gather.
+        # the last block is all-gathered again as soon as backward starts: keeping it unsharded saves a gather;
         fully_shard(
             block, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=raf and i < len(blocks) - 1
         )
+    # the root (embeddings, final norm, head) runs last in forward and first in backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False)
     _set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
 
 
 def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None:
-    """FSDP2 already prefetches the next block in backward (BACKWARD_PRE); forward prefetch is explicit."""
+    """FSDP2 already prefetches the next block in backward (BACKWARD_PRE, the guide's setting): its all-gather is
+    issued before the current block's backward, so on GPUs communication overlaps compute. Forward prefetch
+    (off in the guide) holds one more block's weights to start the next block's all-gather early; it helps when
+    all-gathers are slow next to a block's forward (slow interconnect, small blocks). Over gloo on CPU a
+    collective blocks the process and nothing overlaps: the choices measure within noise there (docs/speed.md)."""
     if forward:
         for cur, nxt in itertools.pairwise(blocks):
             cur.set_modules_to_forward_prefetch([nxt])
