@@ -92,14 +92,13 @@ def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
         storage_dtype_name="bfloat16",
     )
     spec = ModelSpec(
-        model_name_or_path=model_dir, dtype=torch.bfloat16, param_dtype=torch.bfloat16, attn_impl="sdpa",
-        trust_remote_code=False, n_tokens=0, new_token_ids=[], use_peft_lora=True, lora_r=8, lora_alpha=16,
-        lora_dropout=0.0, lora_target_modules="all-linear", use_dora=False, modules_to_save=None,
-        adapter_name="default", adapter_path=None, quantization_config=qcfg, gradient_checkpointing=False,
-        use_reentrant=False, checkpoint_every=1, sharding_strategy="FULL_SHARD", offload=False,
-        cpu_ram_efficient_loading=efficient, forward_prefetch=False, backward_prefetch="BACKWARD_PRE",
-        transformer_cls_to_wrap=None, reshard_after_forward=None, torch_compile=False,
-    )  # fmt: skip
+        model_name_or_path=model_dir,
+        dtype=torch.bfloat16,
+        n_tokens=0,
+        param_dtype=torch.bfloat16,
+        quantization_config=qcfg,
+        cpu_ram_efficient_loading=efficient,
+    )
     t0 = time.time()
     model = build_sharded_model(spec, info)
     seconds = time.time() - t0
