@@ -42,3 +42,16 @@ def test_checkpoint_every_must_be_positive(tiny_assets, tmp_path):
     assert proc.returncode == 2
     assert "--checkpoint_every_n_layers must be >= 1 (got 0)" in proc.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_dora_dropout_choice_reaches_the_layers(tiny_assets, tmp_path):
+    """`--dora_dropout`: the same first step (the magnitude starts at ‖W‖, lora_B at zero, so both forwards are
+    W·x), then different updates with dropout on; an unknown value is refused before loading."""
+    dora = ["--use_dora", "True", "--lora_dropout", "0.3"]
+    run_cli(_args(tiny_assets, tmp_path / "lora_path", dora))
+    run_cli(_args(tiny_assets, tmp_path / "peft", [*dora, "--dora_dropout", "peft"]))
+    lp, pf = _losses(tmp_path / "lora_path"), _losses(tmp_path / "peft")
+    torch.testing.assert_close(pf[0], lp[0], rtol=1e-6, atol=0)
+    assert float((pf[1:] - lp[1:]).abs().max()) > 1e-6
+    bad = run_cli(_args(tiny_assets, tmp_path / "bad", [*dora, "--dora_dropout", "both"]), check=False)
+    assert bad.returncode == 2 and "--dora_dropout" in bad.stderr and "lora_path" in bad.stderr
