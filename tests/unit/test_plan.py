@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -155,18 +156,33 @@ def test_model_state_per_rank_equals_dim0_chunks_of_real_parameters(tiny_dir):
         )
 
 
-def _fully_shard_worker(rank: int, world: int, path: str, port: int, queue) -> None:
+@contextlib.contextmanager
+def _gloo(rank: int, world: int, port: int):
+    """A gloo process group for one spawned rank."""
     import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        model = get_peft_model(model, LoraConfig(r=3, target_modules="all-linear"))
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_lora(path: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return get_peft_model(model, LoraConfig(r=3, target_modules="all-linear"))
+
+
+def _fully_shard_worker(rank: int, world: int, path: str, port: int, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with _gloo(rank, world, port):
+        model = _tiny_lora(path)
         mesh = init_device_mesh("cpu", (world,))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.base_model.model.model.layers:
@@ -177,8 +193,6 @@ def _fully_shard_worker(rank: int, world: int, path: str, port: int, queue) -> N
             local = p.to_local()
             held["trainable" if p.requires_grad else "frozen"] += local.numel() * local.element_size()
         queue.put((rank, held))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn_two(target, path) -> dict:
@@ -215,19 +229,13 @@ def test_model_state_per_rank_equals_fully_shard(tiny_dir):
 def _sharded_state_dict_worker(rank: int, world: int, path: str, port: int, queue) -> None:
     import functools
 
-    import torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
     from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
-    from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        model = get_peft_model(model, LoraConfig(r=3, target_modules="all-linear"))
+    with _gloo(rank, world, port):
+        model = _tiny_lora(path)
 
         # peft's fsdp_auto_wrap_policy, as the HF Trainer applies it: decoder layers, and each trainable leaf.
         def trainable_leaf(m: torch.nn.Module) -> bool:
@@ -253,8 +261,6 @@ def _sharded_state_dict_worker(rank: int, world: int, path: str, port: int, queu
             else:
                 held["not sharded"] += 1
         queue.put((rank, held))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_state_dict_copies_equal_fsdp1(tiny_dir):
