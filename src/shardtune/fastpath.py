@@ -1,11 +1,13 @@
-"""Faster drop-in pieces for the training step, where the libraries' own are slow on the paths shardtune runs.
+"""Faster drop-in pieces for the training step, where the libraries' own are slow on the paths shardtune runs
+(each measured in docs/speed.md and tested against the library version).
 
 - `FastDropout`: PEFT's `lora_dropout` is an `nn.Dropout`, and on CPU `bernoulli_` draws one random number per
-  element: with LoRA on every linear layer it took a quarter of the step. FastDropout draws one 64-bit number per
+  element: with LoRA on every linear layer it took a fifth of the step. FastDropout draws one 64-bit number per
   four elements; same keep probability (to 1/65536), same gradient.
+- `use_fast_lora`: a PEFT LoRA variant whose forward is one addmm instead of a product, a scaling and a sum.
 - `packed_sdpa_attention` ("shardtune_sdpa"): with packed rows and SDPA, transformers builds a block-diagonal causal
   mask over the whole row, and SDPA then computes every (query, key) pair of the row, masked or not. This runs
-  SDPA once per document with `is_causal=True` instead: only the pairs inside each document, and no mask. Where
+  SDPA per span of whole documents instead (short documents grouped, long ones alone and causal). Where
   flash-attention 2 is installed (CUDA), shardtune uses it instead: it does the same with cu_seqlens.
 """
 

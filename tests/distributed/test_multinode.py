@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, run_cli, train_records
+from tests.conftest import ROOT, run_cli, train_args, train_records
 
 
 def _port() -> int:
@@ -31,42 +31,11 @@ def _yaml(tmp_path, strategy: str, machines: int, processes: int):
 
 
 def _train_flags(assets, out, steps=3):
-    return [
-        "--model_name_or_path",
-        str(assets["model"]),
-        "--dataset_name",
-        str(assets["data"]),
-        "--chat_template_format",
-        "chatml",
-        "--max_seq_len",
-        "96",
-        "--packing",
-        "True",
-        "--seed",
-        "11",
-        "--per_device_train_batch_size",
-        "1",
-        "--max_steps",
-        str(steps),
-        "--logging_steps",
-        "1",
-        "--learning_rate",
-        "3e-3",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-        "--use_peft_lora",
-        "True",
-        "--lora_r",
-        "4",
-        "--lora_dropout",
-        "0.0",
-        "--lora_target_modules",
-        "all-linear",
-        "--output_dir",
-        str(out),
-    ]
+    """`train`'s flags without the command (`shardtune launch` takes them)."""
+    lora = {"use_peft_lora": True, "lora_r": 4, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
+    run = {"max_seq_len": 96, "seed": 11, "per_device_train_batch_size": 1, "max_steps": steps}
+    saving = {"learning_rate": 3e-3, "save_strategy": "steps", "save_steps": 2}
+    return train_args(assets, out, **run, **saving, **lora)[1:]
 
 
 def _launch_two_machines(config, flags, port):

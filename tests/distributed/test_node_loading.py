@@ -15,7 +15,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import _free_port, run_cli, train_records
+from tests.conftest import _free_port, run_cli, train_args, train_records
 
 
 def _env(strategy: str, load_log) -> dict[str, str]:
@@ -31,41 +31,10 @@ def _env(strategy: str, load_log) -> dict[str, str]:
 
 
 def _flags(assets, out) -> list[str]:
-    return [
-        "train",
-        "--model_name_or_path",
-        str(assets["model"]),
-        "--dataset_name",
-        str(assets["data"]),
-        "--chat_template_format",
-        "chatml",
-        "--max_seq_len",
-        "96",
-        "--packing",
-        "True",
-        "--seed",
-        "5",
-        "--per_device_train_batch_size",
-        "1",
-        "--max_steps",
-        "3",
-        "--logging_steps",
-        "1",
-        "--learning_rate",
-        "3e-3",
-        "--save_strategy",
-        "no",
-        "--use_peft_lora",
-        "True",
-        "--lora_r",
-        "4",
-        "--lora_dropout",
-        "0.0",
-        "--lora_target_modules",
-        "all-linear",
-        "--output_dir",
-        str(out),
-    ]
+    lora = {"use_peft_lora": True, "lora_r": 4, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
+    return train_args(
+        assets, out, max_seq_len=96, seed=5, per_device_train_batch_size=1, max_steps=3, learning_rate=3e-3, **lora
+    )
 
 
 def _two_nodes(flags: list[str], env: dict[str, str]) -> None:

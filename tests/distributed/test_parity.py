@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli, train_records
+from tests.conftest import run_cli, train_args, train_records
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -17,42 +17,9 @@ FSDP_ENV = {
 
 
 def _args(assets, out, extra=()):
-    return [
-        "train",
-        "--model_name_or_path",
-        str(assets["model"]),
-        "--dataset_name",
-        str(assets["data"]),
-        "--chat_template_format",
-        "chatml",
-        "--max_seq_len",
-        "96",
-        "--packing",
-        "True",
-        "--seed",
-        "7",
-        "--max_steps",
-        "4",
-        "--logging_steps",
-        "1",
-        "--learning_rate",
-        "3e-3",
-        "--lr_scheduler_type",
-        "cosine",
-        "--warmup_steps",
-        "1",
-        "--weight_decay",
-        "0.01",
-        "--save_strategy",
-        "no",
-        "--output_dir",
-        str(out),
-        "--gradient_accumulation_steps",
-        "2",
-        "--gradient_checkpointing",
-        "True",
-        *extra,
-    ]
+    run = {"max_seq_len": 96, "seed": 7, "max_steps": 4, "gradient_accumulation_steps": 2}
+    optim = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.01}
+    return [*train_args(assets, out, **run, **optim, gradient_checkpointing=True), *extra]
 
 
 def _run_pair(assets, tmp_path, extra):
