@@ -86,3 +86,27 @@ def train_args(assets: dict[str, Path], out: Path, **flags) -> list[str]:
         "output_dir": out,
     }
     return ["train", *(x for k, v in {**base, **flags}.items() for x in (f"--{k}", str(v)))]
+
+
+def packed_eval_split(assets: dict[str, Path], tokenizer_dir: Path, cache_dir: Path, seed: int):
+    """The packed evaluation rows (96 positions) a training run on the tiny data evaluates on, tokenized with the
+    tokenizer the run saved."""
+    from transformers import AutoTokenizer
+
+    from shardtune.data import build_datasets
+
+    _, ev = build_datasets(
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        dataset_name=str(assets["data"]),
+        splits="train,test",
+        dataset_text_field="text",
+        max_length=96,
+        packing=True,
+        append_concat_token=False,
+        add_special_tokens=False,
+        assistant_only_loss=False,
+        drop_long_samples=False,
+        cache_dir=str(cache_dir),
+        seed=seed,
+    )
+    return ev

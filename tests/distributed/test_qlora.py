@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli, train_records
+from tests.conftest import packed_eval_split, run_cli, train_records
 
 pytest.importorskip("bitsandbytes")
 
@@ -105,24 +105,7 @@ def _run_pair(assets, tmp_path, extra):
 
 
 def _eval_rows(assets, tmp_path, out) -> Path:
-    from transformers import AutoTokenizer
-
-    from shardtune.data import build_datasets
-
-    _, ev = build_datasets(
-        tokenizer=AutoTokenizer.from_pretrained(out),
-        dataset_name=str(assets["data"]),
-        splits="train,test",
-        dataset_text_field="text",
-        max_length=96,
-        packing=True,
-        append_concat_token=False,
-        add_special_tokens=False,
-        assistant_only_loss=False,
-        drop_long_samples=False,
-        cache_dir=str(tmp_path / "cache"),
-        seed=7,
-    )
+    ev = packed_eval_split(assets, out, tmp_path / "cache", seed=7)
     rows = [
         {"input_ids": list(map(int, ev.input_ids[i])), "labels": list(map(int, ev.labels[i])),
          "position_ids": list(map(int, ev.position_ids[i]))}

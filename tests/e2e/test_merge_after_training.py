@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import packed_eval_split, run_cli
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -113,24 +113,8 @@ def test_modules_to_save_are_trained_in_full_saved_resized_and_reload(tiny_asset
 
 def _eval_loss(assets, out: Path, model) -> float:
     import torch.nn.functional as F
-    from transformers import AutoTokenizer
 
-    from shardtune.data import build_datasets
-
-    _, ev = build_datasets(
-        tokenizer=AutoTokenizer.from_pretrained(out),
-        dataset_name=str(assets["data"]),
-        splits="train,test",
-        dataset_text_field="text",
-        max_length=96,
-        packing=True,
-        append_concat_token=False,
-        add_special_tokens=False,
-        assistant_only_loss=False,
-        drop_long_samples=False,
-        cache_dir=str(out.parent / "cache"),
-        seed=5,
-    )
+    ev = packed_eval_split(assets, out, out.parent / "cache", seed=5)
     total, count = 0.0, 0
     with torch.no_grad():
         for ids, labels, pos in zip(ev.input_ids, ev.labels, ev.position_ids, strict=True):

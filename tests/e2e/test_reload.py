@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import packed_eval_split, run_cli
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -47,25 +47,7 @@ print(json.dumps({"eval_loss": total / count, "vocab_rows": model.get_input_embe
 
 
 def _eval_rows(assets, tmp_path, out):
-    from transformers import AutoTokenizer
-
-    from shardtune.data import build_datasets
-
-    tok = AutoTokenizer.from_pretrained(out)
-    _, ev = build_datasets(
-        tokenizer=tok,
-        dataset_name=str(assets["data"]),
-        splits="train,test",
-        dataset_text_field="text",
-        max_length=96,
-        packing=True,
-        append_concat_token=False,
-        add_special_tokens=False,
-        assistant_only_loss=False,
-        drop_long_samples=False,
-        cache_dir=str(tmp_path / "cache"),
-        seed=5,
-    )
+    ev = packed_eval_split(assets, out, tmp_path / "cache", seed=5)
     rows = [
         {
             "input_ids": list(map(int, ev.input_ids[i])),
