@@ -146,7 +146,12 @@ class TrainArguments:
         choices=["end", "every_save", "checkpoint", "all_checkpoints"],
     )
     hub_token: str | None = _f(None, "Hub token (default: the logged-in token).")
-    report_to: str = _f("none", "none or tensorboard.")
+    report_to: str = _f(
+        "none",
+        "Experiment trackers, as transformers: none, all (every installed one), or a comma list of tensorboard, "
+        "wandb, mlflow. W&B and MLflow read their usual environment (WANDB_PROJECT, WANDB_MODE, "
+        "MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, ...); see docs/monitoring.md.",
+    )
     merge_adapter: bool = _f(False, "Also write the base model with the adapter merged into output_dir/merged.")
     max_nonfinite_steps: int = _f(3, "Stop after this many skipped steps with a non-finite loss or gradient norm.")
     run_name: str | None = _f(None, "A name for the run in logs.")
@@ -326,8 +331,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p.append(
             f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or paged_adamw_8bit."
         )
-    if t.report_to not in ("none", "tensorboard"):
-        p.append(f"--report_to {t.report_to!r} is not supported; use none or tensorboard.")
+    p += _report_to_problems(t.report_to)
     if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
         p.append(f"--log_level {t.log_level!r}: use debug, info, warning, error, critical or passive.")
     if len(_split(d.splits)) not in (1, 2):
@@ -353,6 +357,16 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p += _path_problems(cfg)
     if p:
         raise ConfigError(p)
+
+
+def _report_to_problems(report_to: str) -> list[str]:
+    """--report_to: known tracker names, and their packages installed (checked here, before any loading)."""
+    from shardtune.trackers import missing_packages, parse_report_to
+
+    try:
+        return missing_packages(parse_report_to(report_to))
+    except ValueError as e:
+        return [str(e)]
 
 
 def _looks_local(s: str) -> bool:

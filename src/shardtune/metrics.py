@@ -1,5 +1,7 @@
 """Run metrics: the progress bar, `metrics.jsonl`, TensorBoard scalars, the loss plot and the summary table.
 
+W&B and MLflow runs (`--report_to wandb,mlflow`) get the same records through `shardtune.trackers`.
+
 `metrics.jsonl` (in the run's output_dir) holds one JSON object per line, appended and flushed as it is logged:
 
 - `{"type": "start", "time", "elapsed_s": 0, "total_steps", "config"}` when a run (or a resumed run) starts;
@@ -76,12 +78,28 @@ def _fmt(key: str, value: Any) -> str:
     return f"{value:.2f}" if "memory" in key else f"{value:.4g}"
 
 
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers among a record's metrics, plus `memory_gb` (the largest rank's) from memory_per_rank_gb."""
+    out = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if "memory_gb" not in out and metrics.get("memory_per_rank_gb"):
+        out["memory_gb"] = max(metrics["memory_per_rank_gb"])
+    return out
+
+
+def _tagged(kind: str, scalars: dict[str, float]) -> dict[str, float]:
+    """Metric names as TensorBoard and W&B show them: train/<key>, eval/<key without eval_>."""
+    return {
+        TB_TAGS.get(k) or (f"eval/{k.removeprefix('eval_')}" if kind == "eval" else f"train/{k}"): v
+        for k, v in scalars.items()
+    }
+
+
 class RunLogger:
     """Everything a training run reports, written by the main process only (elsewhere every method is a no-op).
 
     Each `log_train`/`log_eval` appends a flushed line to `metrics.jsonl` (so an interrupted run keeps what it
-    logged and a resumed run appends), writes TensorBoard scalars with `report_to="tensorboard"`, and prints one
-    line. `progress` moves the tqdm bar; `finish` writes the summary record, draws `loss.png` and prints the table.
+    logged and a resumed run appends), writes TensorBoard scalars with `report_to="tensorboard"`, passes the
+    numbers to the W&B/MLflow `trackers` it is given, and prints one line. `progress` moves the tqdm bar; `finish` writes the summary record, draws `loss.png` and prints the table.
     """
 
     def __init__(
@@ -93,7 +111,10 @@ class RunLogger:
         total_steps: int,
         config: dict | None = None,
         disable_progress: bool = False,
+        trackers: list | None = None,
     ):
+        from shardtune.trackers import parse_report_to
+
         self.output_dir = Path(output_dir)
         self.is_main = is_main
         self.total_steps = total_steps
@@ -102,11 +123,11 @@ class RunLogger:
         self.last_step: int | None = None
         self._bar = None
         self._tb = None
-        self._tb_wanted = report_to == "tensorboard"
+        self._tb_wanted = "tensorboard" in parse_report_to(report_to)
+        # W&B and MLflow runs, opened by the caller before the model loads (see trackers.open_trackers).
+        self._trackers = list(trackers or []) if is_main else []
         self._file = None
         self._t0 = time.time()
-        if report_to not in ("none", "tensorboard"):
-            raise ValueError(f"--report_to {report_to!r} is not supported; use none or tensorboard.")
         if not is_main:
             return
         if self._tb_wanted:
@@ -114,6 +135,8 @@ class RunLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._file = self._open_metrics_file()
         self._write({"type": "start", "total_steps": total_steps, "config": config or {}})
+        for tracker in self._trackers:
+            tracker.log_config(config or {})
 
     def _open_metrics_file(self):
         path = self.output_dir / METRICS_FILE
@@ -134,8 +157,12 @@ class RunLogger:
         metrics = {k: _plain(v) for k, v in metrics.items() if k not in _RESERVED}
         self._write({"type": kind, "step": int(step), **metrics})
         self.last_step = int(step)
+        scalars = _scalars(metrics)
         if self._tb_wanted:
-            self._tensorboard(kind, int(step), metrics)
+            self._tensorboard(kind, int(step), scalars)
+        for tracker in self._trackers:
+            # MLflow keeps metrics.jsonl's names (as transformers' MLflowCallback); W&B the TensorBoard tags.
+            tracker.log(kind, int(step), scalars if tracker.raw_keys else _tagged(kind, scalars))
         head = f"step {step}/{self.total_steps}" + (" eval" if kind == "eval" else "")
         self._print("  ".join([head] + [f"{k} {_fmt(k, v)}" for k, v in metrics.items()]))
 
@@ -149,7 +176,7 @@ class RunLogger:
         if self.is_main:
             self._log("eval", step, metrics)
 
-    def _tensorboard(self, kind: str, step: int, metrics: dict[str, Any]) -> None:
+    def _tensorboard(self, kind: str, step: int, scalars: dict[str, float]) -> None:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -159,12 +186,8 @@ class RunLogger:
             self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=step if resumed else None)
             if self.config:
                 self._tb.add_text("config", "```\n" + json.dumps(self.config, indent=2, default=str) + "\n```", step)
-        if "memory_gb" not in metrics and metrics.get("memory_per_rank_gb"):
-            metrics = {**metrics, "memory_gb": max(metrics["memory_per_rank_gb"])}
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                tag = TB_TAGS.get(key) or (f"eval/{key.removeprefix('eval_')}" if kind == "eval" else f"train/{key}")
-                self._tb.add_scalar(tag, value, step)
+        for tag, value in _tagged(kind, scalars).items():
+            self._tb.add_scalar(tag, value, step)
         self._tb.flush()
 
     def progress(self, step: int, postfix: dict[str, float]) -> None:
@@ -200,6 +223,8 @@ class RunLogger:
             self._bar = None
         if self._tb is not None:
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.finish({k: _plain(v) for k, v in summary.items()})
         records = read_metrics(self.output_dir)
         try:
             print0(f"Loss plot: {plot_run(self.output_dir, records)}")
@@ -207,8 +232,17 @@ class RunLogger:
             warn0(f"No loss plot: {e}")
         print0(summary_table(records))
 
-    def close(self) -> None:
-        """Close the bar, the TensorBoard writer and metrics.jsonl (safe to call twice)."""
+    def log_model(self, out: str | Path, *, is_adapter: bool) -> None:
+        """Hand the finished output folder to the trackers that keep models (MLflow artifacts, W&B artifacts)."""
+        for tracker in self._trackers:
+            tracker.log_model(out, is_adapter=is_adapter)
+
+    def close(self, finished: bool = False) -> None:
+        """Close the bar, the TensorBoard writer, the W&B/MLflow runs (marked finished, or failed/killed) and
+        metrics.jsonl (safe to call twice)."""
+        for tracker in self._trackers:
+            tracker.close(finished=finished)
+        self._trackers = []
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -164,9 +164,42 @@ def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
 
 
 def run(cfg: RunConfig) -> int:
+    from shardtune.distributed.mesh import init_distributed
+
+    info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
+    repo_id = _preflight(cfg, info)
+    trackers = _open_trackers(cfg, info)
+    try:
+        return _run(cfg, info, repo_id, trackers)
+    except BaseException:
+        for tracker in trackers:  # a W&B/MLflow run of a failed run is marked failed, not left running
+            tracker.close(finished=False)
+        raise
+
+
+def _open_trackers(cfg: RunConfig, info) -> list:
+    """The W&B/MLflow runs of --report_to, started on the main process before the data and model load, so that
+    a tracker that cannot start stops every rank with its message (exit 2) and nothing has been spent."""
+    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.trackers import open_trackers, parse_report_to
+
+    trackers, problem = [], None
+    if info.is_main:
+        try:
+            trackers = open_trackers(
+                parse_report_to(cfg.train.report_to), output_dir=cfg.train.output_dir, run_name=cfg.train.run_name
+            )
+        except Exception as e:  # noqa: BLE001 - any tracker failure (bad URI, no login) is reported the same way
+            problem = f"--report_to {cfg.train.report_to}: the tracker could not start: {type(e).__name__}: {e}"
+    problem = broadcast_object(problem)
+    if problem:
+        raise ValueError(problem)
+    return trackers
+
+
+def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     from transformers import get_scheduler
 
-    from shardtune.distributed.mesh import init_distributed
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.metrics import RunLogger
     from shardtune.trainer import (
@@ -180,8 +213,6 @@ def run(cfg: RunConfig) -> int:
     )
 
     m, t = cfg.model, cfg.train
-    info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
-    repo_id = _preflight(cfg, info)
     _seed_everything(t.seed)
     tokenizer, new_ids = modeling.load_tokenizer(
         m.model_name_or_path,
@@ -244,7 +275,9 @@ def run(cfg: RunConfig) -> int:
         "world_size": info.world_size,
         "param_bytes_per_rank": all_gather_objects(local_state_bytes(model)),
     }
-    logger = RunLogger(t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total, config=run_info)
+    logger = RunLogger(
+        t.output_dir, is_main=info.is_main, report_to=t.report_to, total_steps=total, config=run_info, trackers=trackers
+    )
     print0(
         f"Training {total} steps ({spe} per epoch), global batch {t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps} rows."
     )
@@ -305,6 +338,8 @@ def run(cfg: RunConfig) -> int:
                 ignore=hub.END_IGNORE,
             )
             print0(f"Uploaded {out} to https://huggingface.co/{repo_id}.")
+        logger.log_model(out, is_adapter=m.use_peft_lora)
+    logger.close(finished=True)
     return 0
 
 
