@@ -127,9 +127,19 @@ def _adapter_vocab_rows(model, adapter: str) -> int | None:
     return max(rows) if rows else None
 
 
+def _trainable_token_rows(adapter: str) -> int:
+    """Rows the base needs for the adapter's trainable_token_indices (the chat tokens training added; peft saves
+    their rows, not the whole embedding, and indexes the base's resized embedding with them)."""
+    spec = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("trainable_token_indices")
+    indices = [i for v in spec.values() for i in v] if isinstance(spec, dict) else list(spec or [])
+    return max(indices) + 1 if indices else 0
+
+
 def _resize_for(model, tokenizer, adapter: str | None) -> None:
     current = model.get_input_embeddings().weight.shape[0]
     target = (_adapter_vocab_rows(model, adapter) if adapter else None) or len(tokenizer)
+    if adapter:  # training padded the vocabulary to a multiple of 8: the indices reach past len(tokenizer)
+        target = max(target, _trainable_token_rows(adapter))
     if target > current:
         model.resize_token_embeddings(target, mean_resizing=False)
         print0(f"Resized the embeddings from {current} to {target} rows to match the tokenizer/adapter.")

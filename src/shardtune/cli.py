@@ -12,6 +12,7 @@ COMMANDS = {
     "merge": ("shardtune.merge", "main", "Merge a LoRA/DoRA adapter into its base, one shard at a time."),
     "chat": ("shardtune.chat", "main", "Chat with a base model + adapter, or a merged model."),
     "report": ("shardtune.metrics", "report_main", "Print a run's summary and draw its loss plot."),
+    "eval": ("shardtune.evaluate_harness", "main", "Run lm-evaluation-harness tasks on an adapter or a model."),
     "demo": ("shardtune.demo", "main", "Build the demo model and data, and fine-tune it on 2 CPU processes."),
 }
 

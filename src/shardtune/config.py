@@ -153,6 +153,12 @@ class TrainArguments:
         "MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, ...); see docs/monitoring.md.",
     )
     merge_adapter: bool = _f(False, "Also write the base model with the adapter merged into output_dir/merged.")
+    eval_harness_tasks: str | None = _f(
+        None,
+        "After training, run these lm-evaluation-harness tasks (comma-separated) on the result, as `shardtune eval` "
+        "does: results in output_dir/eval_results.json/.md and the model card (docs/eval.md).",
+    )
+    eval_harness_include_path: str | None = _f(None, "A folder of local lm_eval task YAMLs for --eval_harness_tasks.")
     max_nonfinite_steps: int = _f(3, "Stop after this many skipped steps with a non-finite loss or gradient norm.")
     run_name: str | None = _f(None, "A name for the run in logs.")
     ddp_timeout: int = _f(
@@ -332,6 +338,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
             f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or paged_adamw_8bit."
         )
     p += _report_to_problems(t.report_to)
+    p += _eval_harness_problems(t.eval_harness_tasks, t.eval_harness_include_path)
     if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
         p.append(f"--log_level {t.log_level!r}: use debug, info, warning, error, critical or passive.")
     if len(_split(d.splits)) not in (1, 2):
@@ -367,6 +374,23 @@ def _report_to_problems(report_to: str) -> list[str]:
         return missing_packages(parse_report_to(report_to))
     except ValueError as e:
         return [str(e)]
+
+
+def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[str]:
+    """--eval_harness_*: lm_eval installed and the task folder there (task names are checked in the preflight)."""
+    import importlib.util
+
+    if not tasks:
+        return ["--eval_harness_include_path needs --eval_harness_tasks."] if include_path else []
+    p = []
+    if importlib.util.find_spec("lm_eval") is None:
+        p.append(
+            "--eval_harness_tasks needs the `lm_eval` package (lm-evaluation-harness), which is not installed: "
+            "pip install 'shardtune[eval]'"
+        )
+    if include_path and not Path(include_path).expanduser().is_dir():
+        p.append(f"--eval_harness_include_path {include_path}: no such folder.")
+    return p
 
 
 def _looks_local(s: str) -> bool:

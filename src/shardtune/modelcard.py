@@ -198,3 +198,26 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value).replace("|", "\\|")
+
+
+EVAL_BEGIN = "<!-- shardtune eval: begin -->"
+EVAL_END = "<!-- shardtune eval: end -->"
+
+
+def set_eval_section(card_path: str | Path, table: str) -> Path:
+    """Put (or replace) the lm-evaluation-harness results table in a model card, between markers so that a later
+    `shardtune eval` replaces it instead of adding a second one; the rest of the card is kept as it is."""
+    import os
+
+    path = Path(card_path)
+    text = path.read_text(encoding="utf-8")
+    section = f"{EVAL_BEGIN}\n## Evaluation (lm-evaluation-harness)\n\n{table.strip()}\n{EVAL_END}\n"
+    if EVAL_BEGIN in text and EVAL_END in text:
+        head, rest = text.split(EVAL_BEGIN, 1)
+        text = head + section + rest.split(EVAL_END, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -15,7 +15,7 @@ import torch
 
 from shardtune import checkpoint, modeling
 from shardtune.config import ConfigError, RunConfig, load_run_config
-from shardtune.log import error, print0, setup_logging, warn0
+from shardtune.log import error, print0, rank, setup_logging, warn0
 
 EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
 
@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
+    rc = _train(cfg)
+    if rc == 0 and cfg.train.eval_harness_tasks and rank() == 0:
+        rc = _eval_harness(cfg)
+    return rc
+
+
+def _train(cfg: RunConfig) -> int:
+    """The training run on every rank; all ranks leave the process group together at its end."""
     try:
         return run(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -59,6 +67,34 @@ def main(argv: list[str] | None = None) -> int:
         from shardtune.distributed.mesh import shutdown
 
         shutdown()
+
+
+def _eval_harness(cfg: RunConfig) -> int:
+    """--eval_harness_tasks: lm-evaluation-harness on the finished run, on the main process alone. It runs after
+    the process group is gone and the sharded model freed, so that the other ranks are not held in a collective
+    (a long evaluation would exceed --ddp_timeout) and the main device holds only the evaluated model."""
+    from shardtune.evaluate_harness import EvalArguments, evaluate_model
+
+    m, t = cfg.model, cfg.train
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    out = Path(t.output_dir)
+    args = EvalArguments(
+        model_name_or_path=m.model_name_or_path if m.use_peft_lora else str(out),
+        adapter=str(out) if m.use_peft_lora else None,
+        tasks=t.eval_harness_tasks,
+        include_path=t.eval_harness_include_path,
+        batch_size=t.per_device_eval_batch_size,
+        seed=t.seed,
+        use_4bit_quantization=m.use_4bit_quantization,
+        trust_remote_code=m.trust_remote_code,
+    )
+    print0(f"Running lm-evaluation-harness on {out}: {t.eval_harness_tasks}.")
+    try:
+        return evaluate_model(args)
+    except (ValueError, FileNotFoundError) as e:
+        error(f"error: the run finished and {out} is written, but --eval_harness_tasks failed: {e}")
+        return EXIT_FAILED
 
 
 def _seed_everything(seed: int) -> None:
@@ -367,6 +403,12 @@ def _preflight(cfg: RunConfig, info) -> str | None:
             problem = str(e)
         if not problem:
             problem = _optimizer_and_resume_problem(cfg, info)
+        if not problem and t.eval_harness_tasks:
+            from shardtune.evaluate_harness import check_tasks, split_tasks
+
+            flags = ("--eval_harness_tasks", "--eval_harness_include_path")
+            _, task_problems = check_tasks(split_tasks(t.eval_harness_tasks), t.eval_harness_include_path, flags)
+            problem = "; ".join(task_problems) or None
         if info.device.type == "cuda" and not problem:
             from shardtune.plan import warn_if_too_small
 
