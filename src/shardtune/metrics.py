@@ -99,7 +99,8 @@ class RunLogger:
 
     Each `log_train`/`log_eval` appends a flushed line to `metrics.jsonl` (so an interrupted run keeps what it
     logged and a resumed run appends), writes TensorBoard scalars with `report_to="tensorboard"`, passes the
-    numbers to the W&B/MLflow `trackers` it is given, and prints one line. `progress` moves the tqdm bar; `finish` writes the summary record, draws `loss.png` and prints the table.
+    numbers to the W&B/MLflow `trackers` it is given, and prints one line. `progress` moves the tqdm bar;
+    `finish` writes the summary record (also to the trackers), draws `loss.png` and prints the table.
     """
 
     def __init__(
