@@ -37,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
     try:
+        from shardtune.preflight import model_input_problems
+
+        # Every rank reads the same config and headers; no weights, no process group yet.
+        problems = model_input_problems(cfg)
+    except ConfigError as e:
+        problems = e.problems
+    if problems:
+        error(str(ConfigError(problems)))
+        return EXIT_CONFIG
+    try:
         return run(cfg)
     except (ValueError, FileNotFoundError) as e:
         error(f"error: {e}")
@@ -309,9 +319,10 @@ def run(cfg: RunConfig) -> int:
 
 
 def _preflight(cfg: RunConfig, info) -> str | None:
-    """Checks that fail fast, before data and model loading: hub access, FSDP1-only options, the optimizer on
-    this device, the checkpoint to resume from, GPU size."""
-    from shardtune import hub
+    """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
+    the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
+    first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
+    from shardtune import hub, preflight
     from shardtune.distributed.mesh import broadcast_object
     from shardtune.launcher import fsdp1_only_notes
 
@@ -320,8 +331,10 @@ def _preflight(cfg: RunConfig, info) -> str | None:
     if info.is_main:
         for note in fsdp1_only_notes(cfg.fsdp) if cfg.fsdp.enabled else []:
             print0(note)
+        resuming = bool(t.resume_from_checkpoint)
+        problem = preflight.output_dir_problem(t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming)
         try:
-            repo_id = hub.preflight(
+            repo_id = problem or hub.preflight(
                 push_to_hub=t.push_to_hub,
                 hub_model_id=t.hub_model_id,
                 output_dir=t.output_dir,
@@ -330,8 +343,13 @@ def _preflight(cfg: RunConfig, info) -> str | None:
             )
         except ValueError as e:
             problem = str(e)
+        repo_id = None if problem else repo_id
         if not problem:
             problem = _optimizer_and_resume_problem(cfg, info)
+        if not problem and t.overwrite_output_dir and not resuming:
+            removed = preflight.clear_previous_run(t.output_dir)
+            if removed:
+                print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
         if info.device.type == "cuda" and not problem:
             from shardtune.plan import warn_if_too_small
 
@@ -362,7 +380,13 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     if not t.resume_from_checkpoint:
         return None
     try:
+        from shardtune.preflight import identity_problem
+
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+        record = json.loads(json.dumps(_config_record(cfg), default=str))
+        other_run = identity_problem(path, record, t.resume_from_checkpoint)
+        if other_run:
+            return other_run
         checkpoint.check_resumable(
             path,
             checkpoint.read_meta(path),
@@ -435,6 +459,12 @@ def _resume(cfg, model, optimizer, scheduler, info):
     for note in notes:
         warn0(note)
     state = LoopState(**loop)
+    if info.is_main:
+        from shardtune.preflight import trim_metrics
+
+        dropped = trim_metrics(t.output_dir, state.step)
+        if dropped:
+            print0(f"metrics.jsonl: dropped {dropped} record(s) after step {state.step}, which this run redoes.")
     newer = [c.name for c in checkpoint.list_checkpoints(t.output_dir) if int(c.name.split("-")[-1]) > state.step]
     if newer:
         warn0(
