@@ -314,38 +314,39 @@ def adapter_tensor_shapes(adapter_dir: str | Path) -> dict[str, tuple[int, ...]]
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - not iterable
 
 
-def _expected(key: str, shape: tuple[int, ...], base: dict[str, tuple[int, ...]], vocab: int | None):
-    """(the base tensor the adapter tensor belongs to, its shape, whether they fit) or None when not checkable."""
+def _expected(key: str, shape: tuple, base: dict[str, tuple], vocab: int | None, fan_in_fan_out: bool):
+    """(the base module an adapter tensor belongs to, its weight's shape or None, whether they fit)."""
     k = key.removeprefix("base_model.model.")
-    for marker in (
+    markers = (
         ".lora_A.",
         ".lora_B.",
         ".lora_embedding_A",
         ".lora_embedding_B",
         ".lora_magnitude_vector",
         ".token_adapter.",
-    ):
-        if marker in k:
-            module = k.split(marker)[0]
-            break
-    else:
-        module = k.rsplit(".", 1)[0]  # a module saved in full (modules_to_save)
-        marker = ""
+    )
+    marker = next((m for m in markers if m in k), "")
+    module = k.split(marker)[0] if marker else k.rsplit(".", 1)[0]  # no marker: a module saved in full
+    module = module.replace(".base_layer", "")  # a resized layer's base weight, saved with its adapter
     want = base.get(module + ".weight")
     if want is None:
         return module, None, False
+    if len(want) != 2:
+        return module, want, True  # convolutions and the like: left to peft
+    # GPT-2's Conv1D stores (in, out) and its adapters say fan_in_fan_out; nn.Linear and embeddings (out, in).
+    out_dim, in_dim = (want[1], want[0]) if fan_in_fan_out else want
     # Rows of the embeddings and output head may differ: new tokens resize them in training.
-    rows_free = vocab is not None and len(want) == 2 and want[0] == vocab
-    checks = {
-        ".lora_A.": lambda: shape[-1] == want[-1] if len(want) == 2 else True,
-        ".lora_B.": lambda: rows_free or shape[0] == want[0],
+    rows_free = vocab is not None and want[0] == vocab
+    fits = {
+        ".lora_A.": lambda: shape[-1] == in_dim,
+        ".lora_B.": lambda: rows_free or shape[0] == out_dim,
         ".lora_embedding_A": lambda: rows_free or shape[-1] == want[0],
-        ".lora_embedding_B": lambda: shape[0] == want[-1],
-        ".lora_magnitude_vector": lambda: rows_free or shape[0] == want[0],
-        ".token_adapter.": lambda: shape[-1] == want[-1],
+        ".lora_embedding_B": lambda: shape[0] == want[1],
+        ".lora_magnitude_vector": lambda: rows_free or shape[0] == out_dim,
+        ".token_adapter.": lambda: shape[-1] == want[1],
         "": lambda: tuple(shape[1:]) == tuple(want[1:]) and (rows_free or shape[0] == want[0]),
-    }
-    return module, want, checks[marker]()
+    }[marker]()
+    return module, want, fits
 
 
 def adapter_base_problem(
@@ -359,14 +360,16 @@ def adapter_base_problem(
 ) -> str | None:
     """The adapter's tensors against the base's weight shapes: an adapter trained on another base is refused
     here (naming both models) instead of failing in peft's loader with a size-mismatch traceback. require_all=False
-    leaves tensors the base has no weight for to the caller (a checkpoint's tied head is not stored)."""
+    accepts a missing top-level module (the tied head, which a checkpoint's files do not hold)."""
     adapter_dir = Path(adapter_dir)
     cfg_file = adapter_dir / "adapter_config.json"
-    saved_base = json.loads(cfg_file.read_text()).get("base_model_name_or_path") if cfg_file.is_file() else None
+    saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    saved_base, fan_in_fan_out = saved.get("base_model_name_or_path"), bool(saved.get("fan_in_fan_out"))
     bad = []
     for key, shape in sorted(adapter_tensor_shapes(adapter_dir).items()):
-        module, want, fits = _expected(key, shape, base_shapes, vocab_size)
-        if not fits and (want is not None or require_all):
+        module, want, fits = _expected(key, shape, base_shapes, vocab_size, fan_in_fan_out)
+        # A tied output head (a top-level module such as lm_head) is not stored in a checkpoint's files.
+        if not fits and (want is not None or require_all or "." in module):
             bad.append(
                 f"{module} {'is not in the base' if want is None else f'is {want} in the base, {shape} in the adapter'}"
             )
