@@ -68,11 +68,16 @@ def _looks_local(name: str) -> bool:
 
 
 def hub_problem(
-    repo_id: str, flag: str, filename: str = "config.json", timeout_s: float = HUB_LOOKUP_TIMEOUT_S
+    repo_id: str,
+    flag: str,
+    filename: str = "config.json",
+    timeout_s: float = HUB_LOOKUP_TIMEOUT_S,
+    endpoint: str | None = None,
 ) -> str | None:
     """Why `repo_id` cannot be read from the hub (offline and not cached, unreachable, missing, gated), or None.
 
     One bounded request, so that a machine without network learns it in seconds (see HUB_LOOKUP_TIMEOUT_S).
+    endpoint: the hub's address (default: HF_ENDPOINT as huggingface_hub read it).
     """
     from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.utils import build_hf_headers, get_session
@@ -88,7 +93,10 @@ def hub_problem(
         )
     try:
         response = get_session().head(
-            hf_hub_url(repo_id, filename), headers=build_hf_headers(), timeout=timeout_s, follow_redirects=True
+            hf_hub_url(repo_id, filename, endpoint=endpoint),
+            headers=build_hf_headers(),
+            timeout=timeout_s,
+            follow_redirects=True,
         )
     except Exception as e:  # connection, DNS, TLS, proxy or timeout: all mean "unreachable"
         from shardtune.hub import _is_transport_error
@@ -97,7 +105,7 @@ def hub_problem(
             raise
         fix = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "give a local model folder"
         return (
-            f"{flag} {repo_id}: cannot reach the Hugging Face Hub at {constants.ENDPOINT} "
+            f"{flag} {repo_id}: cannot reach the Hugging Face Hub at {endpoint or constants.ENDPOINT} "
             f"({type(e).__name__}: {str(e)[:120]}); check the network, HF_ENDPOINT and any proxy, or {fix}."
         )
     status = response.status_code
