@@ -135,12 +135,14 @@ def _resize_for(model, tokenizer, adapter: str | None) -> None:
         print0(f"Resized the embeddings from {current} to {target} rows to match the tokenizer/adapter.")
 
 
-def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: bool) -> None:
-    """Before any weight is read: the base's config and weights can be read (one bounded hub request for a hub
-    id), and the adapter's tensors fit the base (an adapter of another base would fail in peft's loader)."""
+def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: bool, tokenizer: str | None) -> None:
+    """Before any weight is read: the base's config and weights, and the tokenizer, can be read (one bounded hub
+    request for a hub id), and the adapter's tensors fit the base (an adapter of another base would fail in
+    peft's loader)."""
     from shardtune import preflight
 
     config, problem = preflight.load_model_config(base, trust_remote_code=trust_remote_code)
+    problem = problem or (tokenizer and preflight.tokenizer_problem(tokenizer, "--tokenizer_name_or_path"))
     if problem:
         raise ValueError(problem)
     if adapter is None:
@@ -172,7 +174,7 @@ def load_for_chat(
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     base, adapter = resolve_paths(model_name_or_path, adapter)
-    _check_base_and_adapter(base, adapter, trust_remote_code)
+    _check_base_and_adapter(base, adapter, trust_remote_code, tokenizer_name_or_path)
     has_tok = adapter and any((Path(adapter) / f).is_file() for f in TOKENIZER_FILES)
     tok_src = tokenizer_name_or_path or (adapter if has_tok else base)
     tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)

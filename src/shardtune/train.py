@@ -36,13 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
-    try:
-        from shardtune.preflight import model_input_problems
+    from shardtune.preflight import model_input_problems
 
-        # Every rank reads the same config and headers; no weights, no process group yet.
-        problems = model_input_problems(cfg)
-    except ConfigError as e:
-        problems = e.problems
+    problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
     if problems:
         error(str(ConfigError(problems)))
         return EXIT_CONFIG
@@ -334,16 +330,16 @@ def _preflight(cfg: RunConfig, info) -> str | None:
         resuming = bool(t.resume_from_checkpoint)
         problem = preflight.output_dir_problem(t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming)
         try:
-            repo_id = problem or hub.preflight(
-                push_to_hub=t.push_to_hub,
-                hub_model_id=t.hub_model_id,
-                output_dir=t.output_dir,
-                hub_token=t.hub_token,
-                hub_private_repo=t.hub_private_repo,
-            )
+            if not problem:
+                repo_id = hub.preflight(
+                    push_to_hub=t.push_to_hub,
+                    hub_model_id=t.hub_model_id,
+                    output_dir=t.output_dir,
+                    hub_token=t.hub_token,
+                    hub_private_repo=t.hub_private_repo,
+                )
         except ValueError as e:
             problem = str(e)
-        repo_id = None if problem else repo_id
         if not problem:
             problem = _optimizer_and_resume_problem(cfg, info)
         if not problem and t.overwrite_output_dir and not resuming:

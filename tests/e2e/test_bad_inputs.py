@@ -149,6 +149,15 @@ def test_adapter_of_another_base_is_refused_by_train_chat_and_merge(
     assert _snapshot(tmp_path) == before
 
 
+def test_chat_checks_the_model_and_tokenizer_before_loading(tiny_assets, tmp_path, capsys):
+    model = _model_copy(tiny_assets, tmp_path / "m", drop=("*.safetensors",))
+    rc, line = _main(["chat", "--model_name_or_path", model, "--prompt", "hi"], capsys)
+    assert rc == 2 and line.startswith(f"shardtune chat: --model_name_or_path {model}: no weights there")
+    tok = tmp_path / "tok"
+    rc, line = _main(["chat", "--model_name_or_path", tiny_assets["model"], "--tokenizer_name_or_path", tok], capsys)
+    assert rc == 2 and line.startswith(f"shardtune chat: --tokenizer_name_or_path {tok}: no such folder")
+
+
 def test_adapter_of_the_same_base_passes_the_check(tiny_assets, finished_run):
     from transformers import AutoConfig
 
