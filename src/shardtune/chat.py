@@ -345,7 +345,9 @@ def parse_chat_args(argv: list[str]) -> ChatArguments:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(ChatArguments, prog="shardtune chat", allow_abbrev=False)
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    from shardtune.config import _join_negative_values
+
+    (args,) = parser.parse_args_into_dataclasses(args=_join_negative_values(argv))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1 (got {args.max_new_tokens}).")
     if args.temperature < 0:

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from shardtune.config import _looks_local
 from shardtune.log import warn0
 
 # One HEAD request, no retries: huggingface_hub retries a refused or unresolved connection five times over
@@ -26,7 +27,14 @@ WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 # Config fields that hold a model family's trained context length, in the order transformers' families use them.
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 # What a finished or running shardtune run leaves in its output_dir.
@@ -58,10 +66,6 @@ IDENTITY = {
     ),
     "data": ("dataset_name", "max_length", "packing"),
 }
-
-
-def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).expanduser().exists()
 
 
 # ---------------------------------------------------------------- hub ids
