@@ -444,6 +444,15 @@ def model_input_problems(cfg) -> list[str]:
     return [p for p in problems if p]
 
 
+def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
+    """What `shardtune train` would refuse from its flags and the model's files, for `shardtune launch` to say
+    before torchrun starts N processes that would each say it. Raises ConfigError for the flags. The output folder
+    is left to rank 0 of the run: another machine's launcher may already have started writing to it."""
+    from shardtune.config import load_run_config
+
+    return model_input_problems(load_run_config(train_argv, env=env))
+
+
 # ---------------------------------------------------------------- the output folder
 
 

@@ -33,6 +33,7 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = [line.strip() for line in err.splitlines() if line.strip().startswith(("- ", "error: ", "shardtune "))]
+    lines = [line for line in lines if not line.endswith("Invalid configuration:")]  # the heading of the list
     assert len(lines) == 1, err
     return rc, lines[0]
 
@@ -112,6 +113,8 @@ def test_loading_failures_name_the_path_and_the_fix(case, tiny_assets, tmp_path,
     rc, line = _main(train_args(tiny_assets, out, **flags), capsys)
     assert rc == 2 and line.startswith(f"- {want}"), line
     assert _snapshot(tmp_path) == before  # nothing written: no output_dir, no tokenized cache
+    if case == "offline":  # an id without a namespace is a hub id too, not a missing folder
+        assert preflight.load_model_config("gpt2")[1].startswith("--model_name_or_path gpt2: HF_HUB_OFFLINE=1")
 
 
 def test_unreachable_hub_fails_in_seconds_without_retries(tmp_path, monkeypatch):
@@ -126,6 +129,17 @@ def test_unreachable_hub_fails_in_seconds_without_retries(tmp_path, monkeypatch)
     assert time.monotonic() - t0 < 5
     assert problem.startswith(f"--model_name_or_path someone/m: cannot reach the Hugging Face Hub at {endpoint} (")
     assert problem.endswith("check the network, HF_ENDPOINT and any proxy, or give a local model folder.")
+
+
+def test_launch_checks_before_torchrun_starts(tiny_assets, tmp_path, capsys):
+    from tests.conftest import ROOT
+
+    config = ROOT / "configs" / "fsdp_config_cpu.yaml"
+    flags = train_args(tiny_assets, tmp_path / "out", use_peft_lora=True, lora_target_modules="q_proj,foo_proj")[1:]
+    t0 = time.monotonic()
+    rc, line = _main(["launch", "--config_file", config, *flags], capsys)
+    assert rc == 2 and line.startswith("- --lora_target_modules: foo_proj matches no linear layer")
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "out").exists()  # no torchrun, no workers
 
 
 # ---------------------------------------------------------------- adapters of another base
