@@ -469,6 +469,15 @@ def _writable(folder: Path) -> bool:
 
 def output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
     """An output_dir that is a file, cannot be written, or holds another run that would be mixed with this one."""
+    try:
+        return _output_dir_problem(output_dir, overwrite=overwrite, resuming=resuming)
+    except PermissionError as e:  # a folder on the way that this user may not enter
+        return (
+            f"--output_dir {output_dir}: permission denied on {e.filename}; fix its permissions or give another folder."
+        )
+
+
+def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         return f"--output_dir {output_dir} is a file; give a folder (it is created if missing)."

@@ -6,8 +6,9 @@ loads; one finished training run (a subprocess) is shared by the output-folder c
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -269,16 +270,33 @@ def test_output_dir_that_is_a_file_or_unwritable_is_refused(tiny_assets, tmp_pat
     assert _snapshot(tmp_path) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_output_dir_is_refused(tiny_assets, tmp_path, capsys, no_dist_env):
-    ro = tmp_path / "ro"
+def test_read_only_output_dir_is_refused(request):
+    """Checked by creating a file (os.access says yes to root, and to anyone on a read-only mount); as root, the
+    check runs in a child that drops to an unprivileged user (after its imports), for whom 0o555 is read-only."""
+    import tempfile
+
+    # pytest's own folders are private to root: the unprivileged child could not even look (which says
+    # "permission denied on ..."); a folder in /tmp that it may enter.
+    base = Path(tempfile.mkdtemp(prefix="shardtune-ro-"))
+    base.chmod(0o755)
+    ro = base / "ro"
     ro.mkdir()
     ro.chmod(0o555)
-    try:
-        rc, line = _main(train_args(tiny_assets, ro / "out"), capsys)
-    finally:
-        ro.chmod(0o755)
-    assert rc == 2 and "is not writable" in line and not (ro / "out").exists()
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    code = (
+        "import os, sys; from shardtune.preflight import output_dir_problem as p\n"
+        "if os.geteuid() == 0: os.setuid(65534)\n"
+        "for d in sys.argv[1:]: print(p(d, overwrite=False, resuming=False))"
+    )
+    private = Path("/root/shardtune-test/out")  # /root is 0o700: the child may not even look inside
+    argv = [sys.executable, "-c", code, str(ro / "out"), str(private)]
+    proc = subprocess.run(argv, check=False, capture_output=True, text=True)
+    fix = "fix its permissions or give another folder."
+    assert proc.stdout.splitlines() == [
+        f"--output_dir {ro / 'out'} is not writable ({ro}, where it would be created); {fix}",
+        f"--output_dir {private}: permission denied on {private}; {fix}",
+    ], proc.stderr[-2000:]
+    assert list(ro.iterdir()) == []
 
 
 def test_output_dir_of_another_run_is_refused_and_kept(tiny_assets, finished_run, capsys, no_dist_env):
