@@ -350,7 +350,7 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-def explicit_flags(argv: list[str], extra: tuple = ()) -> frozenset[str]:
+def explicit_flags(argv: list[str]) -> frozenset[str]:
     """Canonical names of the flags that argv (or its run file) gives, as opposed to the defaults."""
     aliases = _aliases()
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
