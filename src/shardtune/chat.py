@@ -145,6 +145,30 @@ def _resize_for(model, tokenizer, adapter: str | None) -> None:
         print0(f"Resized the embeddings from {current} to {target} rows to match the tokenizer/adapter.")
 
 
+def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: bool, tokenizer: str | None) -> None:
+    """Before any weight is read: the base's config and weights, and the tokenizer, can be read (one bounded hub
+    request for a hub id), and the adapter's tensors fit the base (an adapter of another base would fail in
+    peft's loader)."""
+    from shardtune import preflight
+
+    config, problem = preflight.load_model_config(base, trust_remote_code=trust_remote_code)
+    problem = problem or (tokenizer and preflight.tokenizer_problem(tokenizer, "--tokenizer_name_or_path"))
+    if problem:
+        raise ValueError(problem)
+    if adapter is None:
+        return
+    skeleton = preflight.meta_skeleton(config, trust_remote_code)
+    problem = preflight.adapter_base_problem(
+        adapter,
+        preflight.model_shapes(skeleton),
+        base_name=base,
+        flag="--adapter",
+        vocab_size=getattr(config.get_text_config(), "vocab_size", None),
+    )
+    if problem:
+        raise ValueError(problem)
+
+
 def load_for_chat(
     model_name_or_path: str | None,
     adapter: str | None = None,
@@ -160,6 +184,7 @@ def load_for_chat(
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     base, adapter = resolve_paths(model_name_or_path, adapter)
+    _check_base_and_adapter(base, adapter, trust_remote_code, tokenizer_name_or_path)
     has_tok = adapter and any((Path(adapter) / f).is_file() for f in TOKENIZER_FILES)
     tok_src = tokenizer_name_or_path or (adapter if has_tok else base)
     tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
@@ -330,7 +355,9 @@ def parse_chat_args(argv: list[str]) -> ChatArguments:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(ChatArguments, prog="shardtune chat", allow_abbrev=False)
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    from shardtune.config import _join_negative_values
+
+    (args,) = parser.parse_args_into_dataclasses(args=_join_negative_values(argv))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1 (got {args.max_new_tokens}).")
     if args.temperature < 0:

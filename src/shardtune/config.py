@@ -69,7 +69,9 @@ class ModelArguments:
     )
     bnb_4bit_quant_type: str = _f("nf4", "4-bit quantization type.", choices=["nf4", "fp4"])
     use_flash_attn: bool = _f(False, "Use flash_attention_2 where installed on CUDA, otherwise SDPA.")
-    use_8bit_quantization: bool = _f(False, "Load the frozen base in 8-bit (bitsandbytes).")
+    use_8bit_quantization: bool = _f(
+        False, "Refused: 8-bit bitsandbytes layers cannot be sharded by FSDP2; use --use_4bit_quantization (QLoRA)."
+    )
     use_4bit_quantization: bool = _f(False, "Load the frozen base in 4-bit (bitsandbytes, QLoRA).")
     use_reentrant: bool = _f(False, "Reentrant activation checkpointing.")
     use_unsloth: bool = _f(False, "Accepted for compatibility with the reference script; not supported.")
@@ -167,7 +169,11 @@ class TrainArguments:
         "hung or lost rank stops the run sooner.",
     )
     # Accepted so that command lines written for transformers' Trainer keep working.
-    overwrite_output_dir: bool = _f(False, "Accepted for compatibility; outputs are always replaced atomically.")
+    overwrite_output_dir: bool = _f(
+        False,
+        "Train into an --output_dir that holds another run: its checkpoints, metrics.jsonl and summary are removed "
+        "first (without it such a folder is refused unless the run resumes).",
+    )
     dataloader_num_workers: int = _f(0, "Accepted for compatibility; rows are pre-tokenized and packed.")
     remove_unused_columns: bool = _f(True, "Accepted for compatibility.")
     do_train: bool = _f(True, "Accepted for compatibility.")
@@ -200,6 +206,9 @@ class RunConfig:
     data: DataArguments
     train: TrainArguments
     fsdp: FSDPSettings
+
+    # Flags given on the command line or keys of the run file (canonical names), as opposed to defaults.
+    explicit: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {k: dataclasses.asdict(getattr(self, k)) for k in ("model", "data", "train", "fsdp")}
@@ -245,15 +254,69 @@ def _unknown_flag_problems(remaining: list[str], extra: tuple = ()) -> list[str]
     return problems
 
 
-def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
+_TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
+# Fields that hold a comma-separated list: a run file may give them as a YAML/JSON list.
+_LIST_FIELDS = ("lora_target_modules", "modules_to_save", "splits")
+
+
+def _field_types(classes: tuple) -> dict[str, set[str]]:
+    """Each field's type names, e.g. {"max_train_samples": {"int", "None"}}."""
+    import typing
+
+    out = {}
+    for cls in classes:
+        for name, hint in typing.get_type_hints(cls).items():
+            out[name] = {"None" if a is type(None) else a.__name__ for a in typing.get_args(hint) or (hint,)}
+    return out
+
+
+def _coerce(key: str, value: Any, types: set[str]) -> tuple[Any, str | None]:
+    """A run file's value as its field's type, or a problem naming the key. Strings are read as the command
+    line reads them (`"false"` is false, `"1e-4"` a float: YAML reads 1e-4 without a dot as a string); anything
+    else of the wrong type is refused instead of reaching the parser (a TypeError) or being read as true."""
+    if value is None:
+        return value, None if "None" in types else f"{key}: null is not allowed; give a value or remove the key."
+    if "bool" in types:
+        if isinstance(value, bool):
+            return value, None
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE, None
+        return value, f"{key}: {value!r} is not a boolean; write true or false."
+    for name, cast in (("int", int), ("float", float)):
+        if name in types:
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                return value, f"{key}: {value!r} is not a number; write e.g. {key}: {cast(1)}."
+            try:
+                number = cast(value) if isinstance(value, str) or name == "float" else value
+            except ValueError:
+                return value, f"{key}: {value!r} is not {'an integer' if name == 'int' else 'a number'}."
+            if name == "int" and isinstance(value, float):
+                return value, f"{key}: {value!r} is not an integer; write e.g. {key}: {int(value)}."
+            return number, None
+    if key in _LIST_FIELDS and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value), None
+    if not isinstance(value, str):
+        return value, f"{key}: {value!r} is not a string; quote it."
+    return value, None
+
+
+def _read_file(path: str) -> Any:
     import json
 
     import yaml
 
     p = Path(path)
-    if not p.exists():
+    if not p.is_file():
         raise ConfigError([f"config file {path} does not exist"])
-    data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    try:
+        return json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (ValueError, yaml.YAMLError) as e:
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError([f"config file {path} cannot be parsed ({first}); fix its syntax."]) from None
+
+
+def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
+    data = _read_file(path)
     if not isinstance(data, dict):
         raise ConfigError([f"config file {path} must hold a mapping of flag names to values"])
     aliases = _aliases()
@@ -266,7 +329,47 @@ def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
                 for p in _unknown_flag_problems([f"--{k}" for k in unknown], extra)
             ]
         )
+    types, problems = _field_types((*ARG_CLASSES, *extra)), []
+    for key in list(data):
+        data[key], problem = _coerce(key, data[key], types[key])
+        if problem:
+            problems.append(f"{path}: {problem}")
+    if problems:
+        raise ConfigError(problems)
     return parser.parse_dict(data)
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--learning_rate -1e-4` → `--learning_rate=-1e-4`: argparse takes a value starting with "-" for a flag
+    unless it looks like a plain negative number (-1e-4 does not), and stops with "expected one argument"; joined,
+    the value reaches validation, which names the flag and the allowed range."""
+    out: list[str] = []
+    for tok in argv:
+        prev = out[-1] if out else ""
+        if tok.startswith("-") and _is_number(tok) and prev.startswith("--") and "=" not in prev:
+            out[-1] = f"{prev}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def explicit_flags(argv: list[str]) -> frozenset[str]:
+    """Canonical names of the flags that argv (or its run file) gives, as opposed to the defaults."""
+    aliases = _aliases()
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        data = _read_file(argv[0])
+        names = list(data) if isinstance(data, dict) else []
+    else:
+        names = [tok[2:].split("=", 1)[0] for tok in argv if tok.startswith("--")]
+    return frozenset(aliases.get(n, n) for n in names)
 
 
 def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "shardtune train") -> tuple:
@@ -275,7 +378,9 @@ def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "sh
     parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         return _parse_file(parser, argv[0], extra)
-    *parsed, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    *parsed, remaining = parser.parse_args_into_dataclasses(
+        args=_join_negative_values(argv), return_remaining_strings=True
+    )
     if remaining:
         raise ConfigError(_unknown_flag_problems(remaining, extra))
     return tuple(parsed)
@@ -285,8 +390,10 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     """Flags + environment → validated RunConfig (raises ConfigError listing every problem)."""
     from shardtune.launcher import fsdp_settings_from_env
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     model, data, train = parse_args(argv)
-    cfg = RunConfig(model, data, train, fsdp_settings_from_env(os.environ if env is None else env))
+    fsdp = fsdp_settings_from_env(os.environ if env is None else env)
+    cfg = RunConfig(model, data, train, fsdp, explicit=explicit_flags(argv))
     validate(cfg)
     return cfg
 
@@ -318,6 +425,13 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
             p.append("--lora_target_modules is empty; give module names or all-linear.")
     elif m.use_4bit_quantization or m.use_8bit_quantization:
         p.append("a quantized base cannot be fully fine-tuned: add --use_peft_lora True.")
+    else:
+        ignored = [f"--{n}" for n in ADAPTER_FLAGS if n in cfg.explicit]
+        if ignored:
+            p.append(
+                f"{', '.join(ignored)} set an adapter, but --use_peft_lora is False (full fine-tuning, where they "
+                "would be ignored): add --use_peft_lora True, or remove them."
+            )
     if m.use_unsloth:
         p.append("--use_unsloth is not supported by shardtune; remove it (FSDP2 is used instead).")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -327,8 +441,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p.append(f"--checkpoint_every_n_layers must be >= 1 (got {t.checkpoint_every_n_layers}); 1 checkpoints all.")
     if d.max_length < 8:
         p.append(f"--max_length/--max_seq_len must be >= 8 (got {d.max_length}).")
-    if t.learning_rate < 0:
-        p.append(f"--learning_rate must be >= 0 (got {t.learning_rate}).")
+    p += _range_problems(cfg)
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         p.append("set --num_train_epochs > 0 or --max_steps > 0.")
     if not 0 <= t.warmup_ratio < 1:
@@ -391,6 +504,61 @@ def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[
     if include_path and not Path(include_path).expanduser().is_dir():
         p.append(f"--eval_harness_include_path {include_path}: no such folder.")
     return p
+
+
+# Flags that only mean something for an adapter; refused when given explicitly with full fine-tuning.
+ADAPTER_FLAGS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "use_dora",
+    "dora_dropout",
+    "modules_to_save",
+    "adapter_name",
+)
+# (flag, lowest, highest, lowest allowed itself, highest allowed itself); None: unbounded on that side.
+_RANGES = (
+    ("train", "learning_rate", 0, None, False, True),
+    ("train", "weight_decay", 0, None, True, True),
+    ("train", "adam_beta1", 0, 1, True, False),
+    ("train", "adam_beta2", 0, 1, True, False),
+    ("train", "adam_epsilon", 0, None, False, True),
+    ("train", "max_grad_norm", 0, None, True, True),
+    ("train", "warmup_steps", 0, None, True, True),
+    ("train", "logging_steps", 0, None, False, True),
+    ("train", "eval_steps", 0, None, False, True),
+    ("train", "save_steps", 0, None, False, True),
+    ("train", "save_total_limit", 1, None, True, True),
+    ("train", "max_nonfinite_steps", 0, None, True, True),
+    ("train", "ddp_timeout", 0, None, False, True),
+    ("train", "seed", 0, 2**32 - 1, True, True),  # numpy's seed range
+    ("train", "dataloader_num_workers", 0, None, True, True),
+    ("data", "max_train_samples", 1, None, True, True),
+    ("data", "max_eval_samples", 1, None, True, True),
+)
+
+
+def _range_problems(cfg: RunConfig) -> list[str]:
+    """Numbers outside the range where they mean anything, each with the range (math.isfinite: nan passes < and >)."""
+    import math
+
+    out = []
+    for part, name, lo, hi, lo_ok, hi_ok in _RANGES:
+        v = getattr(getattr(cfg, part), name)
+        if v is None:
+            continue
+        bad = (
+            not math.isfinite(v)
+            or (v < lo or (v == lo and not lo_ok))
+            or hi is not None
+            and (v > hi or v == hi and not hi_ok)
+        )
+        if bad:
+            low = f"{'>=' if lo_ok else '>'} {lo}"
+            rng = low if hi is None else f"in {'[' if lo_ok else '('}{lo}, {hi}{']' if hi_ok else ')'}"
+            out.append(f"--{name} must be {rng} (got {v}).")
+    return out
 
 
 def _looks_local(s: str) -> bool:

@@ -341,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         "shardtune",
         "train",
         *demo_train_flags(assets["model"], assets["data"], out, args.epochs),
+        # A demo run again in the same --workdir replaces the previous one instead of being refused.
+        "--overwrite_output_dir",
+        "True",
     ]
     print("$ " + " ".join(cmd[2:]), flush=True)
     rc = subprocess.call(cmd, env=env)

@@ -565,6 +565,16 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         print("\n".join(f"{k}={v}" for k, v in sorted(plan.env.items())))
         print(shlex.join(plan.cmd))
         return 0
+    if tuple(entry) == ("-m", "shardtune", "train"):
+        from shardtune.preflight import launch_problems
+
+        try:
+            problems = launch_problems(_parser().parse_known_args(argv)[1], {**os.environ, **plan.env})
+        except ConfigError as e:
+            problems = e.problems
+        if problems:
+            print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
+            return 2
     proc = subprocess.Popen(plan.cmd, env={**os.environ, **plan.env})
     try:
         return proc.wait()

@@ -211,6 +211,7 @@ def merge_adapter(
     if out in (base.folder.absolute(), adapter.absolute()):
         raise ValueError(f"--output_dir {out} is the base or adapter folder; write the merged model elsewhere.")
     peft_config = _read_adapter_config(adapter)
+    _check_adapter_fits(base, adapter, str(base_dir))
     plan = plan_merge(base, peft_config, _load_adapter_weights(adapter), dtype, trust_remote_code)
     print0(
         f"merging {adapter} into {base.folder}: {len(plan.edits)} tensors change, output in {DTYPE_NAMES[plan.dtype]}"
@@ -222,6 +223,23 @@ def merge_adapter(
     n_shards = len(set(weight_map.values()))
     print0(f"merged model written to {out} ({len(weight_map)} tensors in {n_shards} shard{'s' * (n_shards > 1)})")
     return out
+
+
+def _check_adapter_fits(base: BaseCheckpoint, adapter: Path, base_name: str) -> None:
+    """An adapter trained on another base is a user's mistake (exit 2), named before anything is written."""
+    from shardtune.preflight import adapter_base_problem
+
+    text = base.config.get("text_config") or base.config
+    problem = adapter_base_problem(
+        adapter,
+        base.shapes,
+        base_name=base_name,
+        flag="--adapter",
+        vocab_size=text.get("vocab_size"),
+        require_all=False,
+    )
+    if problem:
+        raise ConfigError([problem])
 
 
 def read_base_checkpoint(folder: Path) -> BaseCheckpoint:

@@ -279,8 +279,11 @@ def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> 
 
 
 def _target_modules(spec: str) -> str | list[str]:
+    """all-linear, one regular expression (peft full-matches a string against module names), or a list of names."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    return "all-linear" if names == ["all-linear"] else names
+    if names == ["all-linear"] or len(names) == 1 and any(c in names[0] for c in "*+?[](){}|^$\\"):
+        return names[0]
+    return names
 
 
 def attach_adapter(

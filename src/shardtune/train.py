@@ -36,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
+    from shardtune.preflight import model_input_problems
+
+    problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
+    if problems:
+        error(str(ConfigError(problems)))
+        return EXIT_CONFIG
     rc = _train(cfg)
     if rc == 0 and cfg.train.eval_harness_tasks and rank() == 0:
         rc = _eval_harness(cfg)
@@ -380,9 +386,10 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
 
 
 def _preflight(cfg: RunConfig, info) -> str | None:
-    """Checks that fail fast, before data and model loading: hub access, FSDP1-only options, the optimizer on
-    this device, the checkpoint to resume from, GPU size."""
-    from shardtune import hub
+    """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
+    the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
+    first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
+    from shardtune import hub, preflight
     from shardtune.distributed.mesh import broadcast_object
     from shardtune.launcher import fsdp1_only_notes
 
@@ -391,14 +398,17 @@ def _preflight(cfg: RunConfig, info) -> str | None:
     if info.is_main:
         for note in fsdp1_only_notes(cfg.fsdp) if cfg.fsdp.enabled else []:
             print0(note)
+        resuming = bool(t.resume_from_checkpoint)
+        problem = preflight.output_dir_problem(t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming)
         try:
-            repo_id = hub.preflight(
-                push_to_hub=t.push_to_hub,
-                hub_model_id=t.hub_model_id,
-                output_dir=t.output_dir,
-                hub_token=t.hub_token,
-                hub_private_repo=t.hub_private_repo,
-            )
+            if not problem:
+                repo_id = hub.preflight(
+                    push_to_hub=t.push_to_hub,
+                    hub_model_id=t.hub_model_id,
+                    output_dir=t.output_dir,
+                    hub_token=t.hub_token,
+                    hub_private_repo=t.hub_private_repo,
+                )
         except ValueError as e:
             problem = str(e)
         if not problem:
@@ -409,6 +419,10 @@ def _preflight(cfg: RunConfig, info) -> str | None:
             flags = ("--eval_harness_tasks", "--eval_harness_include_path")
             _, task_problems = check_tasks(split_tasks(t.eval_harness_tasks), t.eval_harness_include_path, flags)
             problem = "; ".join(task_problems) or None
+        if not problem and t.overwrite_output_dir and not resuming:
+            removed = preflight.clear_previous_run(t.output_dir)
+            if removed:
+                print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
         if info.device.type == "cuda" and not problem:
             from shardtune.plan import warn_if_too_small
 
@@ -439,7 +453,13 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     if not t.resume_from_checkpoint:
         return None
     try:
+        from shardtune.preflight import identity_problem
+
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+        record = json.loads(json.dumps(_config_record(cfg), default=str))
+        other_run = identity_problem(path, record, t.resume_from_checkpoint)
+        if other_run:
+            return other_run
         checkpoint.check_resumable(
             path,
             checkpoint.read_meta(path),
@@ -512,6 +532,12 @@ def _resume(cfg, model, optimizer, scheduler, info):
     for note in notes:
         warn0(note)
     state = LoopState(**loop)
+    if info.is_main:
+        from shardtune.preflight import trim_metrics
+
+        dropped = trim_metrics(t.output_dir, state.step)
+        if dropped:
+            print0(f"metrics.jsonl: dropped {dropped} record(s) after step {state.step}, which this run redoes.")
     newer = [c.name for c in checkpoint.list_checkpoints(t.output_dir) if int(c.name.split("-")[-1]) > state.step]
     if newer:
         warn0(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -183,3 +184,107 @@ def test_required_flags(tmp_path):
 def test_trust_remote_code_defaults_to_false():
     m, _, _ = parse_args([])
     assert m.trust_remote_code is False
+
+
+# ---------------------------------------------------------------- bad input: strict run files, ranges, ignored flags
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return str(path)
+
+
+def test_run_file_values_are_typed_strictly(tmp_path):
+    """A quoted "false" is false (as on the command line), a YAML 1e-4 (a string to YAML) is a float, a list of
+    module names is joined; a value of the wrong type is refused naming the key, never a TypeError."""
+    good = _write(
+        tmp_path / "run.yaml",
+        "model_name_or_path: org/m\ndataset_name: org/d\nuse_peft_lora: 'false'\nlearning_rate: 1e-4\n"
+        "packing: 'True'\nmax_steps: '7'\n",
+    )
+    cfg = load_run_config([good], env={})
+    assert cfg.model.use_peft_lora is False and cfg.data.packing is True
+    assert cfg.train.learning_rate == 1e-4 and cfg.train.max_steps == 7
+    lst = _write(tmp_path / "l.yaml", "model_name_or_path: org/m\ndataset_name: org/d\nuse_peft_lora: true\n"
+                 "lora_target_modules: [q_proj, v_proj]\n")  # fmt: skip
+    assert load_run_config([lst], env={}).model.lora_target_modules == "q_proj,v_proj"
+
+    bad = _write(
+        tmp_path / "bad.yaml",
+        "model_name_or_path: org/m\ndataset_name: [a, b]\nuse_peft_lora: 'maybe'\nlora_r: eight\n"
+        "max_steps: 2.5\nbf16: 1.0\nseed: null\n",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_run_config([bad], env={})
+    assert e.value.problems == [
+        f"{bad}: dataset_name: ['a', 'b'] is not a string; quote it.",
+        f"{bad}: use_peft_lora: 'maybe' is not a boolean; write true or false.",
+        f"{bad}: lora_r: 'eight' is not an integer.",
+        f"{bad}: max_steps: 2.5 is not an integer; write e.g. max_steps: 2.",
+        f"{bad}: bf16: 1.0 is not a boolean; write true or false.",
+        f"{bad}: seed: null is not allowed; give a value or remove the key.",
+    ]
+
+
+@pytest.mark.parametrize("text", ["a: [1,\n", '{"a": 1,}'])
+def test_unparsable_run_file_names_the_file(tmp_path, text):
+    path = _write(tmp_path / ("run.yaml" if text.startswith("a") else "run.json"), text)
+    with pytest.raises(ConfigError) as e:
+        load_run_config([path], env={})
+    (problem,) = e.value.problems
+    assert problem.startswith(f"config file {path} cannot be parsed (") and problem.endswith("fix its syntax.")
+
+
+REQUIRED = ["--model_name_or_path", "org/m", "--dataset_name", "org/d"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--learning_rate", "-1e-4"], "--learning_rate must be > 0 (got -0.0001)."),
+        (["--learning_rate", "0"], "--learning_rate must be > 0 (got 0.0)."),
+        (["--weight_decay", "-0.1"], "--weight_decay must be >= 0 (got -0.1)."),
+        (["--adam_beta2", "1"], "--adam_beta2 must be in [0, 1) (got 1.0)."),
+        (["--adam_epsilon", "-1e-8"], "--adam_epsilon must be > 0 (got -1e-08)."),
+        (["--max_grad_norm", "nan"], "--max_grad_norm must be >= 0 (got nan)."),
+        (["--warmup_steps", "-5"], "--warmup_steps must be >= 0 (got -5)."),
+        (["--save_steps", "0"], "--save_steps must be > 0 (got 0.0)."),
+        (["--save_total_limit", "0"], "--save_total_limit must be >= 1 (got 0)."),
+        (["--seed", "-1"], f"--seed must be in [0, {2**32 - 1}] (got -1)."),
+        (["--ddp_timeout", "-30"], "--ddp_timeout must be > 0 (got -30)."),
+        (["--max_train_samples", "-3"], "--max_train_samples must be >= 1 (got -3)."),
+    ],
+)
+def test_negative_and_out_of_range_numbers_parse_and_are_refused(flags, problem):
+    """`--flag -1e-4` reaches validation (argparse alone stops at values starting with '-' unless they look like
+    -1 or -.5), which names the flag, the allowed range and the value."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*REQUIRED, *flags], env={})
+    assert e.value.problems == [problem]
+
+
+def test_negative_values_in_range_are_accepted():
+    cfg = load_run_config([*REQUIRED, "--max_steps", "-1", "--num_train_epochs", "2", "--seed", "0"], env={})
+    assert (cfg.train.max_steps, cfg.train.num_train_epochs, cfg.train.seed) == (-1, 2.0, 0)
+
+
+def test_full_fine_tuning_refuses_explicit_adapter_flags(tmp_path):
+    """LoRA/DoRA flags given with --use_peft_lora False would be ignored: refused, naming each; their defaults
+    (not given) and the same flags with LoRA on are fine."""
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*REQUIRED, "--use_peft_lora", "False", "--lora_r", "8", "--use_dora", "True"], env={})
+    want = "--lora_r, --use_dora set an adapter, but --use_peft_lora is False (full fine-tuning, where they would be "
+    assert e.value.problems == [want + "ignored): add --use_peft_lora True, or remove them."]
+    assert load_run_config([*REQUIRED, "--use_peft_lora", "False"], env={}).explicit >= {"use_peft_lora"}
+    assert load_run_config([*REQUIRED, "--use_peft_lora", "True", "--lora_r", "8"], env={}).model.lora_r == 8
+    run = _write(tmp_path / "run.json", json.dumps({"model_name_or_path": "org/m", "dataset_name": "org/d",
+                                                    "use_peft_lora": "false", "lora_alpha": 32}))  # fmt: skip
+    with pytest.raises(ConfigError, match="--lora_alpha set an adapter, but --use_peft_lora is False"):
+        load_run_config([run], env={})
+
+
+def test_help_does_not_offer_8bit_loading():
+    from shardtune.config import ModelArguments
+
+    help_ = {f.name: f.metadata["help"] for f in dataclasses.fields(ModelArguments)}["use_8bit_quantization"]
+    assert help_.startswith("Refused:") and "--use_4bit_quantization" in help_
