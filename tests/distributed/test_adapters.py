@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from shardtune import adapters
 from tests.conftest import ROOT, _free_port, run_cli, train_records
-from tests.tolerance import TINY, TINY_VOCAB, decoder_chain, parity, tol, tol_rounding
 from tests.e2e.test_merge_after_training import _eval_loss, _peft_model
+from tests.tolerance import TINY, TINY_VOCAB, decoder_chain, parity, tol, tol_rounding
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
