@@ -181,6 +181,12 @@ def run(cfg: RunConfig) -> int:
 
     m, t = cfg.model, cfg.train
     info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
+    if info.is_main and info.device.type == "cpu" and (t.bf16 or cfg.fsdp.mixed_precision == "bf16"):
+        from shardtune.cpu import bf16_warning, measure
+
+        msg = bf16_warning(measure())  # AVX2-only CPUs emulate bf16: say so, with the figures and the fix
+        if msg:
+            warn0(msg)
     repo_id = _preflight(cfg, info)
     _seed_everything(t.seed)
     tokenizer, new_ids = modeling.load_tokenizer(

@@ -123,3 +123,67 @@ def test_sigterm_exits_with_the_documented_code_3(tiny_assets, tmp_path):
         assert _wait(proc, timeout=120) == 3
     last = train_records(out)[-1]["step"]
     assert (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
+def _gone(pids: list[int], within_s: float) -> list[int]:
+    """The pids still alive (zombies count as gone: they no longer run) after waiting up to within_s."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
+    """kill -9 of the torchrun agent under `shardtune launch`: its two workers notice, stop as on SIGTERM (a
+    checkpoint of the step they reached) and exit, instead of training on."""
+    import psutil
+
+    out = tmp_path / "run"
+    flags = _args(tiny_assets, out, "--save_steps", "1000", steps=400)[1:]  # `launch` takes the train flags
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
+    root = Path(__file__).resolve().parents[2]
+    with (tmp_path / "run.log").open("w") as log:
+        launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        metrics = out / "metrics.jsonl"
+        while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+            time.sleep(0.05)
+        (agent,) = psutil.Process(launch.pid).children()
+        workers = [p.pid for p in agent.children()]
+        assert len(workers) == 2
+        agent.kill()
+        assert _gone(workers, within_s=20) == []
+        assert _wait(launch, timeout=30) != 0
+    text = (tmp_path / "run.log").read_text()
+    assert text.count(f"the launcher (pid {agent.pid}) is gone; stopping this worker") == 2
+    last = train_records(out)[-1]["step"]
+    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
+def test_a_launched_child_gets_sigterm_when_the_launcher_dies(tmp_path):
+    """`shardtune launch` starts torchrun with child_preexec: killing the launcher with -9 ends its child."""
+    import psutil
+
+    script = (
+        "import subprocess, sys, time\n"
+        "from shardtune.parent import child_preexec\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=child_preexec)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    assert psutil.Process(child).ppid() == launcher.pid
+    launcher.kill()
+    launcher.wait()
+    assert _gone([child], within_s=5) == []
