@@ -58,6 +58,15 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+def disk_full_during(exc: BaseException, folder: str | Path, needed: int | None) -> bool:
+    """Whether a write into `folder` failed for lack of space: ENOSPC, or a library's error without an errno
+    (torch.save says only "file write failed") while less than `needed` bytes are free there."""
+    if is_disk_full(exc):
+        return True
+    free = _free_bytes(folder)
+    return bool(needed) and free is not None and free < needed
+
+
 def _free_bytes(folder: str | Path) -> int | None:
     p = Path(folder)
     while not p.exists() and p != p.parent:
@@ -139,7 +148,7 @@ def staged_folder(tmp: Path, *, what: str, final: Path, needed: int | None = Non
         yield tmp
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(e) and not isinstance(e, DiskFullError):
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and disk_full_during(e, final, needed):
             raise DiskFullError(final, needed, what) from e
         raise
 

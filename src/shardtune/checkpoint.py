@@ -188,7 +188,7 @@ def save(
         _write_rank_files(tmp, state, full, optimizer, shards, rank)
         fault_point("save", step, rank)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
-        problem = _describe(e)
+        problem = _describe(e, root, needed)
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     if rank == 0 and not any(problems):
@@ -197,7 +197,7 @@ def save(
             atomic.replace_folder(tmp, final)
             _prune(output_dir, save_total_limit)
         except Exception as e:  # noqa: BLE001
-            problems[0] = _describe(e)
+            problems[0] = _describe(e, root, needed)
     problems = _broadcast_object(problems)
     if any(problems):
         if rank == 0:
@@ -208,8 +208,8 @@ def save(
     return final
 
 
-def _describe(e: Exception) -> tuple[bool, str]:
-    return atomic.is_disk_full(e), f"{type(e).__name__}: {_first_line(e)}"
+def _describe(e: Exception, root: Path, needed: int) -> tuple[bool, str]:
+    return atomic.disk_full_during(e, root, needed), f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _raise_save_problem(problems: list, final: Path, needed: int) -> None:
