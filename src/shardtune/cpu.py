@@ -121,6 +121,13 @@ def bf16_warning(speed: MatmulSpeed) -> str | None:
     )
 
 
+def bf16_check(device_type: str, bf16: bool) -> str | None:
+    """The warning for a run on `device_type` in bf16 or not: measured (once) only for a CPU run in bf16."""
+    if device_type != "cpu" or not bf16:
+        return None
+    return bf16_warning(measure())
+
+
 def bench_record(dtype: str) -> dict:
     """What a benchmark records about the case it ran in: the CPU, its bf16 flags, the measured bf16 and fp32
     rates and their ratio, and the dtype it ran in."""

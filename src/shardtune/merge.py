@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(str(e))
         return 2
-    except ValueError as e:
+    except (ValueError, atomic.DiskFullError) as e:
         error(f"shardtune merge: {e}")
         return 1
     return 0

@@ -166,6 +166,7 @@ def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
 def run(cfg: RunConfig) -> int:
     from transformers import get_scheduler
 
+    from shardtune.cpu import bf16_check
     from shardtune.distributed.mesh import init_distributed
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.metrics import RunLogger
@@ -181,12 +182,9 @@ def run(cfg: RunConfig) -> int:
 
     m, t = cfg.model, cfg.train
     info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
-    if info.is_main and info.device.type == "cpu" and (t.bf16 or cfg.fsdp.mixed_precision == "bf16"):
-        from shardtune.cpu import bf16_warning, measure
-
-        msg = bf16_warning(measure())  # AVX2-only CPUs emulate bf16: say so, with the figures and the fix
-        if msg:
-            warn0(msg)
+    bf16 = t.bf16 or cfg.fsdp.mixed_precision == "bf16"
+    if info.is_main and (msg := bf16_check(info.device.type, bf16)):  # AVX2-only CPUs emulate bf16: say so
+        warn0(msg)
     repo_id = _preflight(cfg, info)
     _seed_everything(t.seed)
     tokenizer, new_ids = modeling.load_tokenizer(

@@ -63,3 +63,10 @@ def test_emulated_bf16_on_this_machine_is_measured_as_emulated():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     rec = json.loads(out.stdout)
     assert rec["bf16_slow"] and rec["bf16_fp32_ratio"] < cpu.SLOW_RATIO
+
+
+def test_only_a_cpu_run_in_bf16_is_checked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "measure", lambda: calls.append(1) or _speed(1.5, 30.0, flags=False))
+    assert cpu.bf16_check("cuda", True) is None and cpu.bf16_check("cpu", False) is None and not calls
+    assert cpu.bf16_check("cpu", True).startswith("bf16 is emulated on this CPU") and calls == [1]
