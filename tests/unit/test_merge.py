@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from shardtune import merge
 from shardtune.demo import build_model, build_tokenizer
-from tests.tolerance import decoder_chain, tol
+from tests.tolerance import decoder_chain, tol, tol_rounding
 
 VOCAB = 300
 SHARD = "16KB"  # the tiny Llama is ~150 KB in fp32: about ten base shards
@@ -171,9 +171,12 @@ def test_bf16_output_and_tokenizer_from_adapter(bases, tmp_path):
     with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable == {"BF16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    # bf16 keeps 8 bits of mantissa: weights are off by up to 2^-9 relative, logits (|x| ~ 0.3 here) by ~1e-2.
-    diff = (merged_logits(out) - peft_logits(bases["untied"], adapter, resize)).abs().max().item()
-    assert 0 < diff < 2e-2
+    # bf16 keeps 8 bits of significand: each merged weight is rounded once (u = 2^-8), the forward itself runs in
+    # fp32. One rounding per weight matrix along the chain (the embedding, 7 per layer, the head: 16), on the
+    # merged side only (tests/tolerance.py), relative to the logits' size.
+    want = peft_logits(bases["untied"], adapter, resize)
+    diff = (merged_logits(out) - want).abs().max().item()
+    assert 0 < diff <= tol_rounding(torch.bfloat16, 16, one_sided=True, scale=float(want.abs().max()))
     assert len(AutoTokenizer.from_pretrained(out)) == VOCAB + 4
     assert (out / "generation_config.json").exists()
 
