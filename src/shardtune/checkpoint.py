@@ -177,18 +177,21 @@ def save(
     full = state_dict_type == "FULL_STATE_DICT"
     state = _weights_state(model, None if shards else optimizer, full)
     needed = _global_bytes(state, shards and optimizer.state_dict())
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob("*.tmp"), *root.glob("*.old"), *root.glob(".*.old-*")]:  # a run killed mid-save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
     problem = None
-    try:
-        _write_rank_files(tmp, state, full, optimizer, shards, rank)
-        fault_point("save", step, rank)
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
-        problem = _describe(e, root, needed)
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in [*root.glob("*.tmp"), *root.glob("*.old"), *root.glob(".*.old-*")]:  # killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            problem = _describe(e, root, needed)
+    if _broadcast_object(problem) is None:  # the folder exists: every rank writes its part
+        try:
+            _write_rank_files(tmp, state, full, optimizer, shards, rank)
+            fault_point("save", step, rank)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
+            problem = _describe(e, root, needed)
     problems = [None] * world
     dist.all_gather_object(problems, problem)
     if rank == 0 and not any(problems):
