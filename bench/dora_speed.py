@@ -184,7 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     setup["load_average_1m"] = os.getloadavg()[0]  # other jobs on the machine slow every variant alike
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": MODEL, "setup": setup, "device": device, "rows": rows}, indent=2) + "\n")
+    from shardtune.cpu import bench_line, bench_record
+
+    cpu = bench_record("float32")  # the CPU case these figures belong to (shardtune.cpu)
+    print(bench_line(cpu))
+    result = {"model": MODEL, "setup": setup, "device": device, "cpu": cpu, "rows": rows}
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
 

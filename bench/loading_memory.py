@@ -158,15 +158,19 @@ def main() -> None:
         print(
             f"{name}: peaks {[p / 2**30 for p in peaks]} GiB, overhead {[o / 2**30 for o in overhead]}, {copies:.2f}×"
         )
+    from shardtune.cpu import bench_line, bench_record
+
     result = {
         "model_bytes": model_bytes,
         "model": {**BIG, **HEADS, "dtype": "bfloat16"},
         "build_seconds": build_seconds,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "cpu": bench_record("bfloat16"),  # the CPU case these figures belong to (shardtune.cpu)
         "runs": rows,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
+    print(bench_line(result["cpu"]))
     gib = 2**30
     print(f"\nmodel: {model_bytes / gib:.2f} GiB of bf16 weights; 2 ranks on CPU (gloo)\n")
     print(f"{'case':40s} {'peak RSS per rank (GiB)':>24s} {'overhead (GiB)':>16s} {'copies held':>12s} {'time':>7s}")

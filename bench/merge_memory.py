@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: {r['peak_rss'] / 2**20:.0f} MiB in {r['seconds']:.1f} s", flush=True)
 
     gib = 2**30
+    from shardtune.cpu import bench_line, bench_record
+
     result = {
         "model_bytes": sum(shard_sizes),
         "n_shards": len(shard_sizes),
@@ -151,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         "adapter_bytes": (adapter / "adapter_model.safetensors").stat().st_size,
         "build_seconds": build_s,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "cpu": bench_record("float32"),  # the CPU case these figures belong to (shardtune.cpu)
         "runs": rows,
     }
+    print(bench_line(result["cpu"]))
     print(
         f"\nmodel {result['model_bytes'] / gib:.2f} GiB in {len(shard_sizes)} shards, largest shard "
         f"{result['largest_shard_bytes'] / gib:.2f} GiB, adapter {result['adapter_bytes'] / 2**20:.1f} MiB\n"

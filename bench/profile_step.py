@@ -131,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else speed.RESULTS / f"speed_profile{suffix}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(head + table + "\n")
-    (out.with_suffix(".json")).write_text(json.dumps({"families_ms": fam, "step_s": step_s}, indent=2))
+    from shardtune.cpu import bench_line, bench_record
+
+    cpu = bench_record("bfloat16" if s.bf16 else "float32")  # the CPU case of these figures (shardtune.cpu)
+    print(bench_line(cpu))
+    (out.with_suffix(".json")).write_text(json.dumps({"families_ms": fam, "step_s": step_s, "cpu": cpu}, indent=2))
     return 0
 
 

@@ -663,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(a._worker)
     import torch
 
+    from shardtune.cpu import bench_line, bench_record
     from shardtune.modeling import load_tokenizer
 
     s = _settings(a)
@@ -685,6 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "torch": torch.__version__,
         "dtype": "bfloat16" if s.bf16 else "float32",
+        # The CPU case these figures belong to: bf16 native or emulated, measured (shardtune.cpu).
+        "cpu": bench_record("bfloat16" if s.bf16 else "float32"),
         "model": asdict(fm),
         "matmul_peak": peaks,
         "contenders": {},
@@ -693,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(raw[c.name], s, fm, peaks["machine"], _checkpointing(c, s))
         layout = f"{c.world}×{max(1, s.threads // c.world)}"
         report["contenders"][c.name] = {"layout": layout, "flags": c.flags, "src": c.src, "fsdp": c.fsdp, **summary}
-    report["table"] = format_table(report)
+    report["table"] = bench_line(report["cpu"]) + "\n" + format_table(report)
     print(report["table"])
     suffix = ("" if s.model == "25m" else f"-{s.model}") + ("-cuda" if device == "cuda" else "")
     out = Path(a.out) if a.out else RESULTS / f"speed{suffix}.json"

@@ -15,6 +15,7 @@ checkpoints beyond --save_total_limit are pruned: a process killed mid-save leav
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardtune import atomic
 from shardtune.log import print0, warn0
 
 FORMAT_VERSION = 1
@@ -55,39 +58,95 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(resume_from: str, output_dir: str | Path) -> Path:
-    """`latest` → the newest complete checkpoint of output_dir; a path → that checkpoint (checked)."""
+def resolve(resume_from: str, output_dir: str | Path, *, announce: bool = False) -> Path:
+    """`latest` → the newest complete and readable checkpoint of output_dir (with announce, one warning names
+    the damaged newer ones it skipped); a path → that checkpoint, checked (ValueError naming the bad file)."""
     if resume_from == "latest":
         found = list_checkpoints(output_dir)
-        if not found:
-            raise ValueError(
-                f"--resume_from_checkpoint latest: no complete checkpoint in {Path(output_dir) / 'checkpoints'}; "
-                "check --output_dir, or drop --resume_from_checkpoint to start afresh."
-            )
-        return found[-1]
+        skipped = []
+        for path in reversed(found):
+            problem = damage(path)
+            if problem is None:
+                if skipped and announce:
+                    warn0(f"--resume_from_checkpoint latest: skipping {'; '.join(skipped)}; resuming from {path}.")
+                return path
+            skipped.append(problem)
+        where = Path(output_dir) / "checkpoints"
+        raise ValueError(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {where}"
+            + (f" ({'; '.join(skipped)})" if skipped else "")
+            + "; check --output_dir, or drop --resume_from_checkpoint to start afresh."
+        )
     path = Path(resume_from)
     if not (path / "meta.json").exists():
         hint = " (an unfinished save: resume from an earlier checkpoint)" if path.name.endswith(".tmp") else ""
         raise ValueError(
             f"--resume_from_checkpoint {resume_from}: not a complete shardtune checkpoint (no meta.json){hint}."
         )
+    problem = damage(path)
+    if problem:
+        raise ValueError(f"--resume_from_checkpoint {resume_from}: {problem}; resume from an earlier checkpoint.")
     return path
 
 
+def damage(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be resumed from (None when it looks whole), checked cheaply before any
+    loading: meta.json parses; every file it implies exists; each torch file is a whole zip archive (its
+    directory is at the end, so a truncated file fails); DCP's .metadata loads and every shard file is as long
+    as the metadata says. Names the damaged file."""
+    try:
+        meta = read_meta(path)
+        world, full = int(meta["world_size"]), meta["state_dict_type"] == "FULL_STATE_DICT"
+        int(meta["loop"]["step"])
+        per_rank = bool(meta.get("optimizer", {}).get("per_rank"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path / 'meta.json'} is unreadable ({type(e).__name__}: {_first_line(e)})"
+    files = ["scheduler.pt", *(f"rng_rank{r}.pt" for r in range(world))]
+    files += [f"optim_rank{r}.pt" for r in range(world)] if per_rank else []
+    files += ["full_state.pt"] if full else []
+    for name in files:
+        try:
+            zipfile.ZipFile(path / name).close()
+        except (OSError, zipfile.BadZipFile) as e:
+            return f"{path / name} is missing or truncated ({_first_line(e)})"
+    return None if full else _dcp_damage(path / "sharded")
+
+
+def _dcp_damage(folder: Path) -> str | None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
+        return f"{folder / '.metadata'} is missing or unreadable ({type(e).__name__}: {_first_line(e)})"
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        have = (folder / name).stat().st_size if (folder / name).exists() else None
+        if have is None or have < size:
+            return f"{folder / name} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}"
+    return None
+
+
 def fault_point(point: str, step: int, rank: int) -> None:
-    """Failure injection for tests: SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT>] (KILL by default)
-    makes that rank send itself the signal at that point: `step` (after optimizer step `step` and its log line)
-    or `save` (mid-save: this rank's files of checkpoint-<step> written, the folder not yet renamed)."""
+    """Failure injection for tests: SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>] (KILL by
+    default) makes that rank send itself the signal, or raise "No space left on device" (ENOSPC), at that point:
+    `step` (after optimizer step `step` and its log line), `save` (mid-save: this rank's files of
+    checkpoint-<step> written, the folder not yet renamed) or `export` (the final adapter or model files written
+    to their temporary folder, not yet moved into place; `step` is the last step)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("step", "save"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save>:<step>:<rank>[:<KILL|TERM|INT>].")
+    if len(parts) not in (3, 4) or parts[0] not in ("step", "save", "export"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save|export>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>].")
     if parts[0] == point and int(parts[1]) == step and int(parts[2]) == rank:
-        sig = getattr(signal, "SIG" + (parts[3] if len(parts) == 4 else "KILL"))
-        print(f"{FAULT_ENV}: rank {rank} sends itself {sig.name} at {point} {step}.", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), sig)
+        what = parts[3] if len(parts) == 4 else "KILL"
+        print(f"{FAULT_ENV}: rank {rank} injects {what} at {point} {step}.", file=sys.stderr, flush=True)
+        if what == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.kill(os.getpid(), getattr(signal, "SIG" + what))
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -104,69 +163,110 @@ def save(
     state_dict_type: str = "SHARDED_STATE_DICT",
     save_total_limit: int | None = None,
 ) -> Path:
-    """Write checkpoint-<step> atomically (all ranks call this); prune the oldest beyond save_total_limit."""
+    """Write checkpoint-<step> atomically (all ranks call this); prune the oldest beyond save_total_limit.
+
+    A write error on any rank (a full disk: DiskFullError, naming the folder and the bytes needed) is raised on
+    every rank after the temporary folder is removed, so the previous checkpoints stay as they were.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()
     root = Path(output_dir) / "checkpoints"
     step = int(loop_state["step"])
     final, tmp = root / f"checkpoint-{step}", root / f"checkpoint-{step}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob("*.tmp"), *root.glob("*.old")]:  # left by a run killed mid-save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
     shards = getattr(optimizer, "local_shards", None)
-    _save_weights(tmp, model, None if shards else optimizer, state_dict_type, rank)
-    if shards is not None:
-        _save_synced(
-            {"names": shards.names, "shapes": shards.shapes(), "state": optimizer.state_dict()},
-            tmp / f"optim_rank{rank}.pt",
-        )
-    _save_synced(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    fault_point("save", step, rank)
-    dist.barrier()
+    full = state_dict_type == "FULL_STATE_DICT"
+    state = _weights_state(model, None if shards else optimizer, full)
+    needed = _global_bytes(state, shards and optimizer.state_dict())
+    problem = None
     if rank == 0:
-        _save_synced(scheduler.state_dict(), tmp / "scheduler.pt")
-        _write_text_synced(tmp / "config.json", json.dumps(config, indent=2, default=str))
-        meta = {
-            "format": FORMAT_VERSION,
-            "loop": loop_state,
-            "world_size": world,
-            "state_dict_type": state_dict_type,
-            "optimizer": {"class": type(optimizer).__name__, "per_rank": shards is not None},
-        }
-        _write_text_synced(tmp / "meta.json", json.dumps(meta, indent=2))
-        _move_into_place(tmp, final)
-        _prune(output_dir, save_total_limit)
-    dist.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in [*root.glob("*.tmp"), *root.glob("*.old"), *root.glob(".*.old-*")]:  # killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            problem = _describe(e, root, needed)
+    if _broadcast_object(problem) is None:  # the folder exists: every rank writes its part
+        try:
+            _write_rank_files(tmp, state, full, optimizer, shards, rank)
+            fault_point("save", step, rank)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
+            problem = _describe(e, root, needed)
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    if rank == 0 and not any(problems):
+        try:
+            _write_rank0_files(tmp, scheduler, config, loop_state, world, state_dict_type, optimizer, shards)
+            atomic.replace_folder(tmp, final)
+            _prune(output_dir, save_total_limit)
+        except Exception as e:  # noqa: BLE001
+            problems[0] = _describe(e, root, needed)
+    problems = _broadcast_object(problems)
+    if any(problems):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        _raise_save_problem(problems, final, needed)
     print0(f"Saved checkpoint {final} ({time.perf_counter() - start:.1f} s).")
     return final
 
 
-def _save_weights(tmp: Path, model: nn.Module, optimizer, state_dict_type: str, rank: int) -> None:
-    """Trainable weights (and a torch optimizer's state): DCP shards, or one full file from rank 0."""
-    full = state_dict_type == "FULL_STATE_DICT"
+def _describe(e: Exception, root: Path, needed: int) -> tuple[bool, str]:
+    return atomic.disk_full_during(e, root, needed), f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _raise_save_problem(problems: list, final: Path, needed: int) -> None:
+    if any(p[0] for p in problems if p):
+        raise atomic.DiskFullError(final, needed, "a checkpoint")
+    ranks = "; ".join(f"rank {r}: {p[1]}" for r, p in enumerate(problems) if p)
+    raise OSError(f"saving {final} failed ({ranks}); the previous checkpoints are intact.")
+
+
+def _global_bytes(state: dict, extra) -> int:
+    """Bytes the checkpoint needs on disk, summed over ranks (each writes its own shards)."""
+    local = atomic.tensor_bytes(state) + (atomic.tensor_bytes(extra) if extra else 0)
+    box = torch.tensor([float(local)], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        box = box.cuda()
+    dist.all_reduce(box)
+    return int(box.item())
+
+
+def _weights_state(model: nn.Module, optimizer, full: bool) -> dict:
+    """Trainable weights (and a torch optimizer's state), as DTensor shards or (full) CPU tensors on rank 0."""
     opts = StateDictOptions(ignore_frozen_params=True, full_state_dict=full, cpu_offload=full)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=opts), "optim": {}}
-    else:
-        msd, osd = get_state_dict(model, optimizer, options=opts)
-        state = {"model": msd, "optim": osd}
+        return {"model": get_model_state_dict(model, options=opts), "optim": {}}
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    return {"model": msd, "optim": osd}
+
+
+def _write_rank_files(tmp: Path, state: dict, full: bool, optimizer, shards, rank: int) -> None:
+    """Each rank's part: DCP shards (or rank 0's full file), a per-rank 8-bit optimizer state, the RNG."""
     if not full:
         dcp.save(state, checkpoint_id=str(tmp / "sharded"))
     elif rank == 0:
-        _save_synced(state, tmp / "full_state.pt")
+        atomic.save_synced(state, tmp / "full_state.pt")
+    if shards is not None:
+        atomic.save_synced(
+            {"names": shards.names, "shapes": shards.shapes(), "state": optimizer.state_dict()},
+            tmp / f"optim_rank{rank}.pt",
+        )
+    atomic.save_synced(_rng_state(), tmp / f"rng_rank{rank}.pt")
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
-    """Rename tmp to final; a checkpoint of the same step (from a run resumed before it) is replaced."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(final.parent)
+def _write_rank0_files(tmp, scheduler, config, loop_state, world, state_dict_type, optimizer, shards) -> None:
+    atomic.save_synced(scheduler.state_dict(), tmp / "scheduler.pt")
+    atomic.write_text_synced(tmp / "config.json", json.dumps(config, indent=2, default=str))
+    meta = {
+        "format": FORMAT_VERSION,
+        "loop": loop_state,
+        "world_size": world,
+        "state_dict_type": state_dict_type,
+        "optimizer": {"class": type(optimizer).__name__, "per_rank": shards is not None},
+    }
+    # meta.json last: a folder with meta.json is complete (list_checkpoints).
+    atomic.write_text_synced(tmp / "meta.json", json.dumps(meta, indent=2))
 
 
 def _prune(output_dir: str | Path, limit: int | None) -> None:
@@ -175,29 +275,6 @@ def _prune(output_dir: str | Path, limit: int | None) -> None:
     found = list_checkpoints(output_dir)
     for old in found[: max(len(found) - limit, 0)]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _save_synced(obj, path: Path) -> None:
-    """torch.save, then fsync: the data is on disk before the folder is renamed into place."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_text_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_state() -> dict:
@@ -315,15 +392,26 @@ def load(path: str | Path, *, model: nn.Module, optimizer, scheduler) -> dict:
         _load_sharded(path, model, torch_optim)
     if shards is not None:
         _load_local_optimizer(path, optimizer, shards, rank)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    scheduler.load_state_dict(_read(path / "scheduler.pt"))
     saved_world = int(meta["world_size"])
     if saved_world != world:
         warn0(
             f"{path} was saved by {saved_world} rank(s); this run has {world}: rank r continues from the RNG "
             f"state of saved rank r mod {saved_world} (dropout masks differ from an uninterrupted run)."
         )
-    _set_rng_state(torch.load(path / f"rng_rank{rank % saved_world}.pt", weights_only=True))
+    _set_rng_state(_read(path / f"rng_rank{rank % saved_world}.pt"))
     return meta
+
+
+def _read(file: Path):
+    """torch.load of a checkpoint file; a damaged one gives an error naming it."""
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise ValueError(
+            f"{file} is damaged ({type(e).__name__}: {_first_line(e)}); resume from an earlier checkpoint, or "
+            f"with --resume_from_checkpoint latest, which skips damaged ones."
+        ) from e
 
 
 def check_resumable(path: str | Path, meta: dict, *, per_rank_optimizer: bool, optimizer_name: str, world: int) -> None:
@@ -371,6 +459,9 @@ def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
     try:
         dcp.load(state, checkpoint_id=str(path / "sharded"))
     except dcp.api.CheckpointException as e:
+        broken = _dcp_damage(path / "sharded")
+        if broken:
+            raise ValueError(f"{broken}; resume from an earlier checkpoint.") from e
         raise ValueError(
             f"{path}: its weights or optimizer state do not fit this model ({_first_line(e)}). Resume with the "
             f"model, adapter and --optim settings the checkpoint was trained with (see {path / 'config.json'})."
@@ -387,7 +478,7 @@ def _load_full(path: Path, model: nn.Module, optimizer, rank: int) -> None:
     template = _template(model, optimizer)
     full, problem = None, None
     if rank == 0:
-        full = torch.load(path / "full_state.pt", weights_only=True, map_location="cpu")
+        full = _read(path / "full_state.pt")
         problem = _key_problem(template, full)
     problem = _broadcast_object(problem)
     if problem:
@@ -439,7 +530,7 @@ def _broadcast_object(obj):
 
 
 def _load_local_optimizer(path: Path, optimizer, shards, rank: int) -> None:
-    blob = torch.load(path / f"optim_rank{rank}.pt", weights_only=True, map_location="cpu")
+    blob = _read(path / f"optim_rank{rank}.pt")
     problem = None
     if blob["names"] != shards.names or blob["shapes"] != shards.shapes():
         problem = (

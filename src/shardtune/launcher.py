@@ -575,7 +575,12 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         if problems:
             print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
             return 2
-    proc = subprocess.Popen(plan.cmd, env={**os.environ, **plan.env})
+    from shardtune.parent import child_preexec
+
+    # torchrun gets SIGTERM if this process dies (kill -9 included), and forwards it to its workers. preexec_fn
+    # is safe here: the launcher runs no other thread.
+    preexec = child_preexec if os.name == "posix" else None
+    proc = subprocess.Popen(plan.cmd, env={**os.environ, **plan.env}, preexec_fn=preexec)  # noqa: PLW1509
     try:
         return proc.wait()
     except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its workers: wait, do not orphan them

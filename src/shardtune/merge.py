@@ -15,7 +15,6 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import re
 import shutil
 import struct
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardtune import atomic
 from shardtune.config import ConfigError
 from shardtune.log import error, print0, setup_logging, warn0
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(str(e))
         return 2
-    except ValueError as e:
+    except (ValueError, atomic.DiskFullError) as e:
         error(f"shardtune merge: {e}")
         return 1
     return 0
@@ -733,25 +733,6 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not tempfile.mkdtemp: its 0700 mode would stay on the published folder
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _replace_folder(tmp, out)
-
-
-def _replace_folder(new: Path, out: Path) -> None:
-    if not out.exists():
-        os.rename(new, out)
-        return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(out, old)
-    try:
-        os.rename(new, out)
-    except BaseException:
-        os.rename(old, out)
-        shutil.rmtree(new, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic.staged_folder(tmp, what="the merged model", final=out) as staged:
+        yield staged
+        atomic.replace_folder(staged, out)

@@ -350,8 +350,11 @@ def summary_table(records: list[dict]) -> str:
     output = s.get("output_path") or (
         "none: the run did not finish (resume it with --resume_from_checkpoint latest)" if s.get("interrupted") else "-"
     )
+    status = "INTERRUPTED (or still running)" if s.get("interrupted") else "finished"
+    if s.get("output_error"):  # a full disk at a checkpoint or the final save (shardtune.train)
+        status, output = "FAILED", f"NOT WRITTEN: {s['output_error']}"
     rows = [
-        ("status", "INTERRUPTED (or still running)" if s.get("interrupted") else "finished"),
+        ("status", status),
         ("steps", steps),
         (
             "train tokens",

@@ -414,6 +414,11 @@ class CausalLMForTraining(nn.Module):
         h = self.hidden_states(input_ids, position_ids)
         h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         keep = y != -100
+        if not keep.any():
+            # No target in this batch (--assistant_only_loss and no assistant turn in it): a loss of exactly zero
+            # that still runs through the head, so that backward reaches every parameter and this rank's FSDP
+            # reduce-scatters run like the other ranks'. Its gradient is zero (0 * finite), the sum unchanged.
+            return self._chunk_loss(h[:1], torch.zeros_like(y[:1])) * 0.0, keep.sum()
         h, y = h[keep], y[keep]
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, h.shape[0], self.chunk_size):

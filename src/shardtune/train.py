@@ -206,9 +206,13 @@ def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
 
 
 def run(cfg: RunConfig) -> int:
+    from shardtune.cpu import bf16_check
     from shardtune.distributed.mesh import init_distributed
 
     info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
+    bf16 = cfg.train.bf16 or cfg.fsdp.mixed_precision == "bf16"
+    if info.is_main and (msg := bf16_check(info.device.type, bf16)):  # AVX2-only CPUs emulate bf16: say so
+        warn0(msg)
     repo_id = _preflight(cfg, info)
     trackers = _open_trackers(cfg, info)
     try:
@@ -357,6 +361,8 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         error(str(e))
         logger.close()
         return EXIT_FAILED
+    except OSError as e:
+        return _output_not_written(logger, e, info)
     if state.step < total:
         last = checkpoint.list_checkpoints(t.output_dir)[-1]
         print0(
@@ -365,7 +371,10 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         )
         logger.close()
         return EXIT_INTERRUPTED
-    out = _export(cfg, model, tokenizer, info)
+    try:
+        out = _export(cfg, model, tokenizer, info, state.step)
+    except OSError as e:
+        return _output_not_written(logger, e, info)
     summary = _finish(logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out)
     if info.is_main:
         _write_cards(cfg, out, summary)
@@ -383,6 +392,24 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         logger.log_model(out, is_adapter=m.use_peft_lora)
     logger.close(finished=True)
     return 0
+
+
+def _output_not_written(logger, e: OSError, info) -> int:
+    """A full disk during a checkpoint or the final save: one error line, a summary saying so, exit 1.
+    (The writers have removed their temporary folders; earlier checkpoints and outputs are intact.)"""
+    from shardtune.atomic import is_disk_full
+
+    if not is_disk_full(e):
+        raise e
+    msg = e.strerror or str(e)
+    if info.is_main:
+        error(f"error: {msg}")
+    try:  # the summary may not fit on the full disk either: the error line above already said it all
+        logger.finish({"output_path": None, "output_error": msg, "interrupted": False})
+    except OSError:
+        pass
+    logger.close()
+    return EXIT_FAILED
 
 
 def _preflight(cfg: RunConfig, info) -> str | None:
@@ -488,7 +515,7 @@ def _save_checkpoint(cfg: RunConfig, s, *, model, optimizer, scheduler, tokenize
     if not repo_id or t.hub_strategy == "end":
         return
     if t.hub_strategy == "every_save":
-        _write_weights(cfg, model, tokenizer, info)  # the adapter (or model) as of this step, for the upload
+        _write_weights(cfg, model, tokenizer, info, s.step)  # the adapter (or model) as of this step, for the upload
     if info.is_main:
         from shardtune import hub
 
@@ -514,7 +541,7 @@ def _resume(cfg, model, optimizer, scheduler, info):
     from shardtune.trainer import LoopState
 
     t = cfg.train
-    path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+    path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir, announce=True)
     saved_cfg = path / "config.json"
     if saved_cfg.exists():
         changed = checkpoint.changed_settings(
@@ -552,29 +579,39 @@ def _resume(cfg, model, optimizer, scheduler, info):
     return state
 
 
-def _write_weights(cfg: RunConfig, model, tokenizer, info) -> Path:
-    """Gather the adapter (or the whole model) and write it to output_dir in PEFT/transformers format."""
+def _write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path:
+    """Gather the adapter (or the whole model) and write it to output_dir in PEFT/transformers format.
+    A full disk on rank 0 raises OSError(ENOSPC) on every rank (the others would wait at the next barrier)."""
+    import errno
+
     from shardtune import export
+    from shardtune.atomic import DiskFullError
     from shardtune.distributed.gather import gather_full, gather_trainable
+    from shardtune.distributed.mesh import broadcast_object
 
     out = Path(cfg.train.output_dir)
     inner = model.model
-    if cfg.model.use_peft_lora:
-        sd = gather_trainable(inner)
-        if info.is_main:
-            export.save_adapter(inner, sd, tokenizer, out)
-    else:
-        sd = gather_full(inner)
-        if info.is_main:
-            dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
-            export.save_full_model(inner, sd, tokenizer, out, dtype=dtype)
+    sd = gather_trainable(inner) if cfg.model.use_peft_lora else gather_full(inner)
+    problem = None
+    if info.is_main:
+        try:
+            if cfg.model.use_peft_lora:
+                export.save_adapter(inner, sd, tokenizer, out, step=step)
+            else:
+                dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+                export.save_full_model(inner, sd, tokenizer, out, dtype=dtype, step=step)
+        except DiskFullError as e:
+            problem = str(e)
+    problem = broadcast_object(problem)
+    if problem:
+        raise OSError(errno.ENOSPC, problem)
     return out
 
 
-def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
+def _export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
     from shardtune.distributed.mesh import barrier
 
-    out = _write_weights(cfg, model, tokenizer, info)
+    out = _write_weights(cfg, model, tokenizer, info, step)
     print0(f"{'Adapter' if cfg.model.use_peft_lora else 'Model'} written to {out}.")
     barrier()
     if cfg.train.merge_adapter and cfg.model.use_peft_lora and info.is_main:

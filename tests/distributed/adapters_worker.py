@@ -129,6 +129,7 @@ def switching(base_dir: str, adapter_dir: str, info) -> dict:
     r["active_after_using"] = adapters.active_adapter(sh)
     # The outputs really differ between the three settings, so the comparisons above mean something.
     r["gap_a_base"], r["gap_a_b"] = _diff(ref_a, ref_base), _diff(ref_a, ref_b)
+    r["logit_scale"] = max(float(x.abs().max()) for x in (ref_a, ref_base, ref_b))  # for the tolerance
     # Switch to `b` for training right after an eval forward; its gradients must reach every sharded weight.
     _logits(sh, batch)
     adapters.set_active_adapter(sh, "b")
@@ -146,6 +147,7 @@ def switching(base_dir: str, adapter_dir: str, info) -> dict:
     r["n_b_params"] = len(b_keys)
     r["b_grads_missing"] = [k for k in b_keys if got[k] is None]
     r["b_grad_diff"] = max(_diff(got[k], want[k]) for k in b_keys if got[k] is not None)
+    r["b_grad_scale"] = max(float(want[k].abs().max()) for k in b_keys if want[k] is not None)
     r["b_grad_min_norm"] = min(float(got[k].norm()) for k in b_keys if got[k] is not None)
     r["frozen_with_grads"] = [k for k, f in flags.items() if not f and got[k] is not None]
     return r
@@ -174,7 +176,8 @@ def continued(base_dir: str, adapter_dir: str, info) -> dict:
     ref = modeling.CausalLMForTraining(PeftModel.from_pretrained(base, f"{adapter_dir}/a")).eval()
     ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "position_ids": torch.arange(SEQ)[None]}
-    r = {"continued": _diff(_logits(sh, batch), _logits(ref, batch))}
+    want = _logits(ref, batch)
+    r = {"continued": _diff(_logits(sh, batch), want), "continued_scale": float(want.abs().max())}
     r["continued_trainable"] = sum(p.requires_grad for p in sh.parameters())
     with adapters.disabled_adapter(sh), ref.model.disable_adapter():
         r["continued_disabled"] = _diff(_logits(sh, batch), _logits(ref, batch))

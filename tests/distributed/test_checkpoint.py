@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import _free_port, run_cli, train_records
+from tests.tolerance import parity
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -99,7 +100,8 @@ def test_checkpoint_holds_trainable_weights_optimizer_scheduler_rng_data_positio
     assert meta["loop"]["step"] == 4 and meta["loop"]["epoch"] == 0
     assert meta["loop"]["batch_in_epoch"] == 8 and meta["loop"]["samples_in_epoch"] == 32
     assert meta["loop"]["global_batch"] == 8 and meta["world_size"] == 2
-    assert meta["loop"]["losses"] == pytest.approx([r["loss"] for r in train_records(baseline)][:4], rel=1e-12)
+    # The same Python floats written to two JSON files: repr round-trips exactly.
+    assert meta["loop"]["losses"] == [r["loss"] for r in train_records(baseline)][:4]
     assert meta["optimizer"] == {"class": "AdamW", "per_rank": False}
     assert json.loads((ck / "config.json").read_text())["model"]["lora_r"] == 4
     assert torch.load(ck / "scheduler.pt", weights_only=True)["last_epoch"] == 4
@@ -172,13 +174,15 @@ def test_resume_across_world_sizes_and_state_dict_types(tiny_assets, tmp_path):
     )
     want, got_one, got_again = _losses(two, after=2), _losses(one), _losses(again)
     assert sorted(got_one) == [3, 4] and sorted(got_again) == [4]
+    # 4 steps of 2 micro-batches × 4 packed rows of 96 tokens, lr 3e-3; the legs sum in other orders.
+    close = parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
     for step, loss in [*got_one.items(), *got_again.items()]:
-        assert loss == pytest.approx(want[step], rel=1e-5), step
+        assert loss == pytest.approx(want[step], rel=close["rtol"]), step
     a = load_file(two / "adapter_model.safetensors")
     for other in (one, again):
         b = load_file(other / "adapter_model.safetensors")
         for k in a:
-            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(b[k], a[k], **close)
 
 
 def test_adamw_8bit_state_resumes_exactly_and_refuses_another_world_size(tiny_assets, tmp_path):

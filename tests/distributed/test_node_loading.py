@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import _free_port, run_cli, train_args, train_records
+from tests.tolerance import parity
 
 
 def _env(strategy: str, load_log) -> dict[str, str]:
@@ -86,8 +87,10 @@ def test_full_shard_two_nodes_read_once_per_node_and_train_like_one_node(tiny_as
     l2 = [r["loss"] for r in train_records(two)]
     l1 = [r["loss"] for r in train_records(one)]
     assert len(l2) == 3
-    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-5, atol=0)
+    # 3 steps of 4 ranks × 1 packed row of 96 tokens, lr 3e-3: the same sums split over other ranks/nodes.
+    close = parity(steps=3, seq=96, tokens_per_step=4 * 96, lr=3e-3)
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=close["rtol"], atol=0)
     a, b = load_file(two / "adapter_model.safetensors"), load_file(one / "adapter_model.safetensors")
     assert a.keys() == b.keys() and a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a[k], b[k], **close)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import run_cli, train_records
+from tests.tolerance import unit_roundoff
 
 FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
 
@@ -66,7 +68,8 @@ def test_tensorboard_events_equal_metrics_jsonl(finished_run):
     jsonl_loss = {r["step"]: r["loss"] for r in train_records(out)}
     assert sorted(tb_loss) == [1, 2, 3, 4]
     for step, value in jsonl_loss.items():
-        assert tb_loss[step] == pytest.approx(value, rel=1e-6)
+        # TensorBoard stores scalars as fp32: one rounding of the float64 loss.
+        assert tb_loss[step] == pytest.approx(value, rel=unit_roundoff(torch.float32))
     evals = {e.step: e.value for e in acc.Scalars("eval/loss")}
     assert sorted(evals) == [2, 4]
     assert {"train/learning_rate", "train/grad_norm", "train/tokens_per_s"} <= set(acc.Tags()["scalars"])

@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import packed_eval_split, run_cli
+from tests.tolerance import TINY, TINY_VOCAB, decoder_chain, tol
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -127,6 +129,8 @@ def test_reload_in_fresh_process_gives_trained_eval_loss(tiny_assets, tmp_path, 
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    # The same weights through transformers/peft instead of shardtune's model: the eval chain, 24 rows of 96.
+    rel = tol(torch.float32, decoder_chain(**TINY, seq=96, vocab=TINY_VOCAB, tokens=24 * 96))
+    assert got["eval_loss"] == pytest.approx(summary["final_eval_loss"], rel=rel)
     # Training moved the model: the reloaded loss is not the untrained base's.
     assert summary["final_train_loss"] is not None

@@ -189,14 +189,22 @@ def test_save_replaces_a_same_step_checkpoint_clears_partial_saves_and_prunes(gr
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-4"]
 
 
+def _minimal_checkpoint(folder) -> None:
+    """The files a 1-rank FULL_STATE_DICT checkpoint must have, for checkpoint.damage to find it whole."""
+    meta = {"world_size": 1, "state_dict_type": "FULL_STATE_DICT", "loop": {"step": 1}, "optimizer": {}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for name in ("scheduler.pt", "rng_rank0.pt", "full_state.pt"):
+        torch.save({}, folder / name)
+
+
 def test_list_and_resolve(tmp_path):
     root = tmp_path / "checkpoints"
     for name, complete in [("checkpoint-2", True), ("checkpoint-10", True), ("checkpoint-11", False)]:
         (root / name).mkdir(parents=True)
         if complete:
-            (root / name / "meta.json").write_text("{}")
+            _minimal_checkpoint(root / name)
     (root / "checkpoint-12.tmp").mkdir()
-    (root / "checkpoint-12.tmp" / "meta.json").write_text("{}")
+    _minimal_checkpoint(root / "checkpoint-12.tmp")
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-10"]
     assert checkpoint.resolve("latest", tmp_path) == root / "checkpoint-10"
     assert checkpoint.resolve(str(root / "checkpoint-2"), tmp_path) == root / "checkpoint-2"
@@ -204,6 +212,12 @@ def test_list_and_resolve(tmp_path):
         checkpoint.resolve(str(root / "checkpoint-11"), tmp_path)
     with pytest.raises(ValueError, match="no complete checkpoint in"):
         checkpoint.resolve("latest", tmp_path / "elsewhere")
+    # A newest checkpoint with a truncated file is skipped by `latest` and refused by path, naming the file.
+    full = root / "checkpoint-10" / "full_state.pt"
+    full.write_bytes(full.read_bytes()[:-30])
+    assert checkpoint.resolve("latest", tmp_path) == root / "checkpoint-2"
+    with pytest.raises(ValueError, match=r"checkpoint-10/full_state\.pt is missing or truncated"):
+        checkpoint.resolve(str(root / "checkpoint-10"), tmp_path)
 
 
 def test_check_resumable():

@@ -1,0 +1,172 @@
+"""Writing folders so that a crash or a full disk never leaves a half-written output: the one home of the atomic
+writers used by checkpoints (shardtune.checkpoint), the final export (shardtune.export) and merges
+(shardtune.merge).
+
+The pattern: write into a hidden sibling `.<name>.tmp-<pid>`, fsync every file and the folder, then rename it into
+place (a rename within one file system is atomic, and needs no free space). On any error, including a full disk,
+the temporary folder is removed and the previous output is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+class DiskFullError(OSError):
+    """No space left on device while writing `folder`; the message names the folder and the bytes needed."""
+
+    def __init__(self, folder: str | Path, needed: int | None, what: str):
+        self.folder, self.needed = Path(folder), needed
+        super().__init__(errno.ENOSPC, disk_full_message(folder, needed, what))
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_full_message(folder: str | Path, needed: int | None, what: str) -> str:
+    free = _free_bytes(folder)
+    need = f"about {_gb(needed)} needed" if needed else "size unknown"
+    have = f", {_gb(free)} free" if free is not None else ""
+    return (
+        f"no space left on device while writing {what} to {folder} ({need}{have}). Nothing half-written was "
+        "left and the previous files there are intact; free some space (or lower --save_total_limit), then "
+        "resume with --resume_from_checkpoint latest."
+    )
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC (or a quota exceeded), also when a library wrapped it (DCP's CheckpointException, RuntimeError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        # DCP keeps each rank's exception in `failures` ({rank: exception}).
+        for inner in (getattr(exc, "failures", None) or {}).values():
+            if is_disk_full(inner if isinstance(inner, BaseException) else Exception(str(inner))):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_during(exc: BaseException, folder: str | Path, needed: int | None) -> bool:
+    """Whether a write into `folder` failed for lack of space: ENOSPC, or a library's error without an errno
+    (torch.save says only "file write failed") while less than `needed` bytes are free there."""
+    if is_disk_full(exc):
+        return True
+    free = _free_bytes(folder)
+    return bool(needed) and free is not None and free < needed
+
+
+def _free_bytes(folder: str | Path) -> int | None:
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _gb(n: int | None) -> str:
+    return f"{n / 2**30:.2f} GiB" if n is not None and n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a (nested) state dict: what writing it needs on disk, give or take headers."""
+    if torch.is_tensor(obj):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- synced writes
+
+
+def save_synced(obj, path: Path) -> None:
+    """torch.save, then fsync: the data is on disk before its folder is renamed into place."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder` (files written by libraries that do not: safetensors, HF)."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+# ------------------------------------------------------------------------------------------------ folders
+
+
+@contextlib.contextmanager
+def staged_folder(tmp: Path, *, what: str, final: Path, needed: int | None = None) -> Iterator[Path]:
+    """Create `tmp` and yield it; on any error remove it (a full disk becomes a DiskFullError naming `final`).
+
+    The caller renames tmp into place (replace_folder, or file by file) inside the `with` block, after which
+    the cleanup finds nothing to remove.
+    """
+    if tmp.exists():  # left by a process killed mid-write with the same pid
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)  # not tempfile.mkdtemp: its 0700 mode would stay on the published folder
+    try:
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, DiskFullError) and disk_full_during(e, final, needed):
+            raise DiskFullError(final, needed, what) from e
+        raise
+
+
+def replace_folder(new: Path, out: Path) -> None:
+    """Rename the finished folder `new` to `out`; an existing `out` is swapped out first and removed after.
+    The parent folder is fsynced, so the rename itself survives a power cut."""
+    fsync_tree(new)
+    if not out.exists():
+        os.rename(new, out)
+    else:
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        try:
+            os.rename(new, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(out.parent)

@@ -1,0 +1,189 @@
+"""Faults around a run: a full disk at a checkpoint or the final save, damaged checkpoint files, SIGTERM's exit
+code. Full disks are injected with SHARDTUNE_FAULT=<save|export>:<step>:<rank>:ENOSPC (shardtune.checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardtune import checkpoint
+from tests.conftest import run_cli, train_records
+from tests.distributed.test_checkpoint import FSDP_ENV, _args, _wait
+
+
+@pytest.fixture(scope="module")
+def disk_full(tiny_assets, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A 2-rank run whose rank 1 finds the disk full while writing checkpoint-4 (checkpoint-2 is saved)."""
+    out = tmp_path_factory.mktemp("disk_full") / "run"
+    env = {**FSDP_ENV, "SHARDTUNE_FAULT": "save:4:1:ENOSPC"}
+    return out, run_cli(_args(tiny_assets, out, dropout=0.0), nproc=2, env=env, check=False)
+
+
+def _summary(out: Path) -> dict:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "summary"][-1]
+
+
+def test_disk_full_at_a_checkpoint_names_the_folder_and_keeps_the_previous_one(disk_full):
+    out, proc = disk_full
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"Root Cause.*?exitcode\s*: 1\b", log, re.DOTALL)  # the documented exit code of each rank
+    folder = out / "checkpoints" / "checkpoint-4"
+    m = re.search(
+        rf"error: no space left on device while writing a checkpoint to {folder} \(about ([\d.]+) MiB needed", log
+    )
+    assert m and float(m.group(1)) > 0, log[-3000:]
+    assert not re.search(r'File ".*/shardtune/', log)  # torchrun prints its own traceback; no shardtune frame
+    # No temporary folder left; the previous checkpoint whole and still listed as the newest.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert checkpoint.damage(out / "checkpoints" / "checkpoint-2") is None
+    assert max(r["step"] for r in train_records(out)) == 4
+    # The run summary says nothing was written, and why.
+    summary = _summary(out)
+    assert summary["output_path"] is None and "no space left on device" in summary["output_error"]
+    assert re.search(r"output\s+NOT WRITTEN: no space left on device", log)
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_damaged_checkpoint_files_are_named(disk_full, tmp_path):
+    good = disk_full[0] / "checkpoints" / "checkpoint-2"
+    cases = {
+        "sharded/__1_0.distcp": r"sharded/__1_0\.distcp is truncated \(\d+ of \d+ bytes\)",
+        "sharded/.metadata": r"sharded/\.metadata is missing or unreadable",
+        "scheduler.pt": r"scheduler\.pt is missing or truncated",
+        "rng_rank1.pt": r"rng_rank1\.pt is missing or truncated",
+        "meta.json": r"meta\.json is unreadable",
+    }
+    for name, pattern in cases.items():
+        ck = tmp_path / name.replace("/", "_") / "checkpoint-2"
+        shutil.copytree(good, ck)
+        _truncate(ck / name)
+        assert re.search(pattern, checkpoint.damage(ck) or ""), name
+        # An explicit path is refused with the file's name (exit code 2 in `shardtune train`).
+        with pytest.raises(ValueError, match=pattern):
+            checkpoint.resolve(str(ck), ck.parent.parent)
+
+
+def test_latest_skips_a_damaged_checkpoint_and_a_full_disk_at_the_end_keeps_the_old_output(
+    disk_full, tiny_assets, tmp_path
+):
+    """One process resumes `latest`: the newest checkpoint (3) has a truncated shard, so checkpoint-2 is used; the
+    final adapter then finds the disk full: the adapter already in output_dir stays, and the run says so."""
+    out = tmp_path / "run"
+    shutil.copytree(disk_full[0] / "checkpoints", out / "checkpoints")
+    damaged = out / "checkpoints" / "checkpoint-3"
+    shutil.copytree(out / "checkpoints" / "checkpoint-2", damaged)
+    _truncate(damaged / "sharded" / "__0_0.distcp")
+    old = {"adapter_model.safetensors": b"the previous adapter", "adapter_config.json": b"{}"}
+    for name, data in old.items():
+        (out / name).write_bytes(data)
+    args = _args(tiny_assets, out, "--resume_from_checkpoint", "latest", "--save_strategy", "no", dropout=0.0, steps=4)
+    env = {**FSDP_ENV, "SHARDTUNE_FAULT": "export:4:0:ENOSPC"}
+    proc = run_cli([*args, "--per_device_train_batch_size", "4"], env=env, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]
+    skip = [line for line in log.splitlines() if "--resume_from_checkpoint latest: skipping" in line]
+    assert len(skip) == 1 and f"{damaged}/sharded/__0_0.distcp is truncated" in skip[0]
+    assert skip[0].endswith(f"resuming from {out / 'checkpoints' / 'checkpoint-2'}.")
+    assert "Resumed from" in log and "at step 2" in log
+    assert re.search(rf"error: no space left on device while writing the adapter to {out} \(about [\d.]+ MiB", log)
+    assert "Traceback" not in log
+    # The previous output untouched, no temporary folder, and the summary says the output was not written.
+    assert {n: (out / n).read_bytes() for n in old} == old
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    assert _summary(out)["output_error"].startswith("no space left on device")
+
+
+def test_sigterm_exits_with_the_documented_code_3(tiny_assets, tmp_path):
+    """docs/checkpoints.md: a stopped run saves a checkpoint and exits with code 3 (here without torchrun, whose
+    own exit code on a signal is its own)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **FSDP_ENV}
+    cmd = [sys.executable, "-m", "shardtune", *_args(tiny_assets, out, "--save_steps", "1000", steps=400)]
+    with (tmp_path / "run.log").open("w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert _wait(proc, timeout=120) == 3
+    last = train_records(out)[-1]["step"]
+    assert (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
+def _gone(pids: list[int], within_s: float) -> list[int]:
+    """The pids still alive (zombies count as gone: they no longer run) after waiting up to within_s."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
+    """kill -9 of the torchrun agent under `shardtune launch`: its two workers notice, stop as on SIGTERM (a
+    checkpoint of the step they reached) and exit, instead of training on."""
+    import psutil
+
+    out = tmp_path / "run"
+    flags = _args(tiny_assets, out, "--save_steps", "1000", steps=400)[1:]  # `launch` takes the train flags
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
+    root = Path(__file__).resolve().parents[2]
+    with (tmp_path / "run.log").open("w") as log:
+        launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        metrics = out / "metrics.jsonl"
+        while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+            time.sleep(0.05)
+        (agent,) = psutil.Process(launch.pid).children()
+        workers = [p.pid for p in agent.children()]
+        assert len(workers) == 2
+        agent.kill()
+        assert _gone(workers, within_s=20) == []
+        assert _wait(launch, timeout=30) != 0
+    text = (tmp_path / "run.log").read_text()
+    assert text.count(f"the launcher (pid {agent.pid}) is gone; stopping this worker") == 2
+    last = train_records(out)[-1]["step"]
+    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
+def test_a_launched_child_gets_sigterm_when_the_launcher_dies(tmp_path):
+    """`shardtune launch` starts torchrun with child_preexec: killing the launcher with -9 ends its child."""
+    import psutil
+
+    script = (
+        "import subprocess, sys, time\n"
+        "from shardtune.parent import child_preexec\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=child_preexec)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    assert psutil.Process(child).ppid() == launcher.pid
+    launcher.kill()
+    launcher.wait()
+    assert _gone([child], within_s=5) == []

@@ -1,0 +1,99 @@
+"""How close two floating-point computations of the same quantity must be: one home for every tolerance in tests/.
+
+Two computations that differ only in the order of their sums (2 ranks vs 1 process, packed vs alone, compiled vs
+eager, and one CPU's kernels vs another's: AVX2 and AVX-512/AMX block their dot products differently) each carry
+rounding errors. For a sum of K terms, Wilkinson's bound (Higham, Accuracy and Stability of Numerical
+Algorithms, §4.2) is
+
+    |fl(Σ x_i) − Σ x_i| ≤ (K − 1) · u · Σ |x_i|,      u = eps / 2, the unit roundoff of the dtype
+
+(fp32: u = 2^-24; bf16: 2^-8; fp16: 2^-11). A value computed through a chain of reductions (matmuls over the
+hidden size, softmax over the vocabulary, the loss over tokens, a gradient over tokens) accumulates, to first
+order, the sum of the stages' bounds, so `reduction_size` is the total length of the sums along the chain
+(`decoder_chain` counts it for the tiny test models). Both computations lie within the bound of the exact
+value, hence within twice the bound of each other:
+
+    tol(dtype, K, scale) = 2 · K · u · scale
+
+with `scale` bounding Σ|x_i| / (number of stages) — in practice the magnitude of the values compared (the
+largest |reference| for an absolute tolerance; 1 for a relative one). This is a worst case, not a typical
+error (which grows like sqrt(K)); it is used so that no CPU's rounding can fail a correct result, and it is still
+orders of magnitude below the differences a real bug makes (a wrong mask, a missing shard, a dropped term:
+relative errors of 1e-3 and more), which each test's own "the values really differ" check shows.
+
+bf16 and fp16 computations accumulate their sums in fp32 (CPU and GPU matmul kernels alike) and round each
+stage's output once to the low-precision dtype; their error is dominated by those roundings, whose worst case
+(stages · u) says nothing useful. `tol_rounding` bounds them statistically: one rounding is an error uniform in
+[−u, u]·|x| (variance u²/3), independent between stages; `roundings` of them on each side of a comparison give a
+difference of standard deviation σ = u · sqrt(2 · roundings / 3), and a mean over `n` independent values divides
+σ by sqrt(n). The bound is 8σ: a Gaussian tail beyond 8σ has probability < 1e-15, so even the largest of 10^6
+compared elements stays inside it. When one side is exact (an fp32 reference), `one_sided` halves the variance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = eps / 2: the largest relative error of rounding one value to `dtype` (fp32 2^-24, bf16 2^-8)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def tol(dtype: torch.dtype, reduction_size: int, scale: float = 1.0) -> float:
+    """Largest |a − b| of two summation orders of a chain of reductions of total length `reduction_size`, over
+    values of magnitude `scale` (see the module docstring for the derivation)."""
+    return 2 * reduction_size * unit_roundoff(dtype) * scale
+
+
+def tol_rounding(
+    dtype: torch.dtype, roundings: int, *, n: int = 1, scale: float = 1.0, one_sided: bool = False
+) -> float:
+    """8σ bound on the difference of two values (or of two means over `n` values) that each went through
+    `roundings` independent roundings to `dtype` (see the module docstring)."""
+    sides = 1 if one_sided else 2
+    return 8 * unit_roundoff(dtype) * (sides * roundings / (3 * n)) ** 0.5 * scale
+
+
+def train_chain(*, steps: int, seq: int, tokens_per_step: int) -> int:
+    """Total length of the sums behind a loss (or weight) after `steps` optimizer steps of a tiny model: each step
+    is a forward and backward over `tokens_per_step` targets of sequences of `seq` tokens; an update's rounding
+    difference carries into every later step, so the chains add up."""
+    one = decoder_chain(**TINY, seq=seq, vocab=TINY_VOCAB, tokens=tokens_per_step, backward=True)
+    return steps * one
+
+
+def parity(*, steps: int, seq: int, tokens_per_step: int, lr: float) -> dict[str, float]:
+    """rtol and atol (for torch.testing.assert_close) of the losses and weights of two fp32 training runs of a
+    tiny model that differ only in how their sums are split (ranks, micro-batches, nodes, kernels).
+
+    rtol: `tol` over the chain of `steps` forward+backward passes (relative: scale 1). atol: for values near
+    zero (a lora_B that started at 0), which only hold the updates: AdamW moves each element by at most about lr
+    per step, and an update computed from gradients that agree to rtol agrees to lr·rtol, so `steps` of them
+    differ by steps·lr·rtol.
+    """
+    rtol = tol(torch.float32, train_chain(steps=steps, seq=seq, tokens_per_step=tokens_per_step))
+    return {"rtol": rtol, "atol": steps * lr * rtol}
+
+
+def decoder_chain(
+    *, hidden: int, intermediate: int, layers: int, seq: int, vocab: int = 0, tokens: int = 0, backward: bool = False
+) -> int:
+    """Total length of the sums from a Llama-style decoder's input to its logits (vocab = tokens = 0) or its summed
+    loss over `tokens` targets (and back, with backward).
+
+    Per layer: two RMSNorms, the q/k/v/o projections (over the hidden size each), the scores (over the head
+    size, at most the hidden size) and the weighted values (over `seq` positions), the MLP's gate/up (hidden)
+    and down (intermediate): 7 · hidden + seq + intermediate. Then the final norm and the head (hidden), the
+    log-sum-exp over the vocabulary and the loss over `tokens`. Backward runs the same sums in reverse and adds
+    each weight gradient's sum over the tokens.
+    """
+    per_layer = 7 * hidden + seq + intermediate
+    forward = layers * per_layer + 2 * hidden + vocab + tokens
+    return 2 * forward + tokens if backward else forward
+
+
+# The tiny models of tests/conftest.py (tiny_assets) and tests/distributed/adapters_worker.py: hidden 64,
+# intermediate 160 (shardtune.demo.build_model's default for hidden 64), 2 layers; a 600-token vocabulary.
+TINY = {"hidden": 64, "intermediate": 160, "layers": 2}
+TINY_VOCAB = 600
