@@ -161,8 +161,9 @@ def test_offload_with_efficient_loading_equals_a_plain_load(results, kind):
         # The same bytes from the same checkpoint (4-bit: the same packed weights, compared as bytes since their
         # bf16 view holds NaN patterns, and the same quantization states).
         assert off["full"].keys() == plain["full"].keys()
+        as_bytes = lambda t: t.contiguous().view(torch.uint8)
         for name, t in off["full"].items():
-            assert torch.equal(t.contiguous().view(torch.uint8), plain["full"][name].contiguous().view(torch.uint8)), name
+            assert torch.equal(as_bytes(t), as_bytes(plain["full"][name])), name
         assert len(off["states"]) == len(plain["states"]) == (70 if kind == "4bit" else 0)
         assert all(torch.equal(a, b) for a, b in zip(off["states"], plain["states"], strict=True))
         # Offload moves where the step runs, not what it computes: the same losses, bit for bit (same CPU kernels
