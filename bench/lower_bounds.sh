@@ -28,7 +28,8 @@ tests=("$@")
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 pins="$venv/lowest.txt"
-# The lowest declared version of every dependency and of the dev and qlora extras (those the tests need).
+# The lowest version of every tested range (a requirement with both bounds) among the dependencies and the dev
+# and qlora extras (what the tests need); open-ended floors (pyyaml>=6) are left to the resolver.
 python - "$pins" "$torch_spec" <<'EOF'
 import re, sys, tomllib
 
@@ -36,8 +37,8 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 reqs = project["dependencies"] + project["optional-dependencies"]["dev"] + project["optional-dependencies"]["qlora"]
 pins = {}
 for req in reqs:
-    m = re.match(r"([A-Za-z0-9_.-]+)\s*(?:>=\s*([^,;\s]+))?", req)
-    if m and m.group(2):
+    m = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([^,;\s]+)\s*,\s*<", req)
+    if m:
         pins[m.group(1).lower()] = m.group(2)
 if sys.argv[2]:
     pins.pop("torch")  # installed by the caller's --torch

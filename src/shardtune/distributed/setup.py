@@ -214,15 +214,23 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
 
 def _enable_checkpointing(model: nn.Module, spec: ModelSpec) -> None:
     """Checkpoint every k-th decoder block (k = 1: all); the others keep their activations."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant},
-        every_n_layers=max(1, spec.checkpoint_every),
-    )
+    every = max(1, spec.checkpoint_every)
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, every_n_layers=every
+        )
+    else:
+        # transformers < 5.24 has only gradient_checkpointing_enable (every block); then keep every `every`-th
+        # block's flag, as 5.24's every_n_layers does (counting GradientCheckpointingLayer modules in order).
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant})
+        blocks = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i % every == 0
     if spec.use_reentrant:
         # Reentrant checkpointing only backpropagates into blocks whose inputs require grad.
         base.enable_input_require_grads()
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     flags = [m.gradient_checkpointing for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
     print0(f"Activation checkpointing: {sum(flags)} of {len(flags)} decoder blocks recompute their activations.")
