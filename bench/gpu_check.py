@@ -56,6 +56,7 @@ CHECKS = [
     "memory_vs_plan",
     "reference_stack",
 ]
+NEEDS_CUDA = {"memory_vs_plan"}
 # bf16 carries 8 significant bits. Two implementations of the same attention (or the same dequantized weights
 # through two matmul paths) round differently by up to ~1 ulp per element; the loss averages such errors over all
 # tokens, so its relative difference stays well under 2 ulps of bf16. This is the tolerance for "equal losses".
@@ -140,7 +141,8 @@ def train_argv(ctx: dict, out: Path, **flags) -> list[str]:
 
 def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env: dict | None = None,
           expect_ok: bool = True, **flags) -> subprocess.CompletedProcess:  # fmt: skip
-    """Run `shardtune train` (torchrun for 2 ranks) with the FSDP settings of `yaml` as accelerate would."""
+    """Run `shardtune train` with the FSDP settings of `yaml` as accelerate would: one rank in this process (it has
+    imported everything already), 2 ranks under torchrun, a run that is to be killed in a process of its own."""
     from shardtune.launcher import accelerate_env
 
     cfg = _yaml(ctx, world, yaml)
@@ -151,6 +153,8 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
     if ctx["device"] == "cuda":
         full_env.pop("ACCELERATE_USE_CPU", None)
     args = train_argv(ctx, out, **flags)
+    if world == 1 and expect_ok:
+        return _train_here(args, {k: v for k, v in full_env.items() if os.environ.get(k) != v})
     cmd = [sys.executable, "-m", "shardtune", *args]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
@@ -159,6 +163,24 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
     if expect_ok and proc.returncode != 0:
         raise RuntimeError(f"shardtune train exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc
+
+
+def _train_here(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`shardtune train` in this process, with `env` added for the run (a fresh 1-rank group each time)."""
+    from shardtune.train import main as train_main
+
+    saved = dict(os.environ)
+    os.environ.update(env)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    try:
+        rc = train_main(args[1:])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if rc != 0:
+        raise RuntimeError(f"shardtune train exited {rc}")
+    return subprocess.CompletedProcess(args, rc)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -219,15 +241,16 @@ def check_lora(ctx: dict, world: int) -> dict:
     spec = speed.worker_spec(c, s, ctx, workdir, ctx["device"], ctx["pad_id"])
     spec["cache_dir"] = ctx["cache"]
     Path(spec["dir"], "spec.json").write_text(json.dumps(spec))
-    me = [str(REPO / "bench" / "speed.py"), "--_worker", str(Path(spec["dir"], "spec.json"))]
-    cmd = [sys.executable, *me]
-    if world > 1:
+    if world == 1:  # bench/speed.py's worker, in this process
+        os.environ.update({k: v for k, v in speed._env(c, s).items() if k.startswith(("ACCELERATE_", "FSDP_"))})
+        ranks = {0: speed.run_shardtune_worker(spec)}
+    else:
+        me = [str(REPO / "bench" / "speed.py"), "--_worker", str(Path(spec["dir"], "spec.json"))]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *me]
-    env = speed._env(c, s)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=spec["dir"], check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    ranks = {r: json.loads(Path(f"{spec['result']}.rank{r}.json").read_text()) for r in range(world)}
+        proc = subprocess.run(cmd, env=speed._env(c, s), capture_output=True, text=True, cwd=spec["dir"], check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        ranks = {r: json.loads(Path(f"{spec['result']}.rank{r}.json").read_text()) for r in range(world)}
     fm = speed.FlopModel(**ctx["flop_model"])
     summary = speed.summarize([ranks], s, fm, ctx["peak_flops"], recompute=1.0)
     got = losses(Path(spec["output_dir"]))
@@ -394,7 +417,9 @@ def check_kill_resume(ctx: dict) -> dict:
 
 
 def check_memory_vs_plan(ctx: dict) -> dict:
-    """One rank trains in this process; its CUDA peaks against `shardtune plan` on the same flags."""
+    """One rank trains in this process; its CUDA peaks against `shardtune plan` on the same flags: allocated and
+    reserved in all, and the weights (what is allocated when the first step starts: the frozen base and the
+    trainable weights, before the optimizer's states exist) against the plan's weight terms."""
     import contextlib
     import io
 
@@ -402,6 +427,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
+    from shardtune import trainer
     from shardtune.launcher import accelerate_env
     from shardtune.plan import main as plan_main
     from shardtune.train import main as train_main
@@ -410,24 +436,37 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     os.environ.update(accelerate_env(_yaml(ctx, 1)))
     os.environ.pop("ACCELERATE_USE_CPU", None)
     argv = train_argv(ctx, out, max_steps=3)
+    at_first_step: list[int] = []
+    original = trainer.train_step
+
+    def recording(*a, **kw):
+        if not at_first_step:
+            at_first_step.append(torch.cuda.memory_allocated())
+        return original(*a, **kw)
+
+    trainer.train_step = recording
     torch.cuda.reset_peak_memory_stats()
     if train_main(argv[1:]) != 0:
         raise RuntimeError("shardtune train failed")
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
     buf = io.StringIO()
-    plan_argv = [a for a in argv[1:]] + ["--json", "True"]
     with contextlib.redirect_stdout(buf):
-        if plan_main(plan_argv) != 0:
+        if plan_main([*argv[1:], "--json", "True"]) != 0:
             raise RuntimeError("shardtune plan failed")
     plan = json.loads(buf.getvalue())
-    device = plan["device"]
-    total = sum(v for v in device.values() if isinstance(v, (int, float)))
+    weights = plan["device"]["frozen base weights"] + plan["device"]["trainable weights"]
+    gib = 2**30
     return {
-        "measured_gib": {k: v / 2**30 for k, v in measured.items()},
-        "plan_terms_gib": {k: v / 2**30 for k, v in device.items() if isinstance(v, (int, float))},
-        "plan_total_gib": total / 2**30,
-        "allocated_over_plan": measured["allocated"] / total,
-        "reserved_over_plan": measured["reserved"] / total,
+        "measured_gib": {**{k: v / gib for k, v in measured.items()}, "weights": at_first_step[0] / gib},
+        "plan_gib": {
+            "allocated": plan["allocated_bytes"] / gib,
+            "reserved": plan["reserved_bytes"] / gib,
+            "weights": weights / gib,
+        },
+        "plan_terms_gib": {k: v / gib for k, v in plan["device"].items()},
+        "allocated_over_plan": measured["allocated"] / plan["allocated_bytes"],
+        "reserved_over_plan": measured["reserved"] / plan["reserved_bytes"],
+        "weights_over_plan": at_first_step[0] / weights,
     }
 
 
@@ -466,7 +505,7 @@ def run_check(name: str, ctx_path: Path, timeout_s: float) -> dict:
     result = ctx_path.parent / f"{name}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_check", name, "--_ctx", str(ctx_path)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, timeout_s), check=False)
         tail = (proc.stdout + proc.stderr)[-3000:]
@@ -475,7 +514,15 @@ def run_check(name: str, ctx_path: Path, timeout_s: float) -> dict:
     out = json.loads(result.read_text()) if result.exists() else {"status": "fail", "reason": f"exit {proc.returncode}"}
     if out["status"] == "fail":
         out["log_tail"] = tail
-    return {**out, "seconds": time.perf_counter() - t0}
+    return {**out, "seconds": time.perf_counter() - t0, "cpu_s": _children_cpu_s() - cpu0}
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished child processes (their children included): the check's cost on a busy machine."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def check_main(name: str, ctx_path: str) -> int:
@@ -531,8 +578,9 @@ def _summary(name: str, r: dict) -> str:
     if name == "bnb_optimizers":
         return ", ".join(f"{k}: exact resume {v['resume_equal']}" for k, v in r["optimizers"].items())
     if name == "memory_vs_plan":
-        return (f"allocated {r['measured_gib']['allocated']:.2f} GiB ({r['allocated_over_plan']:.2f}x plan), "
-                f"reserved {r['measured_gib']['reserved']:.2f} GiB ({r['reserved_over_plan']:.2f}x plan)")  # fmt: skip
+        m = r["measured_gib"]
+        return (f"measured/plan: allocated {m['allocated']:.2f} GiB {r['allocated_over_plan']:.2f}x, reserved "
+                f"{m['reserved']:.2f} GiB {r['reserved_over_plan']:.2f}x, weights {r['weights_over_plan']:.2f}x")  # fmt: skip
     if name == "reference_stack":
         return f"{r['tokens_per_s']:.0f} tok/s, shardtune/reference {r.get('ratio', float('nan')):.2f}x"
     return ""
@@ -574,8 +622,12 @@ def _context(a: argparse.Namespace, workdir: Path) -> dict:
     tok, _ = load_tokenizer(assets["model"], tokenizer_name_or_path=None, chat_template_format="chatml",
                             trust_remote_code=False)  # fmt: skip
     vocab_rows = -(-len(tok) // 8) * 8
-    threads = (os.cpu_count() or 1) if a.device == "cpu" else min(8, os.cpu_count() or 1)
+    # CPU threads per run: 1 for the tiny model (too small to gain from more, and OpenMP threads that wait for a
+    # descheduled peer make a busy machine far slower), all cores for the 1B one on the CPU, 8 beside a GPU.
+    threads = 1 if a.tiny else (os.cpu_count() or 1) if a.device == "cpu" else min(8, os.cpu_count() or 1)
     shapes = speed.peak_shapes(Path(assets["model"]), size.batch * size.seq_len, a.device)
+    if a.tiny:  # squares of 1024 and 2048 already reach a CPU's peak, in a fraction of the time
+        shapes = [(n, n, n) for n in (1024, 2048)] + shapes[-1:]
     return {
         **assets,
         "device": a.device,
@@ -640,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         left = a.budget_s - (time.monotonic() - t0)
         if left < 5:
             report["checks"][name] = {"status": "skipped", "reason": f"time budget of {a.budget_s:.0f} s spent"}
+        elif name in NEEDS_CUDA and a.device != "cuda":
+            report["checks"][name] = {"status": "skipped", "reason": "needs CUDA"}
         else:
             print(f"gpu_check: {name} ...", flush=True)
             report["checks"][name] = run_check(name, ctx_path, left)
