@@ -582,7 +582,8 @@ def _summary(name: str, r: dict) -> str:
         return (f"measured/plan: allocated {m['allocated']:.2f} GiB {r['allocated_over_plan']:.2f}x, reserved "
                 f"{m['reserved']:.2f} GiB {r['reserved_over_plan']:.2f}x, weights {r['weights_over_plan']:.2f}x")  # fmt: skip
     if name == "reference_stack":
-        return f"{r['tokens_per_s']:.0f} tok/s, shardtune/reference {r.get('ratio', float('nan')):.2f}x"
+        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "- (lora_world1 did not run)"
+        return f"{r['tokens_per_s']:.0f} tok/s, shardtune/reference {ratio}"
     return ""
 
 
