@@ -5,6 +5,8 @@ In one run, on the same machine, model, data and settings, each contender trains
 and the fastest round is reported (other load on the machine only ever slows a round down). The script prints a table of tokens/s (non-padding tokens), ratios, achieved
 FLOP/s (frozen base + adapter + attention, formula in docs/speed.md), that FLOP/s as a fraction of the matmul
 peak measured in the same run for the same dtype and threads, and peak memory per rank; and writes it as JSON.
+MFU counts the model's FLOPs only (what the step must compute); with gradient checkpointing the hardware also
+recomputes the blocks' forward, and those FLOPs over the peak are the HFU. Both are printed.
 
     python bench/speed.py                 # ~25M-parameter Llama, 512-token rows, bf16, 2 CPU threads
     python bench/speed.py --quick         # fewer steps, one round
@@ -145,17 +147,18 @@ def flop_model(model_dir: Path, lora_r: int, vocab_rows: int) -> FlopModel:
     )
 
 
-def train_flops(fm: FlopModel, tokens: int, attn_pairs: int, gradient_checkpointing: bool) -> dict[str, float]:
+def train_flops(fm: FlopModel, tokens: int, attn_pairs: int, recompute: float = 0.0) -> dict[str, float]:
     """FLOPs of the training steps that processed `tokens` tokens with `attn_pairs` causal (query, key) pairs.
 
     Frozen base: forward 2N and backward to the activations 2N per token (no weight gradients). Adapter: 6N.
     Attention: QKᵀ and AV, 2 FLOPs per multiply-add, per layer: 4·width per causal pair forward, twice that
-    backward. Checkpointing recomputes the decoder blocks' forward (base, adapter and attention) once more.
+    backward. `recompute` is the fraction of decoder blocks whose forward (base, adapter and attention) runs again
+    in backward: 0 gives the model FLOPs (MFU), the run's fraction the hardware FLOPs (HFU).
     """
-    recompute = 1 if gradient_checkpointing else 0
-    base = tokens * ((4 + 2 * recompute) * fm.block_linear + 4 * fm.head)
-    adapter = tokens * (6 + 2 * recompute) * fm.lora
-    attention = attn_pairs * 4 * fm.attn_width * fm.layers * (3 + recompute)
+    c = recompute
+    base = tokens * ((4 + 2 * c) * fm.block_linear + 4 * fm.head)
+    adapter = tokens * (6 + 2 * c) * fm.lora
+    attention = attn_pairs * 4 * fm.attn_width * fm.layers * (3 + c)
     return {"base": base, "adapter": adapter, "attention": attention, "total": base + adapter + attention}
 
 
@@ -511,8 +514,8 @@ def _steps(ranks: dict, s: Settings) -> list[tuple[float, int, int, float]]:
     return out
 
 
-def summarize(runs: list[dict], s: Settings, fm: FlopModel, peak: float, checkpointing: bool) -> dict:
-    """Tokens/s, FLOP/s and MFU of the fastest round (other load on the machine only ever slows a round down),
+def summarize(runs: list[dict], s: Settings, fm: FlopModel, peak: float, recompute: float) -> dict:
+    """Tokens/s, FLOP/s, MFU and HFU of the fastest round (other load on the machine only ever slows a round down),
     tokens per CPU-second (median step), and the peak memory per rank (the largest over the rounds)."""
     rounds = [_steps(r, s) for r in runs]
     per_round = [sum(st[1] for st in r) / sum(st[0] for st in r) for r in rounds]
@@ -520,7 +523,8 @@ def summarize(runs: list[dict], s: Settings, fm: FlopModel, peak: float, checkpo
     steps = [st for r in rounds for st in r]
     step_s = sum(st[0] for st in best) / len(best)
     tokens = statistics.fmean(st[1] for st in best)
-    flops = train_flops(fm, round(tokens), round(statistics.fmean(st[2] for st in best)), checkpointing)
+    pairs = round(statistics.fmean(st[2] for st in best))
+    model, hardware = (train_flops(fm, round(tokens), pairs, c) for c in (0.0, recompute))
     world = len(runs[0])
     return {
         "tokens_per_s": max(per_round),
@@ -529,9 +533,12 @@ def summarize(runs: list[dict], s: Settings, fm: FlopModel, peak: float, checkpo
         "step_s": step_s,
         "tokens_per_step": tokens,
         "tokens_per_cpu_s": tokens / statistics.median(st[3] for st in steps),
-        "flops_per_s": flops["total"] / step_s,
-        "flops_split": {k: v / flops["total"] for k, v in flops.items() if k != "total"},
-        "mfu": flops["total"] / step_s / peak,
+        "recompute": recompute,
+        "model_flops_per_s": model["total"] / step_s,
+        "hardware_flops_per_s": hardware["total"] / step_s,
+        "flops_split": {k: v / model["total"] for k, v in model.items() if k != "total"},
+        "mfu": model["total"] / step_s / peak,
+        "hfu": hardware["total"] / step_s / peak,
         "peak_gb_per_rank": [max(r[i]["peak_gb"] for r in runs) for i in range(world)],
         "train_peak_gb_per_rank": [max(r[i]["train_peak_gb"] for r in runs) for i in range(world)],
     }
@@ -544,30 +551,39 @@ def format_table(report: dict) -> str:
     w = max(18, *(len(n) + 2 for n in rows))
     head = (
         f"{'contender':<{w}}{'ranks×thr':>10}{'tokens/s':>10}{'×ref':>7}{'×single':>9}{'step s':>8}"
-        f"{'GFLOP/s':>9}{'MFU':>7}{'tok/CPU-s':>10}{'peak GB/rank':>14}{'train GB/rank':>15}"
+        f"{'GFLOP/s':>9}{'MFU':>7}{'HFU':>7}{'tok/CPU-s':>10}{'peak GB/rank':>14}{'train GB/rank':>15}"
     )
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
         vs_ref, vs_single = (f"{r['tokens_per_s'] / x:.2f}" if x else "-" for x in (base, single))
         lines.append(
             f"{name:<{w}}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{vs_ref:>7}{vs_single:>9}"
-            f"{r['step_s']:>8.2f}{r['flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{r['tokens_per_cpu_s']:>10.0f}"
+            f"{r['step_s']:>8.2f}{r['model_flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{100 * r['hfu']:>6.1f}%"
+            f"{r['tokens_per_cpu_s']:>10.0f}"
             f"{'/'.join(f'{g:.2f}' for g in r['peak_gb_per_rank']):>14}"
             f"{'/'.join(f'{g:.2f}' for g in r['train_peak_gb_per_rank']):>15}"
         )
     p = report["matmul_peak"]
     lines.append(
         f"matmul peak ({report['dtype']}): {p['machine'] / 1e9:.1f} GFLOP/s on {report['settings']['threads']} "
-        f"thread(s), {p['one_thread'] / 1e9:.1f} on 1 (best of the run; MFU is against the first)"
+        f"thread(s), {p['one_thread'] / 1e9:.1f} on 1 (best of the run; MFU and HFU are against the first)"
+    )
+    lines.append(
+        "GFLOP/s and MFU: model FLOPs (no recompute); HFU: FLOPs executed, gradient checkpointing's recompute included"
     )
     return "\n".join(lines)
 
 
-def _checkpointing(c: Contender, s: Settings) -> bool:
-    """Whether the contender recomputes activations (its own --gradient_checkpointing flag wins)."""
+def _recompute(c: Contender, s: Settings, layers: int) -> float:
+    """The fraction of decoder blocks that recompute their forward in backward (the contender's own
+    --gradient_checkpointing flag wins; --checkpoint_every_n_layers k recomputes blocks 0, k, 2k, ...)."""
+    on = s.gradient_checkpointing
     if "--gradient_checkpointing" in c.flags:
-        return c.flags[c.flags.index("--gradient_checkpointing") + 1].lower() == "true"
-    return s.gradient_checkpointing
+        on = c.flags[c.flags.index("--gradient_checkpointing") + 1].lower() == "true"
+    every = 1
+    if "--checkpoint_every_n_layers" in c.flags:
+        every = int(c.flags[c.flags.index("--checkpoint_every_n_layers") + 1])
+    return -(-layers // every) / layers if on else 0.0
 
 
 def _parse_variant(text: str) -> Contender:
@@ -693,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         "contenders": {},
     }
     for c in contenders:
-        summary = summarize(raw[c.name], s, fm, peaks["machine"], _checkpointing(c, s))
+        summary = summarize(raw[c.name], s, fm, peaks["machine"], _recompute(c, s, fm.layers))
         layout = f"{c.world}×{max(1, s.threads // c.world)}"
         report["contenders"][c.name] = {"layout": layout, "flags": c.flags, "src": c.src, "fsdp": c.fsdp, **summary}
     report["table"] = bench_line(report["cpu"]) + "\n" + format_table(report)

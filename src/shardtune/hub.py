@@ -96,12 +96,18 @@ def _hub_call(fn, what: str, endpoint: str, timeout_s: float):
 
 
 def _is_transport_error(e: BaseException) -> bool:
-    """Connection, DNS, TLS and proxy failures of huggingface_hub's HTTP client (httpx2)."""
-    try:
-        import httpx2
-    except ImportError:  # an older huggingface_hub on httpx or requests: their errors are OSError subclasses
-        return False
-    return isinstance(e, httpx2.TransportError)
+    """Connection, DNS, TLS and proxy failures of huggingface_hub's HTTP client: httpx2 (huggingface_hub 2.x) or
+    httpx (1.x), whose errors are not OSErrors (requests', in older releases, are)."""
+    import importlib
+
+    for client in ("httpx2", "httpx"):
+        try:
+            mod = importlib.import_module(client)
+        except ImportError:
+            continue
+        if isinstance(e, mod.TransportError):
+            return True
+    return False
 
 
 def upload(

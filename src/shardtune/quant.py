@@ -51,6 +51,19 @@ def _precision_flags(bf16: bool, fp16: bool, mixed_precision: str) -> str:
     return "neither --bf16 nor --fp16"
 
 
+def bitsandbytes_missing(flag: str) -> str | None:
+    """Why `flag` cannot run when bitsandbytes is not installed (None when it is): it is the optional extra
+    `qlora`, so that shardtune installs where no bitsandbytes build exists."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        return (
+            f"{flag} needs bitsandbytes, which is not installed ({e}): pip install 'shardtune[qlora]' "
+            "(or pip install bitsandbytes)."
+        )
+    return None
+
+
 def quantization_problems(
     *,
     use_4bit: bool,
@@ -73,6 +86,9 @@ def quantization_problems(
         )
     if not use_4bit:
         return problems
+    missing = bitsandbytes_missing("--use_4bit_quantization True")
+    if missing:
+        return [*problems, missing]
     storage = _dtype_name(quant_storage_dtype)
     if storage not in (*STORAGE_DTYPES, "uint8"):
         problems.append(

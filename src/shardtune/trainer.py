@@ -143,10 +143,13 @@ def optimizer_problems(optim: str, device: torch.device) -> list[str]:
         return []
     if optim not in BNB_OPTIMIZERS:
         return []
-    try:
-        import bitsandbytes as bnb
-    except ImportError as e:
-        return [f"--optim {optim} needs bitsandbytes ({e}): pip install bitsandbytes, or use --optim adamw_torch."]
+    from shardtune.quant import bitsandbytes_missing
+
+    missing = bitsandbytes_missing(f"--optim {optim}")
+    if missing:
+        return [f"{missing[:-1]}, or use --optim adamw_torch."]
+    import bitsandbytes as bnb
+
     # One real 8-bit step on a small tensor: the surest test that this bitsandbytes build supports the device.
     try:
         p = nn.Parameter(torch.zeros(4096, device=device))

@@ -176,7 +176,7 @@ def test_qlora_fp32_two_ranks_match_one_process_and_reload(tiny_assets, tmp_path
     assert start[0]["frozen"] == pytest.approx(start[1]["frozen"], rel=0.05)
     single = train_records(one, "start")[0]["config"]["param_bytes_per_rank"][0]["frozen"]
     assert start[0]["frozen"] + start[1]["frozen"] == pytest.approx(single, rel=1e-3)
-    assert "nothing to offload" in log
+    assert "offload policy runs without pinned memory" in log  # FSDP2's CPUOffloadPolicy ran on both ranks
     # The adapter on transformers' own 4-bit base gives the trained model's eval loss.
     final = _summary(two)["final_eval_loss"]
     assert final == pytest.approx(_summary(one)["final_eval_loss"], rel=FP32["rtol"] + EVAL_FP32)

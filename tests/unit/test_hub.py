@@ -203,11 +203,15 @@ def test_end_upload_sends_the_adapter_and_card_only(tmp_path, monkeypatch):
 
 
 def test_failed_upload_says_how_to_retry(tmp_path, monkeypatch):
-    import httpx2
     from huggingface_hub import HfApi
 
+    try:
+        import httpx2 as client  # huggingface_hub 2.x
+    except ImportError:
+        import httpx as client  # huggingface_hub 1.x
+
     def refused(self, **kwargs):
-        raise httpx2.ConnectError("[Errno 111] Connection refused")
+        raise client.ConnectError("[Errno 111] Connection refused")
 
     monkeypatch.setattr(HfApi, "upload_folder", refused)
     with pytest.raises(ValueError, match=r"failed \(ConnectError.*intact.*`hf upload alice/run1 .*run1 last`"):

@@ -35,17 +35,19 @@ def shard_model(
     param_dtype: torch.dtype | None,
     sharding_strategy: str = "FULL_SHARD",
     offload: bool = False,
+    pin_memory: bool = True,
     forward_prefetch: bool = False,
     backward_prefetch: str = "BACKWARD_PRE",
     reshard_after_forward: bool | None = None,
 ) -> nn.Module:
-    """`fully_shard` each decoder block, then the root (setup order step 5)."""
+    """`fully_shard` each decoder block, then the root (setup order step 5). With `offload`, FSDP2's
+    CPUOffloadPolicy keeps the shards in host RAM (pinned when `pin_memory`, which needs CUDA)."""
     if sharding_strategy not in _RESHARD_AFTER_FORWARD:
         raise ValueError(
             f"fsdp_sharding_strategy {sharding_strategy!r} is not one of {sorted(_RESHARD_AFTER_FORWARD)}."
         )
     raf = _RESHARD_AFTER_FORWARD[sharding_strategy] if reshard_after_forward is None else reshard_after_forward
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     mp = mixed_precision_policy(param_dtype)
     # Reshard after forward follows the YAML's strategy: freeing each block's gathered weights after its forward is
     # what lets a 70B model fit (FULL_SHARD), at one more all-gather per block in backward (docs/speed.md measures

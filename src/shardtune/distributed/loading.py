@@ -82,7 +82,12 @@ def take_full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def materialize_from_rank0(
-    model: nn.Module, full_tensors: dict[str, torch.Tensor] | None, device: torch.device, node: NodeGroup
+    model: nn.Module,
+    full_tensors: dict[str, torch.Tensor] | None,
+    device: torch.device,
+    node: NodeGroup,
+    *,
+    offload: bool = False,
 ) -> None:
     """Setup order step 6 for meta-initialised ranks: allocate the local shards, then receive their values.
 
@@ -90,6 +95,11 @@ def materialize_from_rank0(
     `take_full_tensors`). For each parameter, the node's rank 0 scatters the rows of the full tensor to the ranks
     of its node (each receives only its own shard) and drops the tensor. Buffers (rotary frequencies) are
     broadcast within the node.
+
+    `device` is where the collectives run (the rank's GPU under NCCL, the CPU under gloo). With `offload`
+    (FSDP2's CPUOffloadPolicy) the shards live in host RAM, pinned on CUDA, as FSDP2 requires of offloaded
+    parameters: they are allocated there, each is received into a buffer on `device` and then copied into place,
+    so a collective never writes into host memory that NCCL cannot reach.
     """
     from shardtune.modeling import release_free_memory
 
@@ -97,10 +107,10 @@ def materialize_from_rank0(
     if sender:
         names = {n for n, _ in model.named_parameters()}
         assert full_tensors is not None and names <= set(full_tensors), "the node's rank 0 lacks some parameters"
-    _allocate(model, device)
+    _allocate(model, params_on=torch.device("cpu") if offload else device, buffers_on=device)
     for name, param in model.named_parameters():
         full = full_tensors.pop(name).to(device) if sender else None
-        _scatter_rows(param, full, device, node)
+        _scatter_rows(param, full, device, node, offloaded=offload)
         del full
         release_free_memory()
     if sender:
@@ -109,12 +119,21 @@ def materialize_from_rank0(
         dist.broadcast(buf.data, src=node.src, group=node.group)
 
 
-def _allocate(model: nn.Module, device: torch.device) -> None:
-    """Allocate every (meta) parameter's local shard; keep the buffers that are already real."""
+def _allocate(model: nn.Module, *, params_on: torch.device, buffers_on: torch.device) -> None:
+    """Allocate every (meta) parameter's local shard on `params_on` and put every buffer on `buffers_on`, keeping
+    the values of the buffers that are already real.
+
+    `to_empty` on a fully_shard-ed module ends in FSDP2's `reset_sharded_param`, which pins offloaded shards
+    (CPUOffloadPolicy(pin_memory=True)); the shards filled later are those tensors, written in place.
+    """
     buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None and not b.is_meta]
-    model.to_empty(device=device)
+    model.to_empty(device=params_on)
     for module, name, buf in buffers:
-        module._buffers[name] = buf.to(device)
+        module._buffers[name] = buf.to(buffers_on)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != buffers_on:
+                module._buffers[name] = buf.to(buffers_on)
 
 
 def _shard_index(global_rank: int, mesh) -> int:
@@ -124,7 +143,9 @@ def _shard_index(global_rank: int, mesh) -> int:
 
 
 @torch.no_grad()
-def _scatter_rows(param: torch.Tensor, full: torch.Tensor | None, device: torch.device, node: NodeGroup) -> None:
+def _scatter_rows(
+    param: torch.Tensor, full: torch.Tensor | None, device: torch.device, node: NodeGroup, *, offloaded: bool = False
+) -> None:
     """Fill this rank's shard of `param` from its node's rank 0's full tensor, sending each rank only its rows.
 
     FSDP2 shards dim 0 like torch.chunk: shard i holds rows [i·c, (i+1)·c) with c = ceil(rows / shards), i being
@@ -143,14 +164,18 @@ def _scatter_rows(param: torch.Tensor, full: torch.Tensor | None, device: torch.
     local = param.to_local()
     start = _shard_index(rank, mesh) * chunk
     assert local.shape[0] == max(0, min(rows - start, chunk)), f"unexpected shard of {tuple(param.shape)}"
-    direct = local.shape[0] == chunk and local.is_contiguous()
+    # Receive straight into the shard only where the collective can write it: a shard that is not offloaded (so on
+    # the communication device), with the full (padded) row count, contiguous. An offloaded shard (host RAM,
+    # pinned on CUDA) always goes through a buffer on `device`, also where that is the CPU (gloo), so the path
+    # NCCL needs is the path the CPU tests run.
+    direct = not offloaded and local.device == device and local.shape[0] == chunk and local.is_contiguous()
     out = local if direct else torch.empty((chunk, *rest), dtype=param.dtype, device=device)
     pieces = None
     if sender:
         pieces = [_padded_rows(full, _shard_index(r, mesh) * chunk, chunk) for r in node.ranks]
     dist.scatter(out, pieces, src=node.src, group=node.group)
     if not direct:
-        local.copy_(out[: local.shape[0]])
+        local.copy_(out[: local.shape[0]])  # in place: the shard keeps its storage (and its pinning)
 
 
 def _padded_rows(full: torch.Tensor, start: int, chunk: int) -> torch.Tensor:

@@ -131,10 +131,14 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
             b.compile()
     full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_local_main else None
     # Step 5: shard each block, then the root.
-    offload = spec.offload and info.device.type == "cuda"
-    if spec.offload and not offload:
+    # fsdp_offload_params: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer step in
+    # host RAM. Pinned (for asynchronous copies) on CUDA; on a CPU-only machine the same policy runs unpinned, so
+    # the offload path (host shards, offloaded gradients, the step on CPU tensors) is the one the tests exercise.
+    offload = spec.offload
+    if offload and info.device.type != "cuda":
         print0(
-            "fsdp_offload_params: on a CPU-only machine the parameters already live in host RAM; nothing to offload."
+            "fsdp_offload_params: on a CPU-only machine the shards already live in host RAM; FSDP2's offload policy "
+            "runs without pinned memory."
         )
     shard_model(
         train_module,
@@ -143,13 +147,14 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
         param_dtype=spec.param_dtype,
         sharding_strategy=spec.sharding_strategy,
         offload=offload,
+        pin_memory=info.device.type == "cuda",
         forward_prefetch=spec.forward_prefetch,
         backward_prefetch=spec.backward_prefetch,
         reshard_after_forward=spec.reshard_after_forward,
     )
     # Step 6: fill the shards.
     if from_rank0:
-        materialize_from_rank0(train_module, full_tensors, info.device, node)
+        materialize_from_rank0(train_module, full_tensors, info.device, node, offload=offload)
         del full_tensors
     elif info.device.type == "cuda" and not offload:
         train_module.to(info.device)
@@ -209,15 +214,23 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
 
 def _enable_checkpointing(model: nn.Module, spec: ModelSpec) -> None:
     """Checkpoint every k-th decoder block (k = 1: all); the others keep their activations."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant},
-        every_n_layers=max(1, spec.checkpoint_every),
-    )
+    every = max(1, spec.checkpoint_every)
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, every_n_layers=every
+        )
+    else:
+        # transformers < 5.24 has only gradient_checkpointing_enable (every block); then keep every `every`-th
+        # block's flag, as 5.24's every_n_layers does (counting GradientCheckpointingLayer modules in order).
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant})
+        blocks = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i % every == 0
     if spec.use_reentrant:
         # Reentrant checkpointing only backpropagates into blocks whose inputs require grad.
         base.enable_input_require_grads()
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     flags = [m.gradient_checkpointing for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
     print0(f"Activation checkpointing: {sum(flags)} of {len(flags)} decoder blocks recompute their activations.")
