@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .packing import IGNORE_INDEX, RaggedRows
+from .packing import IGNORE_INDEX
 
 
 def num_batches(split, *, batch_size: int, world_size: int, drop_last: bool = True) -> int:
@@ -84,10 +84,11 @@ def collate_rows(split, rows: np.ndarray, *, batch_size: int, seq_len: int, pad_
 
 
 def _row(rows, i: int) -> np.ndarray:
-    return rows.array(i) if isinstance(rows, RaggedRows) else np.asarray(rows[i])
+    # RaggedRows and the cache's LazyRows give numpy rows without a detour through lists.
+    return rows.array(i) if hasattr(rows, "array") else np.asarray(rows[i])
 
 
 def _row_lengths(rows) -> np.ndarray:
-    if isinstance(rows, RaggedRows):
+    if hasattr(rows, "lengths"):
         return rows.lengths()
     return np.array([len(r) for r in rows], dtype=np.int64)
