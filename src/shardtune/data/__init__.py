@@ -38,6 +38,7 @@ __all__ = [
     "setup_tokenizer",
 ]
 
+
 @dataclass
 class PreparedSplit:
     """One tokenized split: rows of input_ids, shifted labels (-100: no target) and position ids.

@@ -40,7 +40,11 @@ class PackedStore:
 
     def __init__(self, arrays: dict[str, np.ndarray], *, row_length: int | None, pad_id: int):
         self.ids, self.labels = arrays["ids"], arrays["labels"]
-        self.doc_offsets, self.row_docs, self.row_offsets = arrays["doc_offsets"], arrays["row_docs"], arrays["row_offsets"]
+        self.doc_offsets, self.row_docs, self.row_offsets = (
+            arrays["doc_offsets"],
+            arrays["row_docs"],
+            arrays["row_offsets"],
+        )
         self.row_length, self.pad_id = row_length, pad_id
 
     def __len__(self) -> int:

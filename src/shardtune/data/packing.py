@@ -8,6 +8,7 @@ of every document, padding, and tokens that are not targets).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -88,7 +89,7 @@ def best_fit_decreasing(lengths: Sequence[int], max_length: int, seed: int) -> l
     equal length are taken in an order shuffled by `seed`, so the result is deterministic given the seed.
     """
     docs, offsets = best_fit_decreasing_flat(lengths, max_length, seed)
-    return [docs[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    return [docs[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
 
 
 def best_fit_decreasing_flat(lengths: Sequence[int], max_length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

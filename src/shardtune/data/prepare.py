@@ -146,7 +146,9 @@ def tokenize_to_parts(
     # spawn, not fork: the parent may hold threads (the tokenizer's pool, the process group's) that fork would copy
     # in a locked state. The workers receive the tokenizer and the (memory-mapped) dataset by pickling, once each.
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker, initargs=initargs) as ex:
+    with concurrent.futures.ProcessPoolExecutor(
+        procs, mp_context=ctx, initializer=_init_worker, initargs=initargs
+    ) as ex:
         futures = [ex.submit(_run_task, *t) for t in tasks]
         return [f.result() for f in futures]
 

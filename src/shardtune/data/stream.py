@@ -21,14 +21,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .collate import collate_rows, epoch_order
 from .packing import best_fit_decreasing, build_rows, fit_documents
 from .prepare import documents
 from .sources import load_split
+
+if TYPE_CHECKING:  # torch is imported where batches are made: tokenizing processes never need it
+    import torch
 
 
 @dataclass
