@@ -35,7 +35,7 @@ def test_streaming_run_killed_and_resumed_gives_the_uninterrupted_losses(tiny_as
     assert killed.returncode != 0 and [r["step"] for r in train_records(cut)] == [1, 2, 3]
     meta = json.loads((cut / "checkpoints" / "checkpoint-2" / "meta.json").read_text())
     epoch, window, row = meta["loop"]["stream"]
-    assert epoch == 0 and row > 0  # the stream position: 4 rows into the stream
+    assert epoch == 0 and window >= 0 and row > 0  # the position after 2 steps of 2 rows: inside a window
     run_cli(_args(tiny_assets, cut, resume_from_checkpoint="latest"))
     want = {r["step"]: r["loss"] for r in train_records(whole)}
     got = {r["step"]: r["loss"] for r in train_records(cut)}  # steps 3.. from the resumed run (the last record)

@@ -53,7 +53,7 @@ def build(tok, root, **kw):
 
 def in_memory_rows(tok, root, *, max_length, packing, drop_long, assistant_only, seed=3):
     """Today's in-memory path, written out: every document tokenized into memory, packed best-fit over all lengths."""
-    rows = [json.loads(line)["messages"] for line in open(root / "chat" / "train.jsonl")]
+    rows = [json.loads(line)["messages"] for line in (root / "chat" / "train.jsonl").read_text().splitlines()]
     opts = {"assistant_only_loss": assistant_only, "append_concat_token": True, "add_special_tokens": False}
     docs = prepare_mod.documents(tok, rows, "train", "messages", opts)
     docs, truncated, dropped = fit_documents(docs, max_length, drop_long)
@@ -164,3 +164,19 @@ def test_streaming_names_a_missing_column(assets, tmp_path):
     Dataset.from_list([{"body": "a b c"}] * 3).to_json(tmp_path / "d.jsonl")
     with pytest.raises(ValueError, match=r"--dataset_text_field 'text': no such column .*columns: body"):
         build(tokenizer(assets, "none"), assets, dataset_name=str(tmp_path / "d.jsonl"), splits="train", streaming=True)
+
+
+def test_a_node_that_prepared_other_rows_stops_the_run(assets, monkeypatch):
+    """Nodes without a shared file system each prepare their cache; train.py compares the digests over all ranks
+    (the gather is replaced here by what a 4-rank run whose second node read an edited file would gather)."""
+    from shardtune.distributed import mesh
+    from shardtune.train import _check_same_rows
+
+    tok = tokenizer(assets)
+    train, test = build(tok, assets)
+    mine = [train.digest, test.digest]
+    monkeypatch.setattr(mesh, "all_gather_objects", lambda obj: [obj, obj, ["other", obj[1]], ["other", obj[1]]])
+    with pytest.raises(ValueError, match=r"rank\(s\) \[2, 3\] prepared other training or evaluation rows than rank 0"):
+        _check_same_rows(train, test, "chat")
+    monkeypatch.setattr(mesh, "all_gather_objects", lambda obj: [mine] * 4)
+    _check_same_rows(train, test, "chat")  # the same rows everywhere: no error

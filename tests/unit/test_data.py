@@ -6,12 +6,10 @@ import itertools
 import json
 import threading
 
-import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 
-import shardtune.data as data_mod
 import shardtune.data.prepare as prepare_mod
 from shardtune.data import IGNORE_INDEX, build_datasets, setup_tokenizer
 from shardtune.data.sources import load_split
