@@ -4,7 +4,7 @@ Writes N chat conversations (demo generator, a few turns each) to a jsonl file, 
 process exactly as `shardtune train` does (datasets reads the jsonl into Arrow, `--dataset_num_proc` processes
 tokenize with the chatml template into part files, the parent concatenates them into the memory-mapped cache and
 packs best-fit). A sampler reads /proc/<pid>/status of the child and all its descendants every 50 ms and records the
-peak of the summed VmRSS and of the summed RssAnon. RssAnon is the memory the processes own (heap, arrays);
+peak of the summed VmRSS and of the summed RssAnon (and the main process's own RssAnon). RssAnon is the memory the processes own (heap, arrays);
 VmRSS also counts pages of memory-mapped files (the Arrow table, the cache being written), which are page cache
 the kernel drops under pressure. Bounded preparation means RssAnon does not grow with the tokens.
 Prints a table and writes bench/results/data_scale.json.
@@ -87,6 +87,8 @@ def sample_peaks(proc: subprocess.Popen, peaks: dict, interval: float = 0.05) ->
             except OSError:  # exited between the listing and the read
                 continue
             rss, anon = rss + s.get("VmRSS", 0), anon + s.get("RssAnon", 0)
+            if p == proc.pid:
+                peaks["main_anon"] = max(peaks["main_anon"], s.get("RssAnon", 0))
         peaks["rss"], peaks["anon"] = max(peaks["rss"], rss), max(peaks["anon"], anon)
         time.sleep(interval)
 
@@ -96,7 +98,7 @@ def prepare(data: Path, tokenizer: Path, cache: Path, num_proc: int, workdir: Pa
     args = {"data": str(data), "tokenizer": str(tokenizer), "cache": str(cache), "num_proc": num_proc}
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], env=env, stdout=subprocess.PIPE, text=True)
-    peaks = {"rss": 0, "anon": 0}
+    peaks = {"rss": 0, "anon": 0, "main_anon": 0}
     sampler = threading.Thread(target=sample_peaks, args=(proc, peaks))
     sampler.start()
     out, _ = proc.communicate()
@@ -110,6 +112,7 @@ def prepare(data: Path, tokenizer: Path, cache: Path, num_proc: int, workdir: Pa
         "wall_s": time.time() - t0,
         "peak_rss": peaks["rss"],
         "peak_anon": peaks["anon"],
+        "peak_main_anon": peaks["main_anon"],
         "cache_bytes": cache_bytes,
     }
 
@@ -128,7 +131,8 @@ def main() -> None:
     build_tokenizer(work / "tok", vocab_size=1024)
     rows = []
     print(
-        f"{'conversations':>13} {'tokens':>11} {'seconds':>8} {'us/conv':>8} {'peak RSS MiB':>12} {'peak anon MiB':>13}"
+        f"{'conversations':>13} {'tokens':>11} {'seconds':>8} {'us/conv':>8} {'peak RSS MiB':>12} "
+        f"{'peak anon MiB':>13} {'main anon MiB':>13} {'cache MiB':>9}"
     )
     for n in (int(s) for s in a.sizes.split(",")):
         data = work / f"conv{n}.jsonl"
@@ -138,7 +142,8 @@ def main() -> None:
         rows.append(r)
         print(
             f"{n:>13} {r['tokens']:>11} {r['seconds']:>8.1f} {1e6 * r['seconds'] / n:>8.0f} "
-            f"{r['peak_rss'] / 2**20:>12.0f} {r['peak_anon'] / 2**20:>13.0f}",
+            f"{r['peak_rss'] / 2**20:>12.0f} {r['peak_anon'] / 2**20:>13.0f} {r['peak_main_anon'] / 2**20:>13.0f} "
+            f"{r['cache_bytes'] / 2**20:>9.0f}",
             flush=True,
         )
         shutil.rmtree(work / "hf", ignore_errors=True)

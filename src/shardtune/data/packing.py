@@ -104,7 +104,7 @@ def best_fit_decreasing_flat(lengths: Sequence[int], max_length: int, seed: int)
     n_rows = 0
     caps: list[int] = []  # distinct remaining capacities of open rows, sorted
     by_cap: dict[int, list[int]] = {}  # remaining capacity -> open rows with it
-    for k, n in enumerate(lengths[order].tolist()):
+    for k, n in _in_blocks(lengths[order]):
         pos = bisect.bisect_left(caps, n)
         if pos < len(caps):
             cap = caps[pos]
@@ -126,6 +126,12 @@ def best_fit_decreasing_flat(lengths: Sequence[int], max_length: int, seed: int)
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row_of, minlength=n_rows), out=offsets[1:])
     return order[grouped], offsets
+
+
+def _in_blocks(values: np.ndarray, block: int = 1 << 16):
+    """(index, value) as Python ints, converted a block at a time: no list of every value at once."""
+    for start in range(0, len(values), block):
+        yield from enumerate(values[start : start + block].tolist(), start)
 
 
 def build_rows(docs: list[Document], groups: list[list[int]], *, row_length: int | None, pad_id: int) -> dict:
