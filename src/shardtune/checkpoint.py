@@ -326,6 +326,7 @@ _RESUME_FREE = {
     "merge_adapter",
     "overwrite_output_dir",
     "dataloader_num_workers",
+    "dataset_num_proc",
 }
 
 

@@ -98,6 +98,18 @@ class DataArguments:
     )
     max_train_samples: int | None = _f(None, "Use only the first N training rows.")
     max_eval_samples: int | None = _f(None, "Use only the first N evaluation rows.")
+    # Corpora larger than memory (docs/data.md).
+    streaming: bool = _f(
+        False,
+        "Read the training split as a stream and pack it --packing_window rows at a time while training; needs "
+        "--max_steps. The evaluation split is still prepared into the cache.",
+    )
+    packing_window: int = _f(
+        10_000, "With --streaming: rows read, tokenized and packed best-fit together (more: fuller rows, more memory)."
+    )
+    dataset_num_proc: int | None = _f(
+        None, "Processes that tokenize a split into the cache (default: one per CPU, at most 16)."
+    )
 
 
 @dataclass
@@ -450,6 +462,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p.append(
             f"--optim {t.optim!r} is not supported; use adamw_torch, adamw_torch_fused, adamw_8bit or paged_adamw_8bit."
         )
+    p += _corpus_problems(d, t)
     p += _report_to_problems(t.report_to)
     p += _eval_harness_problems(t.eval_harness_tasks, t.eval_harness_include_path)
     if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
@@ -477,6 +490,25 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         p += _path_problems(cfg)
     if p:
         raise ConfigError(p)
+
+
+def _corpus_problems(d: DataArguments, t: TrainArguments) -> list[str]:
+    """--streaming, --packing_window, --dataset_num_proc."""
+    p = []
+    if d.packing_window < 1:
+        p.append(f"--packing_window must be >= 1 (got {d.packing_window}).")
+    if d.dataset_num_proc is not None and d.dataset_num_proc < 1:
+        p.append(f"--dataset_num_proc must be >= 1 (got {d.dataset_num_proc}); leave it unset for one per CPU.")
+    if not d.streaming:
+        return p
+    if t.max_steps <= 0:
+        p.append("--streaming True needs --max_steps > 0: the length of an epoch is unknown until the stream ends.")
+    epoch_flags = [f for f in ("save_strategy", "eval_strategy", "logging_strategy") if getattr(t, f) == "epoch"]
+    p += [
+        f"--{f} epoch cannot be used with --streaming True (an epoch's end is not known ahead); use steps."
+        for f in epoch_flags
+    ]
+    return p
 
 
 def _report_to_problems(report_to: str) -> list[str]:

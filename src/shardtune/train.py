@@ -110,7 +110,9 @@ def _seed_everything(seed: int) -> None:
 
 
 def _prepare_data(cfg: RunConfig, tokenizer, info):
-    """Rank 0 tokenizes and caches first; the others then read the cache."""
+    """Rank 0 prepares the cache first; then each other node's local rank 0 reads it (a shared file system) or
+    prepares its own (node-local disks); then the remaining ranks read their node's cache. Every rank then checks
+    that it holds the same rows as rank 0."""
     from shardtune.data import build_datasets
     from shardtune.distributed.mesh import barrier
 
@@ -132,14 +134,19 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         "max_train_samples": d.max_train_samples,
         "max_eval_samples": d.max_eval_samples,
         "chat_template_format": cfg.model.chat_template_format,
+        "num_proc": d.dataset_num_proc,
+        "streaming": d.streaming,
+        "packing_window": d.packing_window,
     }
     result = None
-    if info.is_main:
-        result = build_datasets(**kwargs)
-    barrier()
-    if not info.is_main:
-        result = build_datasets(**kwargs)
+    for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
+        if turn:
+            result = build_datasets(**kwargs)
+        barrier()
     train, evals = result
+    _check_same_rows(train, evals, d.dataset_name)
+    if d.streaming:
+        return train, evals
     st = train.stats
     print0(
         f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
@@ -147,6 +154,22 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
     )
     return train, evals
+
+
+def _check_same_rows(train, evals, dataset_name: str) -> None:
+    """Nodes without a shared file system prepare their caches from their own copies of the data: compare the
+    caches' content digests, so that a node with other files stops the run instead of training on other rows."""
+    from shardtune.distributed.mesh import all_gather_objects
+
+    mine = [train.digest, evals.digest if evals is not None else None]
+    digests = all_gather_objects(mine)
+    differ = [r for r, x in enumerate(digests) if x != digests[0]]
+    if differ:
+        raise ValueError(
+            f"rank(s) {differ} prepared other training or evaluation rows than rank 0 from --dataset_name "
+            f"{dataset_name}: each node tokenizes its own copy of the data into its own --dataset_cache_dir. Give "
+            "every node identical data files and tokenizer."
+        )
 
 
 def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
@@ -249,6 +272,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.metrics import RunLogger
     from shardtune.trainer import (
+        STREAMING_STEPS_PER_EPOCH,
         LoopSettings,
         LoopState,
         NonFiniteError,
@@ -267,11 +291,15 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         trust_remote_code=m.trust_remote_code,
     )
     train_split, eval_split = _prepare_data(cfg, tokenizer, info)
-    spe = steps_per_epoch(
-        train_split,
-        batch_size=t.per_device_train_batch_size,
-        world_size=info.world_size,
-        grad_accum=t.gradient_accumulation_steps,
+    spe = (
+        STREAMING_STEPS_PER_EPOCH
+        if cfg.data.streaming
+        else steps_per_epoch(
+            train_split,
+            batch_size=t.per_device_train_batch_size,
+            world_size=info.world_size,
+            grad_accum=t.gradient_accumulation_steps,
+        )
     )
     if spe < 1:
         raise ValueError(

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint import fault_point
-from shardtune.data import PreparedSplit, iterate_batches, num_batches
+from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+# A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
+STREAMING_STEPS_PER_EPOCH = 2**62
 
 
 @dataclass
@@ -30,6 +32,7 @@ class LoopState:
     tokens: int = 0
     nonfinite_steps: int = 0
     losses: list[float] = field(default_factory=list)
+    stream: list[int] | None = None  # --streaming: [epoch, window, rows of the window consumed] (data/stream.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,6 +205,14 @@ def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, g
 
 def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state: LoopState) -> Iterator[dict]:
     """This rank's micro-batches from the current data position onwards, across epochs."""
+    if isinstance(split, StreamingSplit):
+        stream = split.batches(
+            batch_size=s.batch_size, rank=info.rank, world_size=info.world_size, seed=s.seed, position=state.stream
+        )
+        for batch, position in stream:
+            state.stream = position  # set before the batch is used: a checkpoint after it resumes past it
+            yield batch
+        return
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
         it = iterate_batches(
@@ -386,7 +397,8 @@ def _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0) -> di
         "loss": loss,
         "learning_rate": scheduler.get_last_lr()[0],
         "grad_norm": grad_norm,
-        "epoch": state.epoch + state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1),
+        # A streamed epoch's length is unknown until it ends: its whole epochs only.
+        "epoch": state.epoch + (0 if state.stream else state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1)),
         "tokens": state.tokens,
         "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
         "memory_gb": max(mem),
@@ -400,5 +412,7 @@ def _advance(state: LoopState, s: LoopSettings, n_tokens: int, loss: float) -> N
     state.tokens += n_tokens
     state.losses.append(loss)
     state.batch_in_epoch += s.grad_accum
+    if state.stream is not None:
+        state.epoch = state.stream[0]
     if state.batch_in_epoch >= s.steps_per_epoch * s.grad_accum:
         state.epoch, state.batch_in_epoch = state.epoch + 1, 0

@@ -1,9 +1,11 @@
 """Two simulated nodes of two processes each on loopback (two `shardtune launch` processes, one per
-machine_rank) with HYBRID_SHARD, against one node of four processes with FULL_SHARD and the same global batch."""
+machine_rank) with HYBRID_SHARD, against one node of four processes with FULL_SHARD and the same global batch. The
+two nodes share no data: each reads its own copy of the files and prepares its own cache."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,7 +41,7 @@ def _train_flags(assets, out, steps=3):
     return train_args(assets, out, **run, **saving, **lora)[1:]
 
 
-def _launch_two_machines(config, flags, port):
+def _launch_two_machines(config, flags, port, node_flags=([], [])):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
@@ -57,6 +59,7 @@ def _launch_two_machines(config, flags, port):
                 "--main_process_port",
                 str(port),
                 *flags,
+                *node_flags[r],
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -72,7 +75,13 @@ def _launch_two_machines(config, flags, port):
 
 def test_hybrid_two_nodes_equals_one_node_full_shard_and_resumes_on_one_node(tiny_assets, tmp_path):
     hybrid, full = tmp_path / "hybrid", tmp_path / "full"
-    _launch_two_machines(_yaml(tmp_path, "HYBRID_SHARD", 2, 4), _train_flags(tiny_assets, hybrid), _port())
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:  # as without a shared file system: the node's own data files and cache folder
+        shutil.copytree(tiny_assets["data"], node / "data")
+    node_flags = [["--dataset_name", str(n / "data"), "--dataset_cache_dir", str(n / "cache")] for n in nodes]
+    _launch_two_machines(_yaml(tmp_path, "HYBRID_SHARD", 2, 4), _train_flags(tiny_assets, hybrid), _port(), node_flags)
+    for node in nodes:  # each node's local rank 0 prepared a train and a test cache; the losses below match
+        assert sorted(p.name.split("-")[0] for p in (node / "cache").iterdir()) == ["test", "train"]
     run_cli(["launch", "--config_file", str(_yaml(tmp_path, "FULL_SHARD", 1, 4)), *_train_flags(tiny_assets, full)])
     lh = [r["loss"] for r in train_records(hybrid)]
     lf = [r["loss"] for r in train_records(full)]

@@ -6,12 +6,11 @@ import itertools
 import json
 import threading
 
-import numpy as np
 import pytest
 from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 
-import shardtune.data as data_mod
+import shardtune.data.prepare as prepare_mod
 from shardtune.data import IGNORE_INDEX, build_datasets, setup_tokenizer
 from shardtune.data.sources import load_split
 from shardtune.demo import build_tokenizer, write_chat_dataset
@@ -343,7 +342,7 @@ def test_cache_is_reused_without_tokenizing_and_keyed_by_inputs(tok_dir, chat_di
     def no_tokenizing(*a, **k):
         raise AssertionError("tokenized again although the cache should have been used")
 
-    monkeypatch.setattr(data_mod, "_documents", no_tokenizing)
+    monkeypatch.setattr(prepare_mod, "documents", no_tokenizing)
     second, second_eval = build(tokenizer(tok_dir), chat_dir, packing=True, cache_dir=str(cache))
     assert second.from_cache and second_eval.from_cache
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == mtimes
@@ -367,20 +366,27 @@ def test_changed_data_file_is_a_new_cache_key(tok_dir, tmp_path):
     assert list(b.input_ids) == list(reversed(list(a.input_ids)))
 
 
-def test_concurrent_cache_writes_leave_one_complete_file(tok_dir, tmp_path):
-    tok = tokenizer(tok_dir, "none")
+def test_concurrent_cache_writes_leave_one_complete_folder(tok_dir, tmp_path):
     path = write_jsonl(tmp_path / "d" / "train.jsonl", [{"text": t} for t in TEXTS])
-    split, _ = build(tok, path, splits="train")
-    target = tmp_path / "cache" / "x.npz"
-    threads = [threading.Thread(target=data_mod._save_cache, args=(target, split)) for _ in range(4)]
+    split, _ = build(tokenizer(tok_dir, "none"), path, splits="train", packing=True)
+    cache, results = tmp_path / "cache", []
+
+    def prepare():  # a tokenizer per thread: a Rust tokenizer is not shared across threads
+        results.append(build(tokenizer(tok_dir, "none"), path, splits="train", packing=True, cache_dir=str(cache))[0])
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert [p.name for p in target.parent.iterdir()] == ["x.npz"]
-    loaded = data_mod._load_cache(target)
+    assert len(results) == 4
+    (folder,) = cache.iterdir()  # one complete cache, no temporary folder left
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["ids.npy", "labels.npy", "doc_offsets.npy", "row_docs.npy", "row_offsets.npy", "meta.json"]
+    )
+    loaded, _ = build(tokenizer(tok_dir, "none"), path, splits="train", packing=True, cache_dir=str(cache))
     assert loaded.from_cache and list(loaded.input_ids) == list(split.input_ids)
-    assert np.array_equal(loaded.labels.flat, split.labels.flat)
+    assert list(loaded.labels) == list(split.labels) and loaded.digest == split.digest
 
 
 def test_packed_batches_from_the_pipeline_match_documents_run_alone(tok_dir, chat_dir, tmp_path):

@@ -9,44 +9,34 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import uuid
-import zipfile
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..log import print0
+from .cache import CACHE_FORMAT, LazyRows, PackedStore, move_into_place, new_tmp_folder, open_cache, write_cache
 from .collate import iterate_batches, num_batches
-from .packing import IGNORE_INDEX, Document, RaggedRows, best_fit_decreasing, build_rows, fit_documents
+from .packing import IGNORE_INDEX, RaggedRows
+from .prepare import tokenize_to_parts
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
-from .templates import (
-    CHAT_FORMATS,
-    assistant_spans,
-    padded_vocab_size,
-    render_chat,
-    setup_tokenizer,
-    token_target_mask,
-    validate_messages,
-)
+from .stream import StreamingSplit
+from .templates import CHAT_FORMATS, padded_vocab_size, setup_tokenizer
 
 __all__ = [
     "CHAT_FORMATS",
     "IGNORE_INDEX",
     "PreparedSplit",
     "RaggedRows",
+    "StreamingSplit",
     "build_datasets",
     "iterate_batches",
     "num_batches",
     "padded_vocab_size",
     "setup_tokenizer",
 ]
-
-CACHE_FORMAT = 1  # bump when the on-disk layout or the meaning of the arrays changes
-_CHUNK = 1000
 
 
 @dataclass
@@ -62,6 +52,7 @@ class PreparedSplit:
     stats: dict
     from_cache: bool = False
     cache_path: str | None = None
+    digest: str | None = None  # of the cache's content: equal digests, equal rows
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -84,11 +75,16 @@ def build_datasets(
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
     chat_template_format: str | None = None,
-) -> tuple[PreparedSplit, PreparedSplit | None]:
+    num_proc: int | None = None,
+    streaming: bool = False,
+    packing_window: int = 10_000,
+) -> tuple[PreparedSplit | StreamingSplit, PreparedSplit | None]:
     """Load, tokenize and (with packing) pack the train split and the optional eval split named by --splits.
 
     Rows with a `messages` column are rendered with the tokenizer's chat template, other rows use
     `dataset_text_field`; chat_template_format="none" always uses the text field, as the reference does.
+    Splits are tokenized by num_proc processes (None: one per CPU) into memory-mapped caches; with streaming, the
+    training split is a StreamingSplit packed packing_window rows at a time while training reads it.
     """
     if max_length < 2:
         raise ValueError(f"--max_length must be >= 2 (got {max_length}).")
@@ -105,17 +101,44 @@ def build_datasets(
         "seed": seed,
         "chat_template_format": chat_template_format,
     }
-    train = _prepare_split(tokenizer, request.train, True, max_train_samples, "--max_train_samples", cache_dir, options)
+    if streaming:
+        train = _stream_split(tokenizer, request.train, max_train_samples, packing_window, options)
+    else:
+        train = _prepare_split(
+            tokenizer, request.train, True, max_train_samples, "--max_train_samples", cache_dir, options, num_proc
+        )
     evaluation = None
     if request.eval is not None:
         evaluation = _prepare_split(
-            tokenizer, request.eval, False, max_eval_samples, "--max_eval_samples", cache_dir, options
+            tokenizer, request.eval, False, max_eval_samples, "--max_eval_samples", cache_dir, options, num_proc
         )
     return train, evaluation
 
 
+def _stream_split(tokenizer, split: str, max_samples: int | None, window: int, opts: dict) -> StreamingSplit:
+    """The training split as a stream; its first row is read now, so that a wrong column fails before training."""
+    if window < 1:
+        raise ValueError(f"--packing_window must be >= 1 (got {window}).")
+    if max_samples is not None and max_samples < 1:
+        raise ValueError(f"--max_train_samples must be >= 1 (got {max_samples}).")
+    name = opts["dataset_name"]
+    first = next(iter(load_split(name, split, is_train=True, streaming=True)), None)
+    if first is None:
+        raise ValueError(f"--dataset_name {name!r}: split {split!r} is empty; give a split with rows.")
+    column = _text_column(tokenizer, list(first), split, opts)
+    print0(f"data: split {split!r} is streamed, packed {window} rows at a time (--packing_window).")
+    return StreamingSplit(tokenizer, name, split, column, opts, _pad_id(tokenizer), window, max_samples)
+
+
 def _prepare_split(
-    tokenizer, split: str, is_train: bool, max_samples: int | None, samples_flag: str, cache_dir: str | None, opts: dict
+    tokenizer,
+    split: str,
+    is_train: bool,
+    max_samples: int | None,
+    samples_flag: str,
+    cache_dir: str | None,
+    opts: dict,
+    num_proc: int | None,
 ) -> PreparedSplit:
     dataset_name = opts["dataset_name"]
     ds = load_split(dataset_name, split, is_train=is_train)
@@ -128,12 +151,21 @@ def _prepare_split(
     pad_id = _pad_id(tokenizer)
     key = _cache_key(tokenizer, ds, split, column, pad_id, opts)
     safe_split = re.sub(r"[^\w.-]", "_", split)  # hub splits may be slices like train[:10%]
-    path = Path(cache_dir) / f"{safe_split}-{key[:32]}.npz" if cache_dir else None
-    prepared = _load_cache(path) if path is not None else None
-    if prepared is None:
-        prepared = _tokenize_and_pack(tokenizer, ds, split, column, pad_id, opts)
-        if path is not None:
-            _save_cache(path, prepared)
+    final = Path(cache_dir) / f"{safe_split}-{key[:32]}" if cache_dir else None
+    opened = open_cache(final) if final is not None else None
+    if opened is not None:
+        prepared = _split_from(*opened, from_cache=True, cache_path=str(final))
+    else:
+        # Without a cache folder the arrays go to a temporary one, removed once mapped (the maps stay valid).
+        tmp = new_tmp_folder(final) if final is not None else Path(tempfile.mkdtemp(prefix="shardtune-data-"))
+        try:
+            _tokenize_to_cache(tokenizer, ds, split, column, pad_id, opts, tmp, num_proc)
+            folder = move_into_place(tmp, final) if final is not None else tmp
+            opened = open_cache(folder)
+            assert opened is not None, f"the cache just written in {folder} does not read back"
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prepared = _split_from(*opened, from_cache=False, cache_path=str(final) if final else None)
     _log_split(split, prepared)
     return prepared
 
@@ -174,80 +206,26 @@ def _pad_id(tokenizer) -> int:
     raise ValueError("the tokenizer has neither a pad nor an EOS token; set one before preparing data.")
 
 
-def _tokenize_and_pack(tokenizer, ds, split: str, column: str, pad_id: int, opts: dict) -> PreparedSplit:
-    docs = _documents(tokenizer, ds, split, column, opts)
-    max_length = opts["max_length"]
-    docs, truncated, dropped = fit_documents(docs, max_length, opts["drop_long_samples"])
-    if not docs:
+def _tokenize_to_cache(
+    tokenizer, ds, split: str, column: str, pad_id: int, opts: dict, folder: Path, num_proc: int | None
+) -> None:
+    """Tokenize into part files in folder (in parallel processes), then write the cache arrays there."""
+    results = tokenize_to_parts(tokenizer, ds, split, column, opts, folder, num_proc)
+    if not sum(r.documents for r in results):
         raise ValueError(
-            f"split {split!r}: every document is longer than --max_length {max_length} and --drop_long_samples "
-            "is set; raise --max_length or turn off --drop_long_samples."
+            f"split {split!r}: every document is longer than --max_length {opts['max_length']} and "
+            "--drop_long_samples is set; raise --max_length or turn off --drop_long_samples."
         )
-    if opts["packing"]:
-        groups = best_fit_decreasing([len(d.ids) for d in docs], max_length, opts["seed"])
-        rows = build_rows(docs, groups, row_length=max_length, pad_id=pad_id)
-    else:
-        rows = build_rows(docs, [[i] for i in range(len(docs))], row_length=None, pad_id=pad_id)
-    labels = rows["labels"]
-    stats = {
-        "documents": len(docs),
-        "rows": len(labels),
-        "tokens": int(sum(len(d.ids) for d in docs)),
-        "target_tokens": int((labels.flat != IGNORE_INDEX).sum()),
-        "padding_tokens": rows["padding_tokens"],
-        "truncated": truncated,
-        "dropped": dropped,
-    }
-    return PreparedSplit(rows["input_ids"], labels, rows["position_ids"], stats)
+    write_cache(
+        folder, results, max_length=opts["max_length"], packing=opts["packing"], seed=opts["seed"], pad_id=pad_id
+    )
 
 
-def _documents(tokenizer, ds, split: str, column: str, opts: dict) -> list[Document]:
-    """Render and tokenize every row; targets mark the tokens that may be predicted."""
-    assistant_only = opts["assistant_only_loss"]
-    if assistant_only and not getattr(tokenizer, "is_fast", False):
-        raise ValueError("--assistant_only_loss needs a fast (Rust) tokenizer to map assistant text to tokens.")
-    eos_id = tokenizer.eos_token_id
-    if opts["append_concat_token"] and eos_id is None:
-        raise ValueError("--append_concat_token needs a tokenizer with an EOS token.")
-    docs: list[Document] = []
-    row = 0
-    for chunk in ds.iter(batch_size=_CHUNK):
-        texts, spans = _chunk_texts(tokenizer, chunk[column], split, column, row, assistant_only)
-        enc = tokenizer(texts, add_special_tokens=opts["add_special_tokens"], return_offsets_mapping=assistant_only)
-        for j, ids in enumerate(enc["input_ids"]):
-            if not ids:
-                raise ValueError(f"split {split!r}, row {row + j}: the text tokenizes to no tokens; remove the row.")
-            ids = np.asarray(ids, dtype=np.int32)
-            if assistant_only:
-                targets = token_target_mask(np.asarray(enc["offset_mapping"][j]).reshape(-1, 2), spans[j])
-            else:
-                targets = np.ones(len(ids), dtype=bool)
-            if opts["append_concat_token"]:
-                # The separator EOS is a target like any token, except when only assistant turns are.
-                ids = np.append(ids, np.int32(eos_id))
-                targets = np.append(targets, not assistant_only)
-            docs.append(Document(ids, targets))
-        row += len(texts)
-    return docs
-
-
-def _chunk_texts(tokenizer, values: list, split: str, column: str, first_row: int, assistant_only: bool):
-    texts, spans = [], []
-    for j, value in enumerate(values):
-        row = first_row + j
-        if column == "messages":
-            validate_messages(value, split=split, row=row)
-            text = render_chat(tokenizer, value, split=split, row=row)
-            spans.append(assistant_spans(tokenizer, value, text, split=split, row=row) if assistant_only else [])
-        else:
-            if not isinstance(value, str) or not value:
-                raise ValueError(
-                    f"split {split!r}, row {row}: column {column!r} must hold a non-empty string, got {value!r}; "
-                    "fix or remove the row."
-                )
-            text = value
-        texts.append(text)
-    return texts, spans
+def _split_from(store: PackedStore, meta: dict, *, from_cache: bool, cache_path: str | None) -> PreparedSplit:
+    rows = (LazyRows(store, k) for k in ("input_ids", "labels", "position_ids"))
+    return PreparedSplit(
+        *rows, stats=meta["stats"], from_cache=from_cache, cache_path=cache_path, digest=meta["digest"]
+    )
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
@@ -276,39 +254,6 @@ def _cache_key(tokenizer, ds, split: str, column: str, pad_id: int, opts: dict) 
         **opts,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _save_cache(path: Path, prepared: PreparedSplit) -> None:
-    """Write atomically: a unique temp file in the same folder, then rename over the final name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                input_ids=prepared.input_ids.flat,
-                labels=prepared.labels.flat,
-                position_ids=prepared.position_ids.flat,
-                offsets=prepared.input_ids.offsets,
-                stats=np.array(json.dumps(prepared.stats)),
-            )
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    prepared.cache_path = str(path)
-
-
-def _load_cache(path: Path) -> PreparedSplit | None:
-    if not path.exists():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            offsets = z["offsets"]
-            arrays = [RaggedRows(z[name], offsets) for name in ("input_ids", "labels", "position_ids")]
-            stats = json.loads(str(z["stats"]))
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-        return None  # unreadable or from an older layout: rebuild it
-    return PreparedSplit(*arrays, stats=stats, from_cache=True, cache_path=str(path))
 
 
 def _log_split(split: str, p: PreparedSplit) -> None:

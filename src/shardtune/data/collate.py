@@ -11,11 +11,14 @@ detection (masking_utils._preprocess_mask_arguments) and documents in a row woul
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from .packing import IGNORE_INDEX, RaggedRows
+from .packing import IGNORE_INDEX
+
+if TYPE_CHECKING:  # torch is imported where batches are made: tokenizing processes never need it
+    import torch
 
 
 def num_batches(split, *, batch_size: int, world_size: int, drop_last: bool = True) -> int:
@@ -66,6 +69,8 @@ def iterate_batches(
 
 def collate_rows(split, rows: np.ndarray, *, batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Stack rows into [batch_size, seq_len] tensors; missing rows are filler with no targets."""
+    import torch
+
     input_ids = np.full((batch_size, seq_len), pad_id, dtype=np.int64)
     labels = np.full((batch_size, seq_len), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.tile(np.arange(seq_len, dtype=np.int64), (batch_size, 1))
@@ -84,10 +89,11 @@ def collate_rows(split, rows: np.ndarray, *, batch_size: int, seq_len: int, pad_
 
 
 def _row(rows, i: int) -> np.ndarray:
-    return rows.array(i) if isinstance(rows, RaggedRows) else np.asarray(rows[i])
+    # RaggedRows and the cache's LazyRows give numpy rows without a detour through lists.
+    return rows.array(i) if hasattr(rows, "array") else np.asarray(rows[i])
 
 
 def _row_lengths(rows) -> np.ndarray:
-    if isinstance(rows, RaggedRows):
+    if hasattr(rows, "lengths"):
         return rows.lengths()
     return np.array([len(r) for r in rows], dtype=np.int64)

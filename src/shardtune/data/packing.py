@@ -8,6 +8,7 @@ of every document, padding, and tokens that are not targets).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -87,15 +88,23 @@ def best_fit_decreasing(lengths: Sequence[int], max_length: int, seed: int) -> l
     Longest documents are placed first, each into the open row with the least room that still fits it. Documents of
     equal length are taken in an order shuffled by `seed`, so the result is deterministic given the seed.
     """
+    docs, offsets = best_fit_decreasing_flat(lengths, max_length, seed)
+    return [docs[a:b].tolist() for a, b in itertools.pairwise(offsets.tolist())]
+
+
+def best_fit_decreasing_flat(lengths: Sequence[int], max_length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`best_fit_decreasing` as two arrays: the document indices of all rows, row after row (each row's documents
+    in the order they were placed), and the row offsets into them. Memory is a few integers per document, so that
+    tens of millions of documents pack without Python lists of lists."""
     lengths = np.asarray(lengths, dtype=np.int64)
     assert (lengths >= 1).all() and (lengths <= max_length).all()
     perm = np.random.default_rng(seed).permutation(len(lengths))
     order = perm[np.argsort(-lengths[perm], kind="stable")]
-    rows: list[list[int]] = []
+    row_of = np.empty(len(lengths), dtype=np.int64)  # row of each placed document, in placement order
+    n_rows = 0
     caps: list[int] = []  # distinct remaining capacities of open rows, sorted
     by_cap: dict[int, list[int]] = {}  # remaining capacity -> open rows with it
-    for idx in order.tolist():
-        n = int(lengths[idx])
+    for k, n in _in_blocks(lengths[order]):
         pos = bisect.bisect_left(caps, n)
         if pos < len(caps):
             cap = caps[pos]
@@ -103,16 +112,26 @@ def best_fit_decreasing(lengths: Sequence[int], max_length: int, seed: int) -> l
             if not by_cap[cap]:
                 del by_cap[cap], caps[pos]
         else:
-            cap, row = max_length, len(rows)
-            rows.append([])
-        rows[row].append(idx)
+            cap, row = max_length, n_rows
+            n_rows += 1
+        row_of[k] = row
         rest = cap - n
         if rest > 0:
             if rest not in by_cap:
                 by_cap[rest] = []
                 bisect.insort(caps, rest)
             by_cap[rest].append(row)
-    return rows
+    # Group by row, keeping placement order within a row (stable sort).
+    grouped = np.argsort(row_of, kind="stable")
+    offsets = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row_of, minlength=n_rows), out=offsets[1:])
+    return order[grouped], offsets
+
+
+def _in_blocks(values: np.ndarray, block: int = 1 << 16):
+    """(index, value) as Python ints, converted a block at a time: no list of every value at once."""
+    for start in range(0, len(values), block):
+        yield from enumerate(values[start : start + block].tolist(), start)
 
 
 def build_rows(docs: list[Document], groups: list[list[int]], *, row_length: int | None, pad_id: int) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -40,19 +41,29 @@ def parse_splits(splits: str) -> SplitRequest:
     return SplitRequest(names[0], names[1] if len(names) == 2 else None)
 
 
-def load_split(dataset_name: str, split: str, *, is_train: bool):
-    """Load one split as a `datasets.Dataset`; raise ValueError naming --dataset_name/--splits on any mistake."""
+def load_split(dataset_name: str, split: str, *, is_train: bool, streaming: bool = False):
+    """Load one split as a `datasets.Dataset`, or with streaming as an `IterableDataset` read while it is iterated
+    (data files and hub datasets are then never converted to Arrow first; a save_to_disk split is memory-mapped
+    Arrow already and is iterated as it is). Raise ValueError naming --dataset_name/--splits on any mistake."""
+    ds = _load(dataset_name, split, is_train, streaming)
+    if streaming and not hasattr(ds, "skip"):  # a save_to_disk Dataset
+        ds = ds.to_iterable_dataset()
+    return ds
+
+
+def _load(dataset_name: str, split: str, is_train: bool, streaming: bool):
     path = Path(dataset_name).expanduser()
+    file_loader = partial(_load_file, streaming=streaming)
     if path.is_file():
-        return _load_single(path, split, is_train, _load_file)
+        return _load_single(path, split, is_train, file_loader)
     if path.is_dir():
-        return _load_from_dir(path, split, is_train)
+        return _load_from_dir(path, split, is_train, file_loader)
     if _looks_local(dataset_name):
         raise ValueError(
             f"--dataset_name {dataset_name!r}: no such file or folder. Give an existing .jsonl/.json/.parquet/.csv "
             "file, a folder saved with save_to_disk, a folder of <split>.<ext> files, or a hub dataset id."
         )
-    return _load_hub(dataset_name, split)
+    return _load_hub(dataset_name, split, streaming)
 
 
 def dataset_identity(dataset, dataset_name: str, split: str) -> str:
@@ -80,7 +91,7 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or Path(name).suffix.lower() in FILE_BUILDERS or name.count("/") > 1
 
 
-def _load_file(path: Path, split: str):
+def _load_file(path: Path, split: str, streaming: bool = False):
     import datasets
 
     builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -92,7 +103,7 @@ def _load_file(path: Path, split: str):
     if path.stat().st_size == 0:
         _empty(str(path), split)
     try:
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
     except Exception as e:  # a malformed file: say which one
         if "corresponds to no data" in str(e) or isinstance(e, StopIteration):
             _empty(str(path), split)
@@ -122,7 +133,7 @@ def _load_disk(path: Path, split: str):
         ) from e
 
 
-def _load_from_dir(path: Path, split: str, is_train: bool):
+def _load_from_dir(path: Path, split: str, is_train: bool, file_loader=_load_file):
     if (path / "dataset_dict.json").exists():
         dd = _load_disk(path, split)
         if split not in dd:
@@ -134,7 +145,7 @@ def _load_from_dir(path: Path, split: str, is_train: bool):
     if split not in available:
         _missing_split(path, split, sorted(available))
     target = available[split]
-    return _load_disk(target, split) if target.is_dir() else _load_file(target, split)
+    return _load_disk(target, split) if target.is_dir() else file_loader(target, split)
 
 
 def _dir_splits(path: Path) -> dict[str, Path]:
@@ -157,11 +168,11 @@ def _missing_split(path: Path, split: str, available: list[str]) -> None:
     )
 
 
-def _load_hub(name: str, split: str):
+def _load_hub(name: str, split: str, streaming: bool = False):
     import datasets
 
     try:
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, split=split, streaming=streaming)
     except ValueError as e:
         if "split" in str(e).lower():
             raise ValueError(f"--splits: split {split!r} not found in hub dataset {name!r}: {e}") from e

@@ -1,0 +1,162 @@
+"""Tokenize a split into the on-disk cache in parallel processes, with memory bounded by one task's rows.
+
+The split's rows are cut into tasks of _TASK_ROWS consecutive rows. Each task (in a worker process, or inline for
+one process) renders and tokenizes its rows _CHUNK at a time, truncates or drops long documents, and appends every
+kept document's token ids and shifted labels to its own part files. The parent then concatenates the parts, in row
+order, into the flat arrays of the cache (shardtune.data.cache), so the result does not depend on the number of
+processes.
+
+Why a process pool and not `datasets.Dataset.map(num_proc=...)`: map writes its output as Arrow list columns into the
+datasets cache next to the source data (a second full copy in a format we would then convert again), hashes the
+tokenizer with dill to fingerprint every call, and has no `num_proc` for streamed datasets. The pool writes our flat
+arrays directly, in our cache folder, and the same task function serves the streaming path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .packing import IGNORE_INDEX, Document, fit_documents, shifted_labels
+from .templates import assistant_spans, render_chat, token_target_mask, validate_messages
+
+_CHUNK = 1000  # rows tokenized per tokenizer call
+_TASK_ROWS = 20_000  # rows per task: a task's part files are copied whole, so this bounds the parent's memory
+
+
+@dataclass
+class TaskResult:
+    index: int
+    documents: int
+    truncated: int
+    dropped: int
+    tokens: int
+    target_tokens: int
+
+
+def documents(tokenizer, rows: list, split: str, column: str, opts: dict, first_row: int = 0) -> list[Document]:
+    """Render and tokenize rows (the values of `column`); targets mark the tokens that may be predicted."""
+    assistant_only = opts["assistant_only_loss"]
+    if assistant_only and not getattr(tokenizer, "is_fast", False):
+        raise ValueError("--assistant_only_loss needs a fast (Rust) tokenizer to map assistant text to tokens.")
+    eos_id = tokenizer.eos_token_id
+    if opts["append_concat_token"] and eos_id is None:
+        raise ValueError("--append_concat_token needs a tokenizer with an EOS token.")
+    docs: list[Document] = []
+    for start in range(0, len(rows), _CHUNK):
+        row = first_row + start
+        texts, spans = _chunk_texts(tokenizer, rows[start : start + _CHUNK], split, column, row, assistant_only)
+        enc = tokenizer(texts, add_special_tokens=opts["add_special_tokens"], return_offsets_mapping=assistant_only)
+        for j, ids in enumerate(enc["input_ids"]):
+            if not ids:
+                raise ValueError(f"split {split!r}, row {row + j}: the text tokenizes to no tokens; remove the row.")
+            ids = np.asarray(ids, dtype=np.int32)
+            if assistant_only:
+                targets = token_target_mask(np.asarray(enc["offset_mapping"][j]).reshape(-1, 2), spans[j])
+            else:
+                targets = np.ones(len(ids), dtype=bool)
+            if opts["append_concat_token"]:
+                # The separator EOS is a target like any token, except when only assistant turns are.
+                ids = np.append(ids, np.int32(eos_id))
+                targets = np.append(targets, not assistant_only)
+            docs.append(Document(ids, targets))
+    return docs
+
+
+def _chunk_texts(tokenizer, values: list, split: str, column: str, first_row: int, assistant_only: bool):
+    texts, spans = [], []
+    for j, value in enumerate(values):
+        row = first_row + j
+        if column == "messages":
+            validate_messages(value, split=split, row=row)
+            text = render_chat(tokenizer, value, split=split, row=row)
+            spans.append(assistant_spans(tokenizer, value, text, split=split, row=row) if assistant_only else [])
+        else:
+            if not isinstance(value, str) or not value:
+                raise ValueError(
+                    f"split {split!r}, row {row}: column {column!r} must hold a non-empty string, got {value!r}; "
+                    "fix or remove the row."
+                )
+            text = value
+        texts.append(text)
+    return texts, spans
+
+
+# ------------------------------------------------------------------------------------------- worker side
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, ds, split: str, column: str, opts: dict, folder: str) -> None:
+    # One process per core already: the tokenizer's own thread pool would oversubscribe the CPUs.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    ds = ds.select_columns([column])  # read only the column that is tokenized
+    _WORKER.update(tokenizer=tokenizer, ds=ds, split=split, column=column, opts=opts, folder=Path(folder))
+
+
+def part_paths(folder: Path, index: int) -> tuple[Path, Path, Path]:
+    """A task's part files: token ids (int32), shifted labels (int32), document lengths (int64)."""
+    stem = folder / f"part-{index:06d}"
+    return stem.with_suffix(".ids"), stem.with_suffix(".labels"), stem.with_suffix(".lengths")
+
+
+def _run_task(index: int, start: int, stop: int) -> TaskResult:
+    w = _WORKER
+    ds, opts = w["ds"], w["opts"]
+    result = TaskResult(index, 0, 0, 0, 0, 0)
+    ids_path, labels_path, lengths_path = part_paths(w["folder"], index)
+    with open(ids_path, "wb") as f_ids, open(labels_path, "wb") as f_lab, open(lengths_path, "wb") as f_len:
+        for a in range(start, stop, _CHUNK):
+            b = min(a + _CHUNK, stop)
+            values = ds[a:b][w["column"]]
+            docs = documents(w["tokenizer"], values, w["split"], w["column"], opts, first_row=a)
+            docs, truncated, dropped = fit_documents(docs, opts["max_length"], opts["drop_long_samples"])
+            result.truncated += truncated
+            result.dropped += dropped
+            for doc in docs:
+                labels = shifted_labels(doc)
+                f_ids.write(doc.ids.astype(np.int32, copy=False).tobytes())
+                f_lab.write(labels.tobytes())
+                result.target_tokens += int((labels != IGNORE_INDEX).sum())
+            f_len.write(np.array([len(d.ids) for d in docs], dtype=np.int64).tobytes())
+            result.documents += len(docs)
+            result.tokens += sum(len(d.ids) for d in docs)
+    return result
+
+
+def tokenize_to_parts(
+    tokenizer, ds, split: str, column: str, opts: dict, folder: Path, num_proc: int | None
+) -> list[TaskResult]:
+    """Write the part files of every task into folder; results in task (= row) order."""
+    n = len(ds)
+    tasks = [(i, a, min(a + _TASK_ROWS, n)) for i, a in enumerate(range(0, n, _TASK_ROWS))]
+    procs = min(default_num_proc() if num_proc is None else num_proc, len(tasks))
+    initargs = (tokenizer, ds, split, column, opts, str(folder))
+    if procs <= 1:
+        _init_worker(*initargs)
+        try:
+            return [_run_task(*t) for t in tasks]
+        finally:
+            _WORKER.clear()
+    # spawn, not fork: the parent may hold threads (the tokenizer's pool, the process group's) that fork would copy
+    # in a locked state. The workers receive the tokenizer and the (memory-mapped) dataset by pickling, once each.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        procs, mp_context=ctx, initializer=_init_worker, initargs=initargs
+    ) as ex:
+        futures = [ex.submit(_run_task, *t) for t in tasks]
+        return [f.result() for f in futures]
+
+
+def default_num_proc() -> int:
+    """--dataset_num_proc when unset: the CPUs this process may use, at most 16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 16))
