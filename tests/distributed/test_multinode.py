@@ -102,6 +102,9 @@ def test_hybrid_two_nodes_equals_one_node_full_shard_and_resumes_on_one_node(tin
             "--config_file",
             str(_yaml(tmp_path, "FULL_SHARD", 1, 2)),
             *_train_flags(tiny_assets, resumed, steps=4),
+            # the run's own data: the checkpoint belongs to a run that read node 0's copy
+            "--dataset_name",
+            str(nodes[0] / "data"),
             "--resume_from_checkpoint",
             str(ckpt),
         ]
