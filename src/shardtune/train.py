@@ -91,6 +91,8 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         "max_eval_samples": d.max_eval_samples,
         "chat_template_format": cfg.model.chat_template_format,
     }
+    if cfg.train.objective != "sft":
+        build_datasets, kwargs = _preference_data_builder(kwargs)
     result = None
     if info.is_main:
         result = build_datasets(**kwargs)
@@ -105,6 +107,63 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
     )
     return train, evals
+
+
+def _preference_data_builder(kwargs: dict):
+    """build_preference_datasets and the subset of the SFT data arguments that applies to pairs."""
+    from shardtune.data.preference import build_preference_datasets
+
+    names = ("tokenizer", "dataset_name", "splits", "max_length", "add_special_tokens", "drop_long_samples")
+    keep = {k: kwargs[k] for k in (*names, "cache_dir", "max_train_samples", "max_eval_samples")}
+    return build_preference_datasets, keep
+
+
+def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
+    """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
+    log-probs precomputed where the reference is not the base with the adapter disabled."""
+    from shardtune.loss import build_objective
+
+    t, m = cfg.train, cfg.model
+    objective = build_objective(t.objective, beta=t.beta, loss_type=t.loss_type, simpo_gamma=t.simpo_gamma)
+    if not objective.paired:
+        return objective
+    if t.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    per_step = m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs
+    if objective.needs_reference and not per_step:
+        from shardtune.reference import precompute_reference, weights_identity
+
+        for split in (s for s in splits if s is not None):
+            precompute_reference(
+                model,
+                split,
+                batch_size=t.per_device_eval_batch_size,
+                info=info,
+                pad_id=pad_id,
+                # With --adapter_path the reference is the model the run starts from: base plus that adapter.
+                disable_adapter=m.use_peft_lora and not m.adapter_path,
+                identity={
+                    "weights": weights_identity(m.model_name_or_path, m.adapter_path),
+                    "model": _model_spec_record(cfg),
+                },
+            )
+    elif objective.needs_reference:
+        print0("Reference: the base model with the adapter disabled, run under no_grad each step (no second copy).")
+    return objective
+
+
+def _model_spec_record(cfg: RunConfig) -> dict:
+    """What besides the weight files decides the reference's numbers."""
+    m, t, f = cfg.model, cfg.train, cfg.fsdp
+    return {
+        "bf16": t.bf16 or f.mixed_precision == "bf16",
+        "fp16": t.fp16 or f.mixed_precision == "fp16",
+        "4bit": m.use_4bit_quantization,
+        "quant": [m.bnb_4bit_quant_type, m.bnb_4bit_compute_dtype, m.use_nested_quant],
+        "chat_template_format": m.chat_template_format,
+    }
 
 
 def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
@@ -215,6 +274,8 @@ def run(cfg: RunConfig) -> int:
     )
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
+    objective = _setup_objective(cfg, model, [train_split, eval_split], info, tokenizer.pad_token_id)
     state = LoopState()
     if t.resume_from_checkpoint:
         state = _resume(cfg, model, optimizer, scheduler, info)
@@ -277,6 +338,7 @@ def run(cfg: RunConfig) -> int:
             # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
             save_fn=save_fn,
             stop_requested=stop,
+            objective=objective,
         )
     except NonFiniteError as e:
         error(str(e))
@@ -291,7 +353,9 @@ def run(cfg: RunConfig) -> int:
         logger.close()
         return EXIT_INTERRUPTED
     out = _export(cfg, model, tokenizer, info)
-    summary = _finish(logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out)
+    summary = _finish(
+        logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out, objective
+    )
     if info.is_main:
         _write_cards(cfg, out, summary)
         if repo_id:
@@ -490,13 +554,13 @@ def _export(cfg: RunConfig, model, tokenizer, info) -> Path:
     return out
 
 
-def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out) -> None:
+def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, objective) -> None:
     from shardtune.distributed.mesh import all_gather_objects
-    from shardtune.trainer import evaluate, peak_memory_gb
+    from shardtune.trainer import evaluate_split, peak_memory_gb
 
     final_eval = {}
     if eval_split is not None and cfg.train.eval_strategy != "no":
-        final_eval = evaluate(model, eval_split, batch_size=settings.eval_batch_size, info=info, pad_id=settings.pad_id)
+        final_eval = evaluate_split(model, eval_split, objective, settings, info)
     mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
     summary = {
         "runtime_s": runtime,
