@@ -130,6 +130,45 @@ def write_chat_dataset(out_dir: str | Path, n_train: int = 2000, n_test: int = 2
     return out
 
 
+def write_preference_dataset(
+    out_dir: str | Path, n_train: int = 1000, n_test: int = 100, seed: int = 0, conversational: bool = False
+) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of prompt/chosen/rejected pairs: the right answer and a wrong one
+    (another country's capital, a word that is not the opposite, the list not reversed). Plain text, or TRL's
+    conversational format (lists of role/content turns) with `conversational`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        with open(out / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                q, good, bad = _preference_pair(rng)
+                if conversational:
+                    row = {
+                        "prompt": [{"role": "user", "content": q}],
+                        "chosen": [{"role": "assistant", "content": good}],
+                        "rejected": [{"role": "assistant", "content": bad}],
+                    }
+                else:
+                    row = {"prompt": f"Question: {q}\nAnswer:", "chosen": f" {good}", "rejected": f" {bad}"}
+                f.write(json.dumps(row) + "\n")
+    return out
+
+
+def _preference_pair(rng: random.Random) -> tuple[str, str, str]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        country, other = rng.sample(sorted(CAPITALS), 2)
+        q = f"What is the capital of {country}?"
+        return q, f"The capital of {country} is {CAPITALS[country]}.", f"The capital of {country} is {CAPITALS[other]}."
+    if kind == 1:
+        word, other = rng.sample(sorted(OPPOSITES), 2)
+        q = f"What is the opposite of {word}?"
+        return q, f"The opposite of {word} is {OPPOSITES[word]}.", f"The opposite of {word} is {OPPOSITES[other]}."
+    items = rng.sample(WORDS, rng.randint(2, 4))
+    return f"Reverse this list: {', '.join(items)}", ", ".join(reversed(items)), ", ".join(items)
+
+
 def _corpus(rng: random.Random, n: int = 3000) -> list[str]:
     texts = []
     for _ in range(n):
