@@ -166,6 +166,11 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def rows_per_example(objective: str) -> int:
+    """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)."""
+    return 1 if objective == "sft" else 2
+
+
 def build_objective(objective: str, *, beta: float, loss_type: str, simpo_gamma: float) -> Objective:
     """The objective named by --objective (sft: the chunked cross-entropy)."""
     if objective == "sft":

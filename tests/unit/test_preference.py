@@ -240,3 +240,20 @@ def test_per_sequence_logps_equal_full_logits(tiny_assets, tok, pairs_dir):
     token = torch.log_softmax(logits, -1).gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
     torch.testing.assert_close(logps, (token * mask).sum(-1), rtol=1e-6, atol=1e-5)
     assert torch.equal(n, mask.sum(-1)) and np.all(n.numpy() > 0)
+
+
+def test_plan_counts_two_rows_per_pair_and_names_the_reference(tiny_assets, capsys):
+    from shardtune.plan import main
+
+    base = ["--model_name_or_path", str(tiny_assets["model"]), "--use_peft_lora", "True", "--json", "True"]
+    estimates = {}
+    for objective, batch in (("sft", 8), ("dpo", 4)):
+        assert main([*base, "--objective", objective, "--per_device_train_batch_size", str(batch)]) == 0
+        estimates[objective] = json.loads(capsys.readouterr().out)
+    sft, dpo = estimates["sft"], estimates["dpo"]
+    # 4 pairs are 8 rows: the activations of SFT with 8 rows (without dropout masks, which DPO turns off).
+    assert dpo["run"]["rows_per_example"] == 2 and dpo["run"]["lora_dropout"] == 0.0
+    assert any("adapter disabled" in n for n in dpo["notes"]) and not any("--objective" in n for n in sft["notes"])
+    assert main([*base, "--objective", "sft", "--per_device_train_batch_size", "8", "--lora_dropout", "0"]) == 0
+    no_dropout = json.loads(capsys.readouterr().out)
+    assert dpo["device"] == no_dropout["device"]
