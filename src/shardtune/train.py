@@ -101,6 +101,9 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         result = build_datasets(**kwargs)
     train, evals = result
     st = train.stats
+    if "pairs" in st:  # preference pairs: their own log line said the rest
+        print0(f"Data: {st['pairs']} pairs; eval pairs: {len(evals) if evals is not None else 0}.")
+        return train, evals
     print0(
         f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
         f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
