@@ -432,7 +432,7 @@ def _preference_demo(assets: dict[str, Path], root: Path, nproc: int, epochs: fl
     }  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += ["-m", "shardtune", "train", *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
-    rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()[:4]]
+    rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
     before = _preferences(assets["model"], None, rows)
     rc = _launch_train(cmd, root, nproc)
     if rc != 0:
@@ -440,10 +440,12 @@ def _preference_demo(assets: dict[str, Path], root: Path, nproc: int, epochs: fl
     after = _preferences(assets["model"], out, rows)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     accuracies = [f"{r['eval_rewards/accuracies']:.2f}" for r in records if r.get("type") == "eval"]
-    print("\nEval reward accuracy (chosen preferred over rejected): " + " → ".join(accuracies))
-    for row, b, a in zip(rows, before, after, strict=True):
-        print(f"\n{row['prompt']!r}\n  chosen: {row['chosen']!r}  rejected: {row['rejected']!r}")
-        print(f"  log p(chosen) - log p(rejected): before {b:+.2f}, after {a:+.2f}")
+    print("\nEval reward accuracy (chosen gains more than rejected over the base): " + " → ".join(accuracies))
+    print("\nHeld-out pairs where the model prefers the right answer, log p(chosen) > log p(rejected):")
+    for kind in ("capital", "opposite", "Reverse"):
+        picked = [i for i, r in enumerate(rows) if kind in r["prompt"]]
+        share = [sum(x[i] > 0 for i in picked) / max(len(picked), 1) for x in (before, after)]
+        print(f"  {kind.lower():<10} ({len(picked):>2} pairs)  base {share[0]:.2f}  →  tuned {share[1]:.2f}")
     print(f"\nAdapter: {out}")
     return 0
 

@@ -257,3 +257,19 @@ def test_plan_counts_two_rows_per_pair_and_names_the_reference(tiny_assets, caps
     assert main([*base, "--objective", "sft", "--per_device_train_batch_size", "8", "--lora_dropout", "0"]) == 0
     no_dropout = json.loads(capsys.readouterr().out)
     assert dpo["device"] == no_dropout["device"]
+
+
+def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir):
+    from shardtune.config import ConfigError, load_run_config
+
+    base = ["--model_name_or_path", str(tiny_assets["model"]), "--dataset_name", str(pairs_dir)]
+    with pytest.raises(ConfigError) as e:
+        load_run_config(
+            [*base, "--objective", "orpo", "--packing", "True", "--loss_type", "ipo", "--beta", "0"], env={}
+        )
+    text = str(e.value)
+    assert "--packing does not apply to --objective orpo" in text and "set --packing False" in text
+    assert "--loss_type ipo applies to --objective dpo only" in text and "--beta must be > 0" in text
+    with pytest.raises(ConfigError, match="--loss_type only apply to --objective dpo"):
+        load_run_config([*base, "--loss_type", "ipo"], env={})
+    assert load_run_config([*base, "--objective", "dpo", "--loss_type", "ipo"], env={}).train.loss_type == "ipo"
