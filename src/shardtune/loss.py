@@ -166,6 +166,14 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (TRL's disable_dropout, on by default for its preference trainers): the policy's
+    and the reference's log-probs of the same weights agree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
 def rows_per_example(objective: str) -> int:
     """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)."""
     return 1 if objective == "sft" else 2

@@ -123,50 +123,37 @@ def _preference_data_builder(kwargs: dict):
 
 def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
-    log-probs precomputed where the reference is not the base with the adapter disabled."""
-    from shardtune.loss import build_objective
+    log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
+    from shardtune.loss import build_objective, disable_dropout
+    from shardtune.reference import precompute_reference, weights_identity
 
     t, m = cfg.train, cfg.model
     objective = build_objective(t.objective, beta=t.beta, loss_type=t.loss_type, simpo_gamma=t.simpo_gamma)
-    if not objective.paired:
+    if objective.paired and t.disable_dropout:
+        disable_dropout(model)
+    if not objective.needs_reference:
         return objective
-    if t.disable_dropout:
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-    per_step = m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs
-    if objective.needs_reference and not per_step:
-        from shardtune.reference import precompute_reference, weights_identity
-
-        for split in (s for s in splits if s is not None):
-            precompute_reference(
-                model,
-                split,
-                batch_size=t.per_device_eval_batch_size,
-                info=info,
-                pad_id=pad_id,
-                # With --adapter_path the reference is the model the run starts from: base plus that adapter.
-                disable_adapter=m.use_peft_lora and not m.adapter_path,
-                identity={
-                    "weights": weights_identity(m.model_name_or_path, m.adapter_path),
-                    "model": _model_spec_record(cfg),
-                },
-            )
-    elif objective.needs_reference:
+    if m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs:
         print0("Reference: the base model with the adapter disabled, run under no_grad each step (no second copy).")
-    return objective
-
-
-def _model_spec_record(cfg: RunConfig) -> dict:
-    """What besides the weight files decides the reference's numbers."""
-    m, t, f = cfg.model, cfg.train, cfg.fsdp
-    return {
-        "bf16": t.bf16 or f.mixed_precision == "bf16",
-        "fp16": t.fp16 or f.mixed_precision == "fp16",
-        "4bit": m.use_4bit_quantization,
-        "quant": [m.bnb_4bit_quant_type, m.bnb_4bit_compute_dtype, m.use_nested_quant],
-        "chat_template_format": m.chat_template_format,
+        return objective
+    f = cfg.fsdp
+    identity = {  # what decides the reference's numbers: the weight files, how they are loaded, the precision
+        "weights": weights_identity(m.model_name_or_path, m.adapter_path),
+        "model": cfg.to_dict()["model"],
+        "precision": [t.bf16, t.fp16, f.mixed_precision],
     }
+    for split in (s for s in splits if s is not None):
+        precompute_reference(
+            model,
+            split,
+            batch_size=t.per_device_eval_batch_size,
+            info=info,
+            pad_id=pad_id,
+            # With --adapter_path the reference is the model the run starts from: base plus that adapter.
+            disable_adapter=m.use_peft_lora and not m.adapter_path,
+            identity=identity,
+        )
+    return objective
 
 
 def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
@@ -259,9 +246,10 @@ def run(cfg: RunConfig) -> int:
         grad_accum=t.gradient_accumulation_steps,
     )
     if spe < 1:
+        unit = "rows" if t.objective == "sft" else "pairs"
         raise ValueError(
-            f"the training split gives {len(train_split.input_ids)} rows: fewer than one optimizer step "
-            f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} rows. "
+            f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
+            f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} {unit}. "
             "Lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data."
         )
     total = _total_steps(cfg, spe)
@@ -278,7 +266,8 @@ def run(cfg: RunConfig) -> int:
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
-    objective = _setup_objective(cfg, model, [train_split, eval_split], info, tokenizer.pad_token_id)
+    evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
+    objective = _setup_objective(cfg, model, [train_split, evaluated], info, tokenizer.pad_token_id)
     state = LoopState()
     if t.resume_from_checkpoint:
         state = _resume(cfg, model, optimizer, scheduler, info)
@@ -609,6 +598,9 @@ def _write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
         "optim": t.optim,
         "fsdp_sharding_strategy": cfg.fsdp.sharding_strategy,
     }
+    if t.objective != "sft":
+        hp.update(objective=t.objective, beta=t.beta)
+        hp.update({"loss_type": t.loss_type} if t.objective == "dpo" else {})
     if m.use_peft_lora:
         hp.update(
             lora_r=m.lora_r,
