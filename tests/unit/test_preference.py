@@ -273,3 +273,20 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
     with pytest.raises(ConfigError, match="--loss_type only apply to --objective dpo"):
         load_run_config([*base, "--loss_type", "ipo"], env={})
     assert load_run_config([*base, "--objective", "dpo", "--loss_type", "ipo"], env={}).train.loss_type == "ipo"
+
+
+def test_tensorboard_tags_are_trls(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardtune.metrics import RunLogger
+
+    logger = RunLogger(str(tmp_path), is_main=True, report_to="tensorboard", total_steps=1, disable_progress=True)
+    logger.log_train(1, {"loss": 0.69, "rewards/chosen": 0.25, "rewards/accuracies": 0.5, "logps/rejected": -60.0})
+    logger.log_eval(1, {"eval_loss": 0.7, "eval_rewards/margins": 0.125})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    # What TRL's trainers log through transformers' TensorBoard callback.
+    assert {"train/rewards/chosen", "train/rewards/accuracies", "train/logps/rejected"} <= tags
+    assert "eval/rewards/margins" in tags and acc.Scalars("train/rewards/chosen")[0].value == 0.25
