@@ -84,11 +84,13 @@ class PreferenceObjective(Objective):
         return {"pairs": int(valid.sum()), "chosen_targets": chosen_targets}
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
+        # The reference first: its no_grad activations are gone before the policy's forward saves its own.
+        ref_logps = self._reference(model, batch)
         logps, n_targets = model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], per_sequence=True
         )
         valid = (batch["pair_index"] >= 0).float()
-        scores = self.scores(logps, n_targets, self._reference(model, batch))
+        scores = self.scores(logps, n_targets, ref_logps)
         loss = (scores.loss * valid).sum() / max(totals["pairs"], 1)
         sums = {"loss": loss.detach().double()}
         if self.name == "orpo":
