@@ -28,5 +28,7 @@ run() {
 }
 run sft-lora --dataset_name sft.jsonl --per_device_train_batch_size 16 $lora
 run dpo-lora --dataset_name pairs/train.jsonl --objective dpo --per_device_train_batch_size 8 $lora
+run dpo-lora-pre --dataset_name pairs/train.jsonl --objective dpo --per_device_train_batch_size 8 $lora \
+  --precompute_ref_log_probs True
 run sft-full --dataset_name sft.jsonl --per_device_train_batch_size 16
 run dpo-full --dataset_name pairs/train.jsonl --objective dpo --per_device_train_batch_size 8
