@@ -195,7 +195,7 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
     if use_peft_lora and not adapter_path and not precompute:
         return (
             head + "; the reference is the same sharded base with the adapter disabled: one more forward per "
-            "micro-batch under no_grad, whose activations are freed before the policy's forward (no extra memory)."
+            "micro-batch under no_grad, run before the policy's forward (no model copy, no saved activations)."
         )
     return (
         head + "; the reference log-probs are computed once before training (one no_grad pass over the data) and "
