@@ -180,6 +180,22 @@ class TrainArguments:
         "Seconds a collective waits for the other ranks before failing; lower it so that a "
         "hung or lost rank stops the run sooner.",
     )
+    # Preference tuning: what is minimised, with TRL's DPOConfig/CPOConfig names for the knobs (docs/preference.md).
+    objective: str = _f(
+        "sft",
+        "sft: cross-entropy on the text; dpo, simpo, orpo: preference tuning on prompt/chosen/rejected pairs.",
+        choices=["sft", "dpo", "simpo", "orpo"],
+    )
+    beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's and ORPO's beta.")
+    loss_type: str = _f("sigmoid", "--objective dpo: sigmoid (DPO) or ipo.", choices=["sigmoid", "ipo"])
+    simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")
+    precompute_ref_log_probs: bool = _f(
+        False,
+        "--objective dpo with an adapter: compute the reference log-probs once before training (stored with the "
+        "data cache) instead of a forward with the adapter disabled every step. Always on for full fine-tuning "
+        "and with --adapter_path.",
+    )
+    disable_dropout: bool = _f(True, "Preference objectives: turn dropout off in the model, as TRL does.")
     # Accepted so that command lines written for transformers' Trainer keep working.
     overwrite_output_dir: bool = _f(
         False,
@@ -227,6 +243,7 @@ class RunConfig:
 
 
 ARG_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainArguments)}
 
 
 def _aliases() -> dict[str, str]:
@@ -473,6 +490,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         )
     if t.eval_strategy != "no" and len(_split(d.splits)) < 2:
         p.append(f"--eval_strategy {t.eval_strategy} needs an evaluation split in --splits (e.g. train,test).")
+    p += _preference_problems(cfg)
     if m.adapter_path and not m.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
     from shardtune.quant import quantization_problems
@@ -591,6 +609,31 @@ def _range_problems(cfg: RunConfig) -> list[str]:
             rng = low if hi is None else f"in {'[' if lo_ok else '('}{lo}, {hi}{']' if hi_ok else ')'}"
             out.append(f"--{name} must be {rng} (got {v}).")
     return out
+
+
+def _preference_problems(cfg: RunConfig) -> list[str]:
+    d, t = cfg.data, cfg.train
+    if t.objective == "sft":
+        changed = [f"--{n}" for n in ("loss_type", "precompute_ref_log_probs") if getattr(t, n) != _DEFAULTS[n]]
+        return (
+            [f"{', '.join(changed)} only apply to --objective dpo; remove them or set --objective dpo."]
+            if changed
+            else []
+        )
+    p = []
+    if t.beta <= 0:
+        p.append(f"--beta must be > 0 (got {t.beta}).")
+    if t.loss_type != "sigmoid" and t.objective != "dpo":
+        p.append(f"--loss_type {t.loss_type} applies to --objective dpo only; remove it for --objective {t.objective}.")
+    if d.streaming:
+        p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
+    for flag in ("packing", "assistant_only_loss", "append_concat_token"):
+        if getattr(d, flag):
+            p.append(
+                f"--{flag} does not apply to --objective {t.objective} (pairs are rows of their own and only the "
+                f"completions count); set --{flag} False."
+            )
+    return p
 
 
 def _looks_local(s: str) -> bool:

@@ -130,6 +130,51 @@ def write_chat_dataset(out_dir: str | Path, n_train: int = 2000, n_test: int = 2
     return out
 
 
+def write_preference_dataset(
+    out_dir: str | Path,
+    n_train: int = 1000,
+    n_test: int = 100,
+    seed: int = 0,
+    conversational: bool = False,
+    copies: bool = False,
+) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of prompt/chosen/rejected pairs: the right answer and a wrong one
+    (another country's capital, a word that is not the opposite, the list not reversed), or with `copies` the
+    answer that repeats the question's word (the country as its own capital, the word as its own opposite). Plain text, or TRL's conversational format (lists of role/content turns) with
+    `conversational`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        with open(out / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                q, good, bad = _preference_pair(rng, copies)
+                if conversational:
+                    row = {
+                        "prompt": [{"role": "user", "content": q}],
+                        "chosen": [{"role": "assistant", "content": good}],
+                        "rejected": [{"role": "assistant", "content": bad}],
+                    }
+                else:
+                    row = {"prompt": f"Question: {q}\nAnswer:", "chosen": f" {good}", "rejected": f" {bad}"}
+                f.write(json.dumps(row) + "\n")
+    return out
+
+
+def _preference_pair(rng: random.Random, copies: bool = False) -> tuple[str, str, str]:
+    kind = rng.randrange(3)
+    if kind == 0:
+        country, other = rng.sample(sorted(CAPITALS), 2)
+        q, wrong = f"What is the capital of {country}?", country if copies else CAPITALS[other]
+        return q, f"The capital of {country} is {CAPITALS[country]}.", f"The capital of {country} is {wrong}."
+    if kind == 1:
+        word, other = rng.sample(sorted(OPPOSITES), 2)
+        q, wrong = f"What is the opposite of {word}?", word if copies else OPPOSITES[other]
+        return q, f"The opposite of {word} is {OPPOSITES[word]}.", f"The opposite of {word} is {wrong}."
+    items = rng.sample(WORDS, rng.randint(2, 4))
+    return f"Reverse this list: {', '.join(items)}", ", ".join(reversed(items)), ", ".join(items)
+
+
 def _corpus(rng: random.Random, n: int = 3000) -> list[str]:
     texts = []
     for _ in range(n):
@@ -310,26 +355,25 @@ def _answers(model_dir: Path, adapter: Path | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """`shardtune demo`: build the demo assets, answer before, fine-tune on 2 CPU processes with FSDP, answer after."""
     import argparse
-    import os
-    import subprocess
     import sys
-
-    import yaml
-
-    from shardtune.launcher import accelerate_env, read_accelerate_yaml
 
     ap = argparse.ArgumentParser(prog="shardtune demo", description=main.__doc__)
     ap.add_argument("--workdir", default="shardtune-demo", help="Where the model, data and outputs go.")
-    ap.add_argument("--epochs", type=float, default=6.0, help="Training epochs.")
+    ap.add_argument("--epochs", type=float, default=None, help="Training epochs (default: 6 for sft, 2 for dpo).")
     ap.add_argument("--nproc", type=int, default=2, help="Processes (FSDP ranks).")
+    ap.add_argument(
+        "--objective",
+        default="sft",
+        choices=["sft", "dpo"],
+        help="sft: fine-tune on chats; dpo: preference-tune on generated right/wrong answer pairs.",
+    )
     args = ap.parse_args(argv)
     root = Path(args.workdir)
     assets = build_demo_assets(root)
+    if args.objective == "dpo":
+        return _preference_demo(assets, root, args.nproc, args.epochs)
     out = root / "output"
     before = _answers(assets["model"], None)
-    yaml_path = root / "fsdp_config_cpu.yaml"
-    yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": args.nproc}, sort_keys=False))
-    env = {**os.environ, **accelerate_env(read_accelerate_yaml(yaml_path)), "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",
@@ -340,13 +384,12 @@ def main(argv: list[str] | None = None) -> int:
         "-m",
         "shardtune",
         "train",
-        *demo_train_flags(assets["model"], assets["data"], out, args.epochs),
+        *demo_train_flags(assets["model"], assets["data"], out, args.epochs or 6.0),
         # A demo run again in the same --workdir replaces the previous one instead of being refused.
         "--overwrite_output_dir",
         "True",
     ]
-    print("$ " + " ".join(cmd[2:]), flush=True)
-    rc = subprocess.call(cmd, env=env)
+    rc = _launch_train(cmd, root, args.nproc)
     if rc != 0:
         return rc
     after = _answers(assets["model"], out)
@@ -357,6 +400,84 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nQ: {prompt}\n  before: {b[:80]!r}\n  after:  {a[:80]!r}")
     print(f"\nAdapter: {out}  (chat with it: shardtune chat --model_name_or_path {assets['model']} --adapter {out})")
     return 0
+
+
+def _launch_train(cmd: list[str], root: Path, nproc: int) -> int:
+    """Run `cmd` (a torchrun command line) with the demo's FSDP settings on CPU."""
+    import os
+    import subprocess
+
+    import yaml
+
+    from shardtune.launcher import accelerate_env, read_accelerate_yaml
+
+    yaml_path = root / "fsdp_config_cpu.yaml"
+    yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": nproc}, sort_keys=False))
+    env = {**os.environ, **accelerate_env(read_accelerate_yaml(yaml_path)), "OMP_NUM_THREADS": "1"}
+    print("$ " + " ".join(cmd[2:]), flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def _preference_demo(assets: dict[str, Path], root: Path, nproc: int, epochs: float | None) -> int:
+    """DPO with a LoRA adapter on pairs of a right answer and one that repeats the question's word; shows which answer the model prefers on
+    held-out questions before and after, and the eval reward accuracy as training goes."""
+    import sys
+
+    data = write_preference_dataset(root / "pairs", n_train=800, n_test=64, seed=1, copies=True)
+    out = root / "output-dpo"
+    flags = {
+        "seed": 100, "model_name_or_path": assets["model"], "dataset_name": data, "objective": "dpo",
+        "beta": 0.1, "max_length": 64, "num_train_epochs": epochs or 2.0, "logging_steps": 5,
+        "eval_strategy": "steps", "eval_steps": 10, "save_strategy": "no", "learning_rate": 5e-3,
+        "lr_scheduler_type": "cosine", "warmup_steps": 3, "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16, "use_peft_lora": True, "lora_r": 16, "lora_alpha": 32,
+        "lora_target_modules": "all-linear", "output_dir": out,
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += ["-m", "shardtune", "train", *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
+    rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
+    before = _preferences(assets["model"], None, rows)
+    rc = _launch_train(cmd, root, nproc)
+    if rc != 0:
+        return rc
+    after = _preferences(assets["model"], out, rows)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    accuracies = [f"{r['eval_rewards/accuracies']:.2f}" for r in records if r.get("type") == "eval"]
+    print("\nEval reward accuracy (chosen gains more than rejected over the base): " + " → ".join(accuracies))
+    print("\nHeld-out pairs where the model prefers the right answer, log p(chosen) > log p(rejected):")
+    for kind in ("capital", "opposite", "Reverse"):
+        picked = [i for i, r in enumerate(rows) if kind in r["prompt"]]
+        share = [sum(x[i] > 0 for i in picked) / max(len(picked), 1) for x in (before, after)]
+        print(f"  {kind.lower():<10} ({len(picked):>2} pairs)  base {share[0]:.2f}  →  tuned {share[1]:.2f}")
+    print(f"\nAdapter: {out}")
+    return 0
+
+
+def _preferences(model_dir: Path, adapter: Path | None, rows: list[dict]) -> list[float]:
+    """log p(chosen | prompt) - log p(rejected | prompt) per row, with the base or base + adapter (plain PEFT)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.data.preference import tokenize_pair
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    out = []
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            prompt, chosen, rejected = tokenize_pair(tok, row, "test", i, add_special_tokens=False)
+            scores = []
+            for completion in (chosen, rejected):
+                ids = torch.tensor([prompt + completion])
+                logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+                scores.append(float(logps[len(prompt) - 1 :].gather(-1, ids[0, len(prompt) :, None]).sum()))
+            out.append(scores[0] - scores[1])
+    return out
 
 
 def build_demo_assets(

@@ -410,8 +410,12 @@ class CausalLMForTraining(nn.Module):
         out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor):
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False
+    ):
         h = self.hidden_states(input_ids, position_ids)
+        if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
+            return self._sequence_logps(h, labels)
         h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         keep = y != -100
         if not keep.any():
@@ -430,8 +434,33 @@ class CausalLMForTraining(nn.Module):
         return total, keep.sum()
 
     def _chunk_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self._head(h).float()
-        return F.cross_entropy(logits, y, reduction="sum")
+        return F.cross_entropy(self.chunk_logits(h), y, reduction="sum")
+
+    def chunk_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of a chunk of hidden states: the one place every loss gets its logits from."""
+        return self._head(h).float()
+
+    def _sequence_logps(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the targets' log-probs, number of targets) per row, through the same chunked head as the loss.
+
+        Positions are chunked over the whole batch as in forward; each chunk's log-probs are added to their rows.
+        """
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels).reshape(-1)
+        h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        keep = y != -100
+        h, y, rows = h[keep], y[keep], rows[keep]
+        total = h.new_zeros(labels.shape[0], dtype=torch.float32)
+        for start in range(0, h.shape[0], self.chunk_size):
+            hc, yc = h[start : start + self.chunk_size], y[start : start + self.chunk_size]
+            if torch.is_grad_enabled():
+                lp = torch.utils.checkpoint.checkpoint(self._chunk_token_logps, hc, yc, use_reentrant=False)
+            else:
+                lp = self._chunk_token_logps(hc, yc)
+            total = total.index_add(0, rows[start : start + self.chunk_size], lp)
+        return total, torch.bincount(rows, minlength=labels.shape[0])
+
+    def _chunk_token_logps(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return -F.cross_entropy(self.chunk_logits(h), y, reduction="none")
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Full logits (for tests and evaluation of small batches)."""

@@ -31,6 +31,7 @@ from shardtune.launcher import (
     fsdp_settings_from_yaml,
     read_accelerate_yaml,
 )
+from shardtune.loss import rows_per_example
 from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
@@ -186,6 +187,22 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
     return shape
 
 
+def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None, precompute: bool) -> str:
+    """What the preference objective adds beyond its two rows per pair (counted in the activations above)."""
+    head = f"--objective {objective}: each micro-batch holds a chosen and a rejected row per pair (counted above)"
+    if objective != "dpo":
+        return head + "; no reference model."
+    if use_peft_lora and not adapter_path and not precompute:
+        return (
+            head + "; the reference is the same sharded base with the adapter disabled: one more forward per "
+            "micro-batch under no_grad, run before the policy's forward (no model copy, no saved activations)."
+        )
+    return (
+        head + "; the reference log-probs are computed once before training (one no_grad pass over the data) and "
+        "stored with the data cache: no second model copy."
+    )
+
+
 def run_kwargs(
     model: ModelArguments,
     data: DataArguments,
@@ -214,10 +231,12 @@ def run_kwargs(
         "use_peft_lora": model.use_peft_lora,
         "lora_r": model.lora_r,
         "lora_target_modules": model.lora_target_modules,
-        "lora_dropout": model.lora_dropout,
+        # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
+        "lora_dropout": 0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
         "use_dora": model.use_dora,
         "modules_to_save": tuple(_split(model.modules_to_save)),
         "batch_size": train.per_device_train_batch_size,
+        "rows_per_example": rows_per_example(train.objective),
         "seq_len": data.max_length,
         "gradient_checkpointing": train.gradient_checkpointing or launch.activation_checkpointing,
         "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
@@ -297,6 +316,10 @@ def make_plan(argv: list[str]) -> Plan:
     result = Plan(
         model.model_name_or_path, shape, kwargs, estimate_memory(shape, **kwargs), launch, as_json=bool(plan.json)
     )
+    if train.objective != "sft":
+        result.estimate.notes.append(
+            reference_note(train.objective, model.use_peft_lora, model.adapter_path, train.precompute_ref_log_probs)
+        )
     if plan.gpu_memory:
         result.gpu_bytes = parse_bytes(plan.gpu_memory)
         if not result.estimate.fits(result.gpu_bytes):

@@ -138,6 +138,8 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
         "streaming": d.streaming,
         "packing_window": d.packing_window,
     }
+    if cfg.train.objective != "sft":
+        build_datasets, kwargs = _preference_data_builder(kwargs)
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
@@ -148,6 +150,9 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
     if d.streaming:
         return train, evals
     st = train.stats
+    if "pairs" in st:  # preference pairs: their own log line said the rest
+        print0(f"Data: {st['pairs']} pairs; eval pairs: {len(evals) if evals is not None else 0}.")
+        return train, evals
     print0(
         f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
         f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
@@ -161,7 +166,8 @@ def _check_same_rows(train, evals, dataset_name: str) -> None:
     caches' content digests, so that a node with other files stops the run instead of training on other rows."""
     from shardtune.distributed.mesh import all_gather_objects
 
-    mine = [train.digest, evals.digest if evals is not None else None]
+    # preference splits carry no digest yet (None on every rank): only packed SFT caches are compared
+    mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]
     digests = all_gather_objects(mine)
     differ = [r for r, x in enumerate(digests) if x != digests[0]]
     if differ:
@@ -170,6 +176,50 @@ def _check_same_rows(train, evals, dataset_name: str) -> None:
             f"{dataset_name}: each node tokenizes its own copy of the data into its own --dataset_cache_dir. Give "
             "every node identical data files and tokenizer."
         )
+
+
+def _preference_data_builder(kwargs: dict):
+    """build_preference_datasets and the subset of the SFT data arguments that applies to pairs."""
+    from shardtune.data.preference import build_preference_datasets
+
+    names = ("tokenizer", "dataset_name", "splits", "max_length", "add_special_tokens", "drop_long_samples")
+    keep = {k: kwargs[k] for k in (*names, "cache_dir", "max_train_samples", "max_eval_samples")}
+    return build_preference_datasets, keep
+
+
+def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
+    """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
+    log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
+    from shardtune.loss import build_objective, disable_dropout
+    from shardtune.reference import precompute_reference, weights_identity
+
+    t, m = cfg.train, cfg.model
+    objective = build_objective(t.objective, beta=t.beta, loss_type=t.loss_type, simpo_gamma=t.simpo_gamma)
+    if objective.paired and t.disable_dropout:
+        disable_dropout(model)
+    if not objective.needs_reference:
+        return objective
+    if m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs:
+        print0("Reference: the base model with the adapter disabled, run under no_grad each step (no second copy).")
+        return objective
+    f = cfg.fsdp
+    identity = {  # what decides the reference's numbers: the weight files, how they are loaded, the precision
+        "weights": weights_identity(m.model_name_or_path, m.adapter_path),
+        "model": cfg.to_dict()["model"],
+        "precision": [t.bf16, t.fp16, f.mixed_precision],
+    }
+    for split in (s for s in splits if s is not None):
+        precompute_reference(
+            model,
+            split,
+            batch_size=t.per_device_eval_batch_size,
+            info=info,
+            pad_id=pad_id,
+            # With --adapter_path the reference is the model the run starts from: base plus that adapter.
+            disable_adapter=m.use_peft_lora and not m.adapter_path,
+            identity=identity,
+        )
+    return objective
 
 
 def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
@@ -302,9 +352,10 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         )
     )
     if spe < 1:
+        unit = "rows" if t.objective == "sft" else "pairs"
         raise ValueError(
-            f"the training split gives {len(train_split.input_ids)} rows: fewer than one optimizer step "
-            f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} rows. "
+            f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
+            f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} {unit}. "
             "Lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data."
         )
     total = _total_steps(cfg, spe)
@@ -320,6 +371,9 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     )
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
+    evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
+    objective = _setup_objective(cfg, model, [train_split, evaluated], info, tokenizer.pad_token_id)
     state = LoopState()
     if t.resume_from_checkpoint:
         state = _resume(cfg, model, optimizer, scheduler, info)
@@ -384,6 +438,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
             # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
             save_fn=save_fn,
             stop_requested=stop,
+            objective=objective,
         )
     except NonFiniteError as e:
         error(str(e))
@@ -403,7 +458,9 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         out = _export(cfg, model, tokenizer, info, state.step)
     except OSError as e:
         return _output_not_written(logger, e, info)
-    summary = _finish(logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out)
+    summary = _finish(
+        logger, cfg, model, eval_split, info, settings, state, time.perf_counter() - start, out, objective
+    )
     if info.is_main:
         _write_cards(cfg, out, summary)
         if repo_id:
@@ -658,13 +715,13 @@ def _export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
     return out
 
 
-def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out) -> None:
+def _finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, objective) -> None:
     from shardtune.distributed.mesh import all_gather_objects
-    from shardtune.trainer import evaluate, peak_memory_gb
+    from shardtune.trainer import evaluate_split, peak_memory_gb
 
     final_eval = {}
     if eval_split is not None and cfg.train.eval_strategy != "no":
-        final_eval = evaluate(model, eval_split, batch_size=settings.eval_batch_size, info=info, pad_id=settings.pad_id)
+        final_eval = evaluate_split(model, eval_split, objective, settings, info)
     mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
     summary = {
         "runtime_s": runtime,
@@ -710,6 +767,9 @@ def _write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
         "optim": t.optim,
         "fsdp_sharding_strategy": cfg.fsdp.sharding_strategy,
     }
+    if t.objective != "sft":
+        hp.update(objective=t.objective, beta=t.beta)
+        hp.update({"loss_type": t.loss_type} if t.objective == "dpo" else {})
     if m.use_peft_lora:
         hp.update(
             lora_r=m.lora_r,

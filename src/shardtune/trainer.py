@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -16,6 +17,7 @@ from shardtune.checkpoint import fault_point
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0
+from shardtune.loss import Objective
 
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 # A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
@@ -200,6 +202,8 @@ class StopFlag:
 
 
 def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, grad_accum: int) -> int:
+    if hasattr(split, "num_batches"):  # preference pairs batch themselves (shardtune.data.preference)
+        return split.num_batches(batch_size=batch_size, world_size=world_size) // grad_accum
     return num_batches(split, batch_size=batch_size, world_size=world_size) // grad_accum
 
 
@@ -215,8 +219,7 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
         return
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
-        it = iterate_batches(
-            split,
+        it = (split.iterate if hasattr(split, "iterate") else functools.partial(iterate_batches, split))(
             batch_size=s.batch_size,
             rank=info.rank,
             world_size=info.world_size,
@@ -233,25 +236,46 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
         epoch, start = epoch + 1, 0
 
 
-def train_step(model: nn.Module, batches: list[dict], info: DistInfo) -> tuple[float, int, int]:
-    """Forward and backward over the micro-batches of one optimizer step.
+def train_step(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective | None = None):
+    """Forward and backward over the micro-batches of one optimizer step; returns (metrics, totals, tokens).
 
-    The loss is normalised by the number of target tokens in the whole global batch (all micro-batches, all
-    ranks), so N ranks with batch B compute the same gradient as one process with batch N·B. FSDP averages
-    gradients over ranks, hence the factor world_size.
+    The objective normalises by its counts over the whole global batch (all micro-batches, all ranks: target
+    tokens for SFT, pairs for preference objectives), so N ranks with batch B compute the same gradient as one
+    process with batch N·B. FSDP averages gradients over ranks, hence the factor world_size.
     """
-    local_targets = sum(int((b["labels"] != -100).sum()) for b in batches)
+    return _run_objective(model, batches, info, objective or Objective(), backward=True)
+
+
+def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective, *, backward: bool):
+    local = [objective.counts(b) for b in batches]
+    keys = sorted(local[0])
     local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
-    n_targets, n_tokens = (int(x) for x in all_reduce_sum([local_targets, local_tokens], info.device))
-    scale = info.world_size / max(n_targets, 1)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+    reduced = all_reduce_sum([sum(c[k] for c in local) for k in keys] + [local_tokens], info.device)
+    totals = {k: int(v) for k, v in zip(keys, reduced, strict=False)}
+    sums: dict[str, torch.Tensor] = {}
     for b in batches:
         b = {k: v.to(info.device, non_blocking=True) for k, v in b.items()}
-        loss, _ = model(**b)
-        (loss * scale).backward()
-        loss_sum += loss.detach().double()
-    total = all_reduce_sum([loss_sum.item()], info.device)[0]
-    return total / max(n_targets, 1), n_targets, n_tokens
+        loss, parts = objective.step(model, b, totals, info.world_size)
+        if backward:
+            loss.backward()
+        for k, v in parts.items():
+            sums[k] = sums[k] + v if k in sums else v
+    names = sorted(sums)
+    reduced_sums = all_reduce_sum([sums[k].item() for k in names], info.device)
+    return objective.report(dict(zip(names, reduced_sums, strict=True)), totals), totals, int(reduced[-1])
+
+
+@torch.no_grad()
+def evaluate_objective(model: nn.Module, split, objective: Objective, *, batch_size: int, info: DistInfo, pad_id: int):
+    """An objective's metrics over every pair of a preference split (filler pairs count nowhere), prefixed eval_.
+
+    All pairs form one global batch, cut into micro-batches: the metrics are means over the whole split."""
+    model.eval()
+    kw = {"batch_size": batch_size, "rank": info.rank, "world_size": info.world_size, "epoch": 0, "seed": 0}
+    batches = list(split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False))
+    metrics, _, _ = _run_objective(model, batches, info, objective, backward=False)
+    model.train()
+    return {f"eval_{k}": v for k, v in metrics.items()}
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -336,15 +360,18 @@ def train(
     logger,
     save_fn: Callable[[LoopState], None] | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
+    objective: Objective | None = None,
 ) -> LoopState:
-    """Run optimizer steps until s.total_steps; returns the final state."""
+    """Run optimizer steps until s.total_steps, minimising `objective` (default: SFT); returns the final state."""
+    objective = objective or Objective()
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _micro_batches(train_split, s, info, state)
     model.train()
     t0, tokens0 = time.perf_counter(), state.tokens
     while state.step < s.total_steps:
         step_batches = [next(batches) for _ in range(s.grad_accum)]
-        loss, _, n_tokens = train_step(model, step_batches, info)
+        metrics, _, n_tokens = train_step(model, step_batches, info, objective)
+        loss = metrics["loss"]
         grad_norm = clip_grad_norm(params, s.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
@@ -357,12 +384,11 @@ def train(
         _advance(state, s, n_tokens, loss)
         end_of_epoch = state.batch_in_epoch == 0
         if _due(state.step, s.logging_steps, s.logging_strategy, end_of_epoch) or state.step == s.total_steps:
-            logger.log_train(state.step, _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0))
+            record = _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0)
+            logger.log_train(state.step, {**record, **metrics})
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
         if eval_split is not None and _due(state.step, s.eval_steps, s.eval_strategy, end_of_epoch):
-            logger.log_eval(
-                state.step, evaluate(model, eval_split, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
-            )
+            logger.log_eval(state.step, evaluate_split(model, eval_split, objective, s, info))
         fault_point("step", state.step, info.rank)
         # One collective per step, so that every rank takes the same decision.
         stop = stop_requested()
@@ -373,6 +399,13 @@ def train(
         if stop:
             break
     return state
+
+
+def evaluate_split(model: nn.Module, split, objective: Objective, s: LoopSettings, info: DistInfo) -> dict:
+    """The eval metrics of `objective` on `split` (SFT: eval_loss and perplexity over every target token)."""
+    if objective.paired:
+        return evaluate_objective(model, split, objective, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
+    return evaluate(model, split, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
 
 
 def _skip_nonfinite(state: LoopState, s: LoopSettings, loss: float, grad_norm: float) -> None:

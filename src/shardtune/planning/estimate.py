@@ -401,6 +401,7 @@ def estimate_memory(
     use_dora: bool = False,
     modules_to_save: Sequence[str] = (),
     batch_size: int = 1,
+    rows_per_example: int = 1,
     seq_len: int = 2048,
     gradient_checkpointing: bool = True,
     attn_implementation: str = "sdpa",
@@ -451,7 +452,7 @@ def estimate_memory(
     targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
     dyn_kwargs = {
         "a": a,
-        "batch_size": batch_size,
+        "batch_size": batch_size * rows_per_example,  # a preference pair is two rows
         "seq_len": seq_len,
         "packing": packing,
         "lora_targets": targets,

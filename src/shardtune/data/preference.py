@@ -1,0 +1,258 @@
+"""Preference data: prompt/chosen/rejected pairs (plain text or TRL's conversational format), tokenized as TRL's
+DPOTrainer does, stored as two rows per pair and batched so that a pair never splits across ranks or steps.
+
+Tokenization follows trl 1.16 (`DPOTrainer._prepare_dataset` and `DataCollatorForPreference`), so that the same
+rows give the same tokens: plain-text completions get the EOS text appended; the prompt and prompt+completion are
+tokenized separately and the completion starts where they stop agreeing (a template or a merge across the boundary
+may change the end of the prompt); each sequence is cut to --max_length keeping its start, and a pair whose prompt
+alone fills --max_length is dropped (it would have no completion token). With --drop_long_samples a pair with a
+sequence over --max_length is dropped instead of truncated. Conversations without a `prompt` column have it taken
+as the turns chosen and rejected share (TRL's `extract_prompt`).
+
+Row 2i is pair i's chosen sequence, row 2i+1 its rejected one; labels are shifted (labels[t] is the target of
+position t) and -100 on the prompt, so prompt tokens never count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..log import print0
+from .collate import collate_rows, epoch_order
+from .packing import Document, build_rows
+from .sources import check_not_empty, dataset_identity, load_split, parse_splits
+from .templates import validate_messages
+
+PAIR_COLUMNS = ("chosen", "rejected")
+
+
+@dataclass
+class PreferenceSplit:
+    """Tokenized pairs: rows 2i (chosen) and 2i+1 (rejected); ref_logps[r] is row r's reference log-prob once
+    computed (shardtune.reference)."""
+
+    input_ids: object  # RaggedRows
+    labels: object
+    position_ids: object
+    stats: dict
+    from_cache: bool = False
+    cache_path: str | None = None
+    ref_logps: np.ndarray | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.input_ids) // 2
+
+    def num_batches(self, *, batch_size: int, world_size: int, drop_last: bool = True) -> int:
+        """Steps per epoch in global batches of batch_size × world_size pairs."""
+        per_step = batch_size * world_size
+        return len(self) // per_step if drop_last else -(-len(self) // per_step)
+
+    def iterate(self, *, batch_size, rank, world_size, epoch, seed, shuffle, start_batch=0, pad_id, drop_last=True):
+        """This rank's batches: batch_size pairs as [chosen_1..chosen_B, rejected_1..rejected_B] (TRL's layout),
+        padded to the longest sequence of the global batch, with `pair_index` (-1: filler pair without targets)
+        and, once computed, `ref_logps`. Pairs are shuffled per epoch as shardtune.data.collate shuffles rows."""
+        lengths = self.input_ids.lengths()
+        order = epoch_order(len(self), seed=seed, epoch=epoch, shuffle=shuffle)
+        per_step = batch_size * world_size
+        for b in range(
+            start_batch, self.num_batches(batch_size=batch_size, world_size=world_size, drop_last=drop_last)
+        ):
+            step_pairs = order[b * per_step : (b + 1) * per_step]
+            seq_len = int(np.maximum(lengths[2 * step_pairs], lengths[2 * step_pairs + 1]).max())
+            yield self.collate(step_pairs[rank * batch_size : (rank + 1) * batch_size], batch_size, seq_len, pad_id)
+
+    def collate(self, pairs: np.ndarray, batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+        filler = np.full(batch_size - len(pairs), -1, dtype=np.int64)
+        index = np.concatenate([pairs.astype(np.int64), filler])
+        rows = np.concatenate([2 * pairs, 2 * pairs + 1])
+        chosen = collate_rows(self, 2 * pairs, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id)
+        rejected = collate_rows(self, 2 * pairs + 1, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id)
+        batch = {k: torch.cat([chosen[k], rejected[k]]) for k in chosen}
+        batch["pair_index"] = torch.from_numpy(index)
+        if self.ref_logps is not None:
+            ref = np.zeros(2 * batch_size, dtype=np.float64)
+            ref[: len(pairs)] = self.ref_logps[rows[: len(pairs)]]
+            ref[batch_size : batch_size + len(pairs)] = self.ref_logps[rows[len(pairs) :]]
+            batch["ref_logps"] = torch.from_numpy(ref)
+        return batch
+
+
+def build_preference_datasets(
+    *,
+    tokenizer,
+    dataset_name: str,
+    splits: str,
+    max_length: int,
+    add_special_tokens: bool,
+    drop_long_samples: bool,
+    cache_dir: str | None,
+    max_train_samples: int | None = None,
+    max_eval_samples: int | None = None,
+) -> tuple[PreferenceSplit, PreferenceSplit | None]:
+    """Load and tokenize the pairs of the train split and the optional eval split named by --splits."""
+    from . import _load_cache, _save_cache, _tokenizer_fingerprint
+
+    request = parse_splits(splits)
+    out = []
+    for split, limit, flag in (
+        (request.train, max_train_samples, "--max_train_samples"),
+        (request.eval, max_eval_samples, "--max_eval_samples"),
+    ):
+        if split is None:
+            out.append(None)
+            continue
+        ds = load_split(dataset_name, split, is_train=split == request.train)
+        check_not_empty(ds, dataset_name, split)
+        if limit is not None:
+            if limit < 1:
+                raise ValueError(f"{flag} must be >= 1 (got {limit}).")
+            ds = ds.select(range(min(len(ds), limit)))
+        _check_columns(ds.column_names, dataset_name, split)
+        opts = {"max_length": max_length, "add_special_tokens": add_special_tokens, "drop_long": drop_long_samples}
+        key = hashlib.sha256(
+            json.dumps(
+                ["preference-1", dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
+                default=str,
+            ).encode()
+        ).hexdigest()
+        path = Path(cache_dir) / f"pairs-{key[:32]}.npz" if cache_dir else None
+        cached = _load_cache(path) if path is not None else None
+        if cached is not None:
+            prepared = PreferenceSplit(
+                cached.input_ids, cached.labels, cached.position_ids, cached.stats, True, cached.cache_path
+            )
+        else:
+            prepared = _tokenize_pairs(tokenizer, ds, split, opts)
+            if path is not None:
+                _save_cache(path, prepared)
+        s = prepared.stats
+        print0(
+            f"data: split {split!r}{' (from cache)' if prepared.from_cache else ''}: {s['pairs']} pairs "
+            f"({s['truncated']} truncated, {s['dropped']} dropped) of {s['rows_in']} rows, "
+            f"{s['completion_tokens']} completion tokens"
+        )
+        out.append(prepared)
+    return out[0], out[1]
+
+
+def _check_columns(columns: list[str], dataset_name: str, split: str) -> None:
+    if all(c in columns for c in PAIR_COLUMNS):
+        return
+    hint = (
+        " Unpaired prompt/completion/label rows are KTO's format, which shardtune does not train yet."
+        if "label" in columns and "completion" in columns
+        else ""
+    )
+    raise ValueError(
+        f"--dataset_name {dataset_name!r}, split {split!r}: preference objectives need `chosen` and `rejected` "
+        f"columns (and optionally `prompt`), as plain text or as conversations; found {', '.join(columns)}.{hint}"
+    )
+
+
+def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
+    docs, truncated, dropped, completion = [], 0, 0, 0
+    max_length = opts["max_length"]
+    for row, example in enumerate(ds):
+        prompt_ids, chosen_ids, rejected_ids = tokenize_pair(tokenizer, example, split, row, opts["add_special_tokens"])
+        seqs = [prompt_ids + chosen_ids, prompt_ids + rejected_ids]
+        too_long = max(len(s) for s in seqs) > max_length
+        if len(prompt_ids) >= max_length or (too_long and opts["drop_long"]):
+            dropped += 1
+            continue
+        truncated += too_long
+        for ids in seqs:
+            ids = np.asarray(ids[:max_length], dtype=np.int32)
+            targets = np.arange(len(ids)) >= len(prompt_ids)
+            completion += int(targets.sum())
+            docs.append(Document(ids, targets))
+    if not docs:
+        raise ValueError(
+            f"split {split!r}: every pair was dropped (prompt alone fills --max_length {max_length}, or a sequence "
+            "is longer and --drop_long_samples is set); raise --max_length."
+        )
+    rows = build_rows(docs, [[i] for i in range(len(docs))], row_length=None, pad_id=0)
+    stats = {
+        "rows_in": len(ds),
+        "pairs": len(docs) // 2,
+        "rows": len(docs),
+        "tokens": int(sum(len(d.ids) for d in docs)),
+        "completion_tokens": completion,
+        "target_tokens": int((rows["labels"].flat != -100).sum()),
+        "padding_tokens": 0,
+        "truncated": int(truncated),
+        "dropped": dropped,
+        "documents": len(docs) // 2,
+    }
+    return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
+
+
+def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
+    """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it."""
+    prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
+    conversational = isinstance(chosen, list)
+    where = f"split {split!r}, row {row}"
+    if conversational:
+        if prompt is None:
+            prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
+        for part in (prompt, chosen, rejected):
+            validate_messages(part, split=split, row=row)
+        encode = _chat_encoder(tokenizer, where)
+        prompt_ids = encode(prompt, add_generation_prompt=True)
+        full = [encode(prompt + chosen), encode(prompt + rejected)]
+    else:
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str) or (name != "prompt" and not value):
+                raise ValueError(f"{where}: `{name}` must be a non-empty string (or all columns conversations).")
+        eos = tokenizer.eos_token or ""
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+        prompt_ids = encode(prompt)
+        full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in (chosen, rejected)]
+    n = min(_common_prefix(prompt_ids, full[0]), _common_prefix(prompt_ids, full[1]))
+    return prompt_ids[:n], full[0][n:], full[1][n:]
+
+
+def _chat_encoder(tokenizer, where: str):
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"{where}: conversational pairs need a chat template; pass --chat_template_format chatml or zephyr, "
+            "or auto with a tokenizer that has one."
+        )
+
+    def encode(messages, add_generation_prompt: bool = False) -> list[int]:
+        try:
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # a template's raise_exception names no row
+            raise ValueError(f"{where}: the chat template could not render this conversation: {e}") from e
+        return list(out["input_ids"])
+
+    return encode
+
+
+def _extract_prompt(chosen: list, rejected: list, where: str):
+    """The shared leading turns are the prompt (TRL's extract_prompt)."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0:
+        raise ValueError(f"{where}: chosen and rejected share no leading turn; add a `prompt` column.")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,190 @@
+"""Training objectives: what an optimizer step minimises, how it is normalised over the global batch, and the
+metrics it logs. The trainer and the planner take an Objective; `build_objective` makes one from the flags.
+
+An objective is used in three calls per optimizer step (shardtune.trainer.train_step):
+  counts(batch)                  local normalisers of a micro-batch (target tokens, pairs, ...), summed over all
+                                 micro-batches and ranks by the trainer;
+  step(model, batch, totals, s)  (tensor to backward, {name: summed value}) for one micro-batch; the tensor is the
+                                 micro-batch's share of the global-batch loss times s (the data-parallel size,
+                                 since FSDP averages gradients over ranks);
+  report(sums, totals)           the step's metrics from the sums over all micro-batches and ranks.
+So N ranks with batch B give the gradient and the metrics of one process with batch N·B.
+
+SFT is the chunked cross-entropy summed over target tokens / the global target count. The preference objectives
+(DPO with loss_type sigmoid or ipo, SimPO, ORPO) follow trl 1.16's DPOTrainer and the CPO/ORPO trainers of
+trl.experimental, formula for formula, and log TRL's metric names (rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected). A batch of B pairs holds the B chosen rows,
+then the B rejected rows (shardtune.data.preference); `pair_index` -1 marks a filler pair, which counts nowhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class Objective:
+    """The interface (and the SFT objective): sum of token cross-entropies / global target count."""
+
+    name = "sft"
+    paired = False  # batches of preference pairs (shardtune.data.preference) rather than token rows
+    needs_reference = False  # needs the reference model's log-probs (precomputed, or the adapter disabled)
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        return {"targets": int((batch["labels"] != -100).sum())}
+
+    def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
+        loss, _ = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+        return loss * (grad_scale / max(totals["targets"], 1)), {"loss": loss.detach().double()}
+
+    def report(self, sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
+        return {"loss": sums["loss"] / max(totals["targets"], 1)}
+
+
+@dataclass
+class PairScores:
+    """Per pair (shape [B]): the loss, the rewards and the log-probs that the metrics report."""
+
+    loss: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+
+
+class PreferenceObjective(Objective):
+    """DPO, SimPO and ORPO on pairs: per-sequence log-probs from the model's chunked head (forward with
+    per_sequence=True), the reference's from the batch (`ref_logps`, computed in a first pass) or, for an adapter,
+    from the same model with the adapter disabled under no_grad."""
+
+    paired = True
+
+    def __init__(self, name: str, *, beta: float, loss_type: str = "sigmoid", simpo_gamma: float = 0.5):
+        self.name, self.beta, self.loss_type, self.simpo_gamma = name, beta, loss_type, simpo_gamma
+        self.needs_reference = name == "dpo"
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        valid = batch["pair_index"] >= 0
+        n_pairs = len(valid)
+        chosen_targets = int((batch["labels"][:n_pairs] != -100).sum())
+        return {"pairs": int(valid.sum()), "chosen_targets": chosen_targets}
+
+    def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
+        # The reference first: its no_grad activations are gone before the policy's forward saves its own.
+        ref_logps = self._reference(model, batch)
+        logps, n_targets = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], per_sequence=True
+        )
+        valid = (batch["pair_index"] >= 0).float()
+        scores = self.scores(logps, n_targets, ref_logps)
+        loss = (scores.loss * valid).sum() / max(totals["pairs"], 1)
+        sums = {"loss": loss.detach().double()}
+        if self.name == "orpo":
+            # ORPO adds the chosen completions' mean token NLL (over the global batch's chosen targets).
+            nll = -logps[: len(valid)].sum() / max(totals["chosen_targets"], 1)
+            loss = loss + nll
+            sums["loss"] = sums["loss"] + nll.detach().double()
+            sums["nll_loss"] = nll.detach().double()
+        with torch.no_grad():
+            for name, value in self._metric_values(scores).items():
+                sums[name] = (value * valid).sum().double()
+        return loss * grad_scale, sums
+
+    def report(self, sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
+        n = max(totals["pairs"], 1)
+        out = {"loss": sums["loss"]}
+        if "nll_loss" in sums:
+            out["nll_loss"] = sums["nll_loss"]
+        out.update({k: sums[k] / n for k in PAIR_METRICS})
+        return out
+
+    def scores(self, logps: torch.Tensor, n_targets: torch.Tensor, ref_logps: torch.Tensor | None) -> PairScores:
+        """The loss per pair from per-row log-probs and target counts ([2B]: chosen rows, then rejected rows)."""
+        chosen, rejected = logps.chunk(2)
+        n_chosen, n_rejected = n_targets.clamp(min=1).to(logps.dtype).chunk(2)
+        beta = self.beta
+        if self.name == "dpo":  # trl DPOTrainer._compute_loss, f_divergence_type reverse_kl
+            ref_chosen, ref_rejected = ref_logps.to(logps.dtype).chunk(2)
+            chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+            if self.loss_type == "ipo":  # IPO on per-token-averaged log-ratios (TRL's note: as the authors do)
+                delta = chosen_ratio / n_chosen - rejected_ratio / n_rejected
+                loss = (delta - 1 / (2 * beta)) ** 2
+            else:
+                loss = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+            return PairScores(loss, beta * chosen_ratio, beta * rejected_ratio, chosen, rejected)
+        chosen, rejected = chosen / n_chosen, rejected / n_rejected  # both use average log-probs
+        if self.name == "simpo":  # trl.experimental CPOTrainer.cpo_loss, loss_type simpo, label_smoothing 0
+            loss = -F.logsigmoid(beta * (chosen - rejected - self.simpo_gamma / beta))
+        else:  # orpo: trl.experimental ORPOTrainer.odds_ratio_loss; the NLL term is added in step()
+            log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+            loss = -beta * F.logsigmoid(log_odds)
+        return PairScores(loss, beta * chosen, beta * rejected, chosen, rejected)
+
+    def _reference(self, model: nn.Module, batch: dict) -> torch.Tensor | None:
+        if not self.needs_reference:
+            return None
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        from shardtune.adapters import disabled_adapter
+
+        # The frozen base is the reference: the same sharded weights, no second copy.
+        with torch.no_grad(), disabled_adapter(model):
+            ref, _ = model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                labels=batch["labels"],
+                per_sequence=True,
+            )
+        return ref
+
+    @staticmethod
+    def _metric_values(s: PairScores) -> dict[str, torch.Tensor]:
+        return {
+            "rewards/chosen": s.chosen_rewards,
+            "rewards/rejected": s.rejected_rewards,
+            "rewards/accuracies": (s.chosen_rewards > s.rejected_rewards).float(),
+            "rewards/margins": s.chosen_rewards - s.rejected_rewards,
+            "logps/chosen": s.chosen_logps,
+            "logps/rejected": s.rejected_logps,
+        }
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (as trl's ORPO)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere (TRL's disable_dropout, on by default for its preference trainers): the policy's
+    and the reference's log-probs of the same weights agree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def rows_per_example(objective: str) -> int:
+    """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)."""
+    return 1 if objective == "sft" else 2
+
+
+def build_objective(objective: str, *, beta: float, loss_type: str, simpo_gamma: float) -> Objective:
+    """The objective named by --objective (sft: the chunked cross-entropy)."""
+    if objective == "sft":
+        return Objective()
+    if objective not in OBJECTIVES:
+        raise ValueError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}.")
+    return PreferenceObjective(objective, beta=beta, loss_type=loss_type, simpo_gamma=simpo_gamma)

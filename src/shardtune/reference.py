@@ -1,0 +1,120 @@
+"""The reference model's log-probs of every preference sequence, computed once before the first optimizer step and
+stored beside the tokenized data (shardtune.data cache), so that full fine-tuning needs no second model copy.
+
+The pass runs on the sharded model as it is built, before a checkpoint is loaded: its weights are then exactly
+the starting point of the run, also when the run resumes. Each rank computes the pairs of its share of each global
+batch; the per-row results are gathered so that every rank holds the whole array.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardtune.distributed.mesh import all_gather_objects
+from shardtune.log import print0
+
+FORMAT = 1
+
+
+def precompute_reference(
+    model: nn.Module, split, *, batch_size: int, info, pad_id: int, identity: dict, disable_adapter: bool
+) -> np.ndarray:
+    """Set split.ref_logps (one float64 per row) from the cache or a forward pass over every pair; return it.
+
+    identity names the reference weights (model, adapter, dtype): it is part of the cache file's name.
+    disable_adapter: the reference is the base without the (freshly initialised) adapter.
+    """
+    path = _cache_path(split, {**identity, "disable_adapter": disable_adapter})
+    cached = _load(path, 2 * len(split))
+    if cached is not None:
+        print0(f"Reference log-probs read from {path}.")
+        split.ref_logps = cached
+        return cached
+    values = _forward_pass(model, split, batch_size=batch_size, info=info, pad_id=pad_id, disable=disable_adapter)
+    if info.is_main and path is not None:
+        _save(path, values)
+    print0(f"Reference log-probs of {len(split)} pairs computed" + (f" and stored in {path}." if path else "."))
+    split.ref_logps = values
+    return values
+
+
+@torch.no_grad()
+def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int, disable: bool) -> np.ndarray:
+    from shardtune.adapters import disabled_adapter
+
+    was_training = model.training
+    model.eval()
+    local: list[tuple[int, float, float]] = []
+    kw = {"batch_size": batch_size, "rank": info.rank, "world_size": info.world_size, "epoch": 0, "seed": 0}
+    with disabled_adapter(model) if disable else contextlib.nullcontext():
+        for batch in split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False):
+            b = {k: batch[k].to(info.device) for k in ("input_ids", "position_ids", "labels")}
+            logps, _ = model(**b, per_sequence=True)
+            chosen, rejected = logps.double().cpu().chunk(2)
+            for j, pair in enumerate(batch["pair_index"].tolist()):
+                if pair >= 0:
+                    local.append((pair, float(chosen[j]), float(rejected[j])))
+    model.train(was_training)
+    values = np.full(2 * len(split), np.nan)
+    for part in all_gather_objects(local):
+        for pair, c, r in part:
+            values[2 * pair], values[2 * pair + 1] = c, r
+    assert not np.isnan(values).any(), "a pair got no reference log-prob"
+    return values
+
+
+def _cache_path(split, identity: dict) -> Path | None:
+    if not split.cache_path:
+        return None
+    key = hashlib.sha256(json.dumps([FORMAT, identity], sort_keys=True, default=str).encode()).hexdigest()[:24]
+    data = Path(split.cache_path)
+    return data.with_name(f"{data.stem}.ref-{key}.npy")
+
+
+def weights_identity(*paths: str | None) -> list:
+    """Names, sizes and times of the files of local model/adapter folders (hub ids as given): a changed file
+    changes the reference."""
+    out = []
+    for p in paths:
+        if not p:
+            out.append(None)
+            continue
+        folder = Path(p).expanduser()
+        if folder.is_dir():
+            files = sorted(f for f in folder.iterdir() if f.is_file())
+            out.append([str(folder.resolve())] + [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+        else:
+            out.append(p)
+    return out
+
+
+def _load(path: Path | None, n_rows: int) -> np.ndarray | None:
+    if path is None or not path.exists():
+        return None
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None  # unreadable: compute again
+    return values if values.shape == (n_rows,) and np.isfinite(values).all() else None
+
+
+def _save(path: Path, values: np.ndarray) -> None:
+    """Atomically: a unique temporary file in the same folder, fsynced, then renamed over the final name."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, values)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
