@@ -1,0 +1,224 @@
+"""`shardtune plan --trace`: run shardtune's own training step for a real config.json under fake tensors.
+
+Nothing is allocated and no weights are read: the model is built by `build_sharded_model` (the same builder,
+adapter wrapping, 4-bit preparation, activation checkpointing and FSDP2 sharding as `shardtune train`) with
+`read_weights=False`, inside torch's FakeTensorMode and over a fake process group of the run's world size
+(shardtune.distributed.fake); then two optimizer steps run (forward through the chunked loss, backward, gradient
+clipping, the optimizer's step) while FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker, as in
+torchtitan's memory estimation) records, storage by storage, the peak of rank 0 by category.
+
+What the trace cannot run exactly, and what it runs instead:
+- data-dependent host logic has no values under fake tensors: the packed rows' per-document attention spans
+  (shardtune.fastpath reads position_ids on the host) and transformers' packed-sequence check. The trace
+  runs SDPA with the 4-D packed-row mask, as transformers does when it cannot read the positions.
+- the loss keeps every position (`h[labels != -100]` is taken as all rows: the guide's packed rows train on
+  every token), see `_AllTargetsFakeMode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The tracker's categories, grouped as the planner's rows (the tracker has no separate row for frozen weights).
+CATEGORIES = {
+    "parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather", "Quantization constants"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimizer states": ("OptState",),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+}
+
+
+@dataclass
+class TraceResult:
+    """Rank 0's traced peak: bytes by tracker category and by planner row, and the model state held at rest."""
+
+    peak_total: int
+    peak_by_type: dict[str, int]
+    state: dict[str, int]  # frozen / trainable parameter bytes, gradient and optimizer-state bytes after the step
+    device: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return {c: sum(self.peak_by_type.get(k, 0) for k in kinds) for c, kinds in CATEGORIES.items()}
+
+
+class _AllTargetsFakeMode:
+    """Builds a FakeTensorMode whose boolean-mask indexing keeps every row (there are no values to count)."""
+
+    @staticmethod
+    def make():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        aten = torch.ops.aten
+
+        class Mode(FakeTensorMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is aten.index.Tensor and _bool_index(args[1]):
+                    x, idx = args
+                    mask = next(i for i in idx if i is not None)
+                    # Every position is a target: the output has all the mask's rows.
+                    return super().__torch_dispatch__(
+                        aten.empty.memory_format,
+                        types,
+                        ((mask.numel(), *x.shape[mask.dim() :]),),
+                        {"dtype": x.dtype, "device": x.device},
+                    )
+                if func in (aten.index_put.default, aten.index_put_.default) and _bool_index(args[1]):
+                    x = args[0]
+                    if func is aten.index_put_.default:
+                        return x
+                    return super().__torch_dispatch__(aten.clone.default, types, (x,), {})
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        return Mode(allow_non_fake_inputs=True)  # the rotary buffers are real (built with the skeleton)
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(i is not None and i.dtype == torch.bool for i in indices)
+
+
+def _config_folder(config: Any, tmp: str) -> str:
+    """The config as a folder with config.json, which the product's builder reads like a model folder."""
+    config.save_pretrained(tmp)
+    return tmp
+
+
+def trace_step(
+    cfg,
+    config: Any,
+    *,
+    n_tokens: int,
+    new_ids: list[int],
+    world_size: int,
+    num_nodes: int,
+    device: str = "cpu",
+    loss_chunk_tokens: int = 1024,
+) -> TraceResult:
+    """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks."""
+    from shardtune.distributed.fake import fake_process_group
+    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.train import _model_spec
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fake_process_group(world_size, num_nodes, cfg.fsdp.sharding_strategy, device) as info,
+    ):
+        model_args = dataclasses.replace(cfg.model, model_name_or_path=_config_folder(config, tmp))
+        cfg = dataclasses.replace(cfg, model=model_args)
+        spec = _model_spec(cfg, info, n_tokens, new_ids)
+        spec.read_weights = False
+        spec.loss_chunk_size = loss_chunk_tokens
+        # Built and sharded on meta (nothing allocated); fake tensors only from allocation on, since
+        # bitsandbytes' Params4bit cannot wrap a FakeTensor while the 4-bit layers are being built.
+        model = build_sharded_model(spec, info)
+        with _AllTargetsFakeMode.make(), _fake_4bit_weights():
+            return _trace_built(model, cfg, info, n_tokens)
+
+
+@contextlib.contextmanager
+def _fake_4bit_weights():
+    """bitsandbytes re-wraps a 4-bit layer's plain (FSDP2-gathered) weight as Params4bit at every forward,
+    which cannot wrap a FakeTensor; the wrapper only re-attaches the layer's quantization state (same storage,
+    no bytes), so under the trace the state is attached to the plain weight instead."""
+    try:
+        from bitsandbytes.nn import modules as bnb_modules
+    except ImportError:
+        yield
+        return
+
+    def attach_state(module) -> None:
+        module.weight.quant_state = module.quant_state
+
+    original = bnb_modules.fix_4bit_weight_quant_state_from_module
+    bnb_modules.fix_4bit_weight_quant_state_from_module = attach_state
+    try:
+        yield
+    finally:
+        bnb_modules.fix_4bit_weight_quant_state_from_module = original
+
+
+def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
+    from shardtune import quant
+    from shardtune.distributed.fake import track_peak
+    from shardtune.distributed.loading import allocate_unread
+    from shardtune.trainer import build_optimizer
+
+    t = cfg.train
+    allocate_unread(model, info.device)
+    model.per_document_attention = False  # see the module docstring
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = build_optimizer(
+        params,
+        optim=t.optim,
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+    )
+    batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
+    model.train()
+    # The first step creates the optimizer states; the second's forward and backward run with them.
+    _forward_backward(model, batch, t.gradient_accumulation_steps, t.max_grad_norm)
+    _optimizer_step(model, optimizer)
+    total, by_type = track_peak(
+        model,
+        optimizer,
+        tuple(batch.values()),
+        lambda: _forward_backward(model, batch, t.gradient_accumulation_steps, t.max_grad_norm),
+    )
+    # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
+    # (7x the trainable shard, against 1x in a real run); the step's peak is computed (see estimate.py).
+    _optimizer_step(model, optimizer)
+    state = _state_bytes(model, optimizer)
+    # bitsandbytes' quantization states are plain attributes of the layers, which the tracker does not see;
+    # they live through the whole step on every rank.
+    constants = quant.quantized_bytes(model)["quant_state"]
+    by_type["Quantization constants"] = constants
+    return TraceResult(total + constants, by_type, state, info.device.type)
+
+
+def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+    pos = torch.arange(seq_len, device=device).expand(batch_size, seq_len).contiguous()
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+
+
+def _forward_backward(model, batch, grad_accum: int, max_grad_norm: float) -> None:
+    """shardtune.trainer's forward, backward and clipping, without its host reads (token counts, the norm)."""
+    for _ in range(grad_accum):
+        loss, _ = model(**batch)
+        loss.backward()
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grad_norm_(grads, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)
+
+
+def _optimizer_step(model, optimizer) -> None:
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
+def _state_bytes(model, optimizer) -> dict[str, int]:
+    from shardtune.distributed.fsdp import local_state_bytes
+
+    out = dict(local_state_bytes(model))
+    out["optimizer"] = sum(
+        _local(v).numel() * _local(v).element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
