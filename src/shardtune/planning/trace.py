@@ -42,7 +42,7 @@ class TraceResult:
 
     peak_total: int
     peak_by_type: dict[str, int]
-    state: dict[str, int]  # frozen / trainable parameter bytes, gradient and optimizer-state bytes after the step
+    state: dict[str, int]  # frozen / trainable parameter bytes and optimizer-state bytes after the step
     device: str
     notes: list[str] = field(default_factory=list)
 
@@ -211,6 +211,7 @@ def _state_bytes(model, optimizer) -> dict[str, int]:
     from shardtune.distributed.fsdp import local_state_bytes
 
     out = dict(local_state_bytes(model))
+    out["trainable_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["optimizer"] = sum(
         _local(v).numel() * _local(v).element_size()
         for s in optimizer.state.values()
