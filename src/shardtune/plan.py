@@ -229,6 +229,7 @@ def run_kwargs(
         "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
         "packing": data.packing,
         "optim": train.optim,
+        "grad_accum": train.gradient_accumulation_steps,
         "loss_chunk_tokens": loss_chunk_tokens,
     }
 

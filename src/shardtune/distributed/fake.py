@@ -36,17 +36,32 @@ def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, 
         dist.destroy_process_group()
 
 
-def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, run) -> tuple[int, dict[str, int]]:
-    """Call `run()` under FSDP2's memory tracker; returns the peak bytes of this rank's device and their split by
-    the tracker's categories (sharded/unsharded parameters, gradients, optimizer states, activations,
-    temporaries, ...). The optimizer's existing states and the inputs are counted from the start."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, run) -> dict[str, dict[str, int]]:
+    """Call `run()` under FSDP2's memory tracker and return this rank's peaks, each split by the tracker's
+    categories (sharded/unsharded parameters, gradients, optimizer states, activations, temporaries, ...):
+    "step" over the whole call, "forward" and "backward" of the root module, and "decoder-layer backward", the
+    largest peak while one of the other FSDP modules (the decoder blocks) runs backward. The optimizer's existing states and the inputs are
+    counted from the start."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+    from torch.distributed.fsdp import FSDPModule
 
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     tracker.track_inputs(inputs)
     with tracker:
         run()
-    snap = tracker.get_tracker_snapshot("peak")
-    peak = next(iter(snap.values())) if snap else {}
-    by_type = {str(getattr(k, "value", k)): int(v) for k, v in peak.items() if k != "Total"}
-    return int(peak.get("Total", 0)), by_type
+
+    def split(snap: dict) -> dict[str, int]:
+        return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}
+
+    def module_peak(module, state) -> dict[str, int]:
+        snaps = tracker.memory_tracking[module].snapshots.get(state) or [{}]
+        return split(snaps[-1])
+
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    layer = [module_peak(b, _FSDPModState.PEAK_BW) for b in blocks]
+    return {
+        "step": split(tracker.get_tracker_snapshot("peak")),
+        "forward": module_peak(model, _FSDPModState.PEAK_FW),
+        "backward": module_peak(model, _FSDPModState.PEAK_BW),
+        "decoder-layer backward": max(layer, key=lambda s: s.get("Total", 0), default={}),
+    }

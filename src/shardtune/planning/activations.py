@@ -124,7 +124,23 @@ def logits_bytes(
     # (not kept for backward) is freed before the backward allocations.
     per_elem = compute_bytes + 12 if compute_bytes < 4 else 12
     if loss_impl == "chunked":
-        return min(chunk_tokens, tokens) * vocab_size * per_elem, 0
+        # Recomputed inside backward, a chunk keeps no compute-dtype logits: `.float()` does not save its input
+        # and cross-entropy saves only its fp32 log-softmax, so the chunk's lm_head output is freed at once;
+        # then log-softmax's output, its gradient and the logits' fp32 gradient: 12 bytes (as traced).
+        return min(chunk_tokens, tokens) * vocab_size * 12, 0
     if loss_impl == "full":
         return tokens * vocab_size * per_elem, tokens * vocab_size * compute_bytes
     return tokens * vocab_size * 16, tokens * vocab_size * 4
+
+
+def loss_forward_bytes(
+    tokens: int, vocab_size: int, compute_bytes: int, loss_impl: str = "chunked", chunk_tokens: int = 1024
+) -> int:
+    """Peak of the loss's forward. chunked: a chunk's fp32 logits and their log-softmax (its compute-dtype
+    logits are freed by `.float()`, which keeps no input). full: the kept logits, their fp32 upcast and its
+    log-softmax. full_fp32: fp32 logits, the shifted copy and its log-softmax."""
+    if loss_impl == "chunked":
+        return min(chunk_tokens, tokens) * vocab_size * 8
+    if loss_impl == "full":
+        return tokens * vocab_size * (compute_bytes + 8)
+    return tokens * vocab_size * 12

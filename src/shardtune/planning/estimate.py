@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.planning import activations as act
+from shardtune.planning import phases
 from shardtune.planning.model import (
     DTYPE_BYTES,
     ModelShape,
@@ -272,19 +273,26 @@ def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trai
 
 def _fsdp_buffers(
     shape: ModelShape, tensors: list[Tensor], *, a: int, shard: int, strategy: str, prefetch: bool, offload: bool
-) -> tuple[int, int]:
-    """(all-gather, reduce-scatter) bytes: the unsharded blocks in flight (every block after forward when
-    parameters are not resharded), the root's unsharded parameters (FSDP2 keeps the root gathered from forward
-    to backward), the host-to-GPU copies of offloaded shards, and one block's unsharded gradients plus their fp32
-    reduce-scatter input."""
-    block = _unsharded_bytes(tensors, "block", a)
-    in_flight = shape.num_layers if strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else (2 if prefetch else 1)
-    gather = block * min(in_flight, shape.num_layers) + _unsharded_bytes(tensors, "root", a)
-    if offload:
-        block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
-        gather += block_shard * (2 if prefetch else 1)
-    scatter = max(_unsharded_bytes(tensors, g, a + 4, trainable_only=True) for g in ("block", "root"))
-    return gather, scatter
+) -> dict[str, int]:
+    """The FSDP pieces of phases.StepParts: one block's and the root's unsharded parameters in the compute dtype
+    (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
+    and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
+    keep_all = strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    # With one rank per shard group FSDP2 copies a prefetched block's shard at its wait, not at its issue, so
+    # one block is gathered at a time in backward; otherwise the prefetched block's all-gather output exists.
+    in_flight = (2 if prefetch and shard > 1 else 1) if not keep_all else shape.num_layers
+    block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
+    return {
+        "root_gathered": _unsharded_bytes(tensors, "root", a),
+        "block_gathered": _unsharded_bytes(tensors, "block", a),
+        "blocks_in_flight": min(in_flight, shape.num_layers),
+        "kept_after_forward": shape.num_layers if keep_all else 1,
+        "flat_copy": shard > 1,
+        "offload_copies": block_shard * (2 if prefetch else 1) if offload else 0,
+        "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
+        "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
+        "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
+    }
 
 
 def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
@@ -317,6 +325,8 @@ class _Dynamic:
     working: int
     logits_peak: int
     logits_kept: int
+    forward: int = 0  # alive when the first block is gathered: the embeddings' output and the attention mask
+    logits_forward: int = 0  # the loss's forward peak
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -378,7 +388,17 @@ def _dynamic(
     else:
         stored = shape.num_layers * layer + fixed
     peak, kept = act.logits_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens)
-    return _Dynamic(stored, working, peak, kept)
+    forward = tokens * a * shape.hidden_size + act.attention_mask_bytes(
+        batch_size, seq_len, a, attn_implementation, packing
+    )
+    return _Dynamic(
+        stored,
+        working,
+        peak,
+        kept,
+        forward,
+        act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens),
+    )
 
 
 def estimate_memory(
@@ -406,6 +426,7 @@ def estimate_memory(
     attn_implementation: str = "sdpa",
     packing: bool = False,
     optim: str = "adamw_torch",
+    grad_accum: int = 1,
     loss_impl: str = "chunked",
     loss_chunk_tokens: int = 1024,
     base_dtype: str | None = None,
@@ -445,9 +466,7 @@ def estimate_memory(
         adapter_dtype=adapter_dtype,
     )
     state = _state_per_rank(shape, tensors, shard, optim, None)
-    gather, scatter = _fsdp_buffers(
-        shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload
-    )
+    buffers = _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
     targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
     dyn_kwargs = {
         "a": a,
@@ -467,19 +486,23 @@ def estimate_memory(
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
     )
-    activations, logits, phase = dynamic.peak
-    on_gpu = 0 if offload else 1
-    device = {
-        "frozen base weights": state["frozen"] * on_gpu,
-        "quantization constants": _quant_constants(shape, use_4bit, use_8bit, nested_quant),
-        "trainable weights": state["trainable"] * on_gpu,
-        "gradients": state["gradients"] * on_gpu,
-        "optimizer state": state["optimizer"] * on_gpu,
-        "activations": activations,
-        "logits and loss": logits,
-        "FSDP all-gather buffers": gather,
-        "FSDP reduce-scatter buffers": scatter,
-    }
+    parts = phases.StepParts(
+        state=state,
+        on_gpu=0 if offload else 1,
+        quant_constants=_quant_constants(shape, use_4bit, use_8bit, nested_quant),
+        grad_accum=grad_accum,
+        forward_activations=dynamic.forward,
+        stored=dynamic.stored,
+        working=dynamic.working,
+        logits_peak=dynamic.logits_peak,
+        logits_kept=dynamic.logits_kept,
+        logits_forward=dynamic.logits_forward,
+        **buffers,
+    )
+    by_phase = phases.step_phases(parts)
+    phase = phases.peak_phase(by_phase)
+    device = dict(by_phase[phase])
+    on_gpu = parts.on_gpu
     device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
     if sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, on_gpu, phase)

@@ -40,15 +40,26 @@ CATEGORIES = {
 class TraceResult:
     """Rank 0's traced peak: bytes by tracker category and by planner row, and the model state held at rest."""
 
-    peak_total: int
-    peak_by_type: dict[str, int]
+    peaks: dict[str, dict[str, int]]  # {"step", "forward", "backward", "decoder-layer backward": {category: bytes}}
     state: dict[str, int]  # frozen / trainable parameter bytes and optimizer-state bytes after the step
     device: str
     notes: list[str] = field(default_factory=list)
 
     @property
+    def peak_total(self) -> int:
+        return self.peaks["step"]["Total"]
+
+    @property
+    def peak_by_type(self) -> dict[str, int]:
+        return {k: v for k, v in self.peaks["step"].items() if k != "Total"}
+
+    def by_category(self, phase: str = "step") -> dict[str, int]:
+        snap = self.peaks[phase]
+        return {c: sum(snap.get(k, 0) for k in kinds) for c, kinds in CATEGORIES.items()}
+
+    @property
     def peak_by_category(self) -> dict[str, int]:
-        return {c: sum(self.peak_by_type.get(k, 0) for k in kinds) for c, kinds in CATEGORIES.items()}
+        return self.by_category("step")
 
 
 class _AllTargetsFakeMode:
@@ -169,7 +180,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     # The first step creates the optimizer states; the second's forward and backward run with them.
     _forward_backward(model, batch, t.gradient_accumulation_steps, t.max_grad_norm)
     _optimizer_step(model, optimizer)
-    total, by_type = track_peak(
+    peaks = track_peak(
         model,
         optimizer,
         tuple(batch.values()),
@@ -182,8 +193,10 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     # bitsandbytes' quantization states are plain attributes of the layers, which the tracker does not see;
     # they live through the whole step on every rank.
     constants = quant.quantized_bytes(model)["quant_state"]
-    by_type["Quantization constants"] = constants
-    return TraceResult(total + constants, by_type, state, info.device.type)
+    for snap in peaks.values():
+        snap["Quantization constants"] = constants
+        snap["Total"] = snap.get("Total", 0) + constants
+    return TraceResult(peaks, state, info.device.type)
 
 
 def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
