@@ -31,6 +31,7 @@ from shardtune.launcher import (
     fsdp_settings_from_yaml,
     read_accelerate_yaml,
 )
+from shardtune.planning import phases
 from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
@@ -367,24 +368,24 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     return out
 
 
-# The estimate's rows in the trace's categories. The trace splits the dynamic memory by when it is allocated
-# (forward and recomputation: activations; backward: temporaries), the estimate by what it is; only their sum
-# is compared.
-TRACE_ROWS = {
-    "parameters": ("frozen base weights", "quantization constants", "trainable weights", "FSDP all-gather buffers"),
-    "gradients": ("gradients", "FSDP reduce-scatter buffers"),
-    "optimizer states": ("optimizer state",),
-    "activations + temporaries": ("activations", "logits and loss"),
+# The traced peaks and the estimate's phases that correspond: the root module's forward (first block's
+# all-gather, loss forward), the blocks' backward (compute, reduce-scatter), the root's backward (with the loss's
+# backward), and the whole step (every phase, the root's reduce-scatter included).
+TRACE_PHASES = {
+    "forward": (phases.FORWARD, phases.LOSS_FORWARD),
+    "decoder-layer backward": (phases.LAYER, phases.BLOCK_SCATTER),
+    "backward": (phases.LOSS, phases.LAYER, phases.BLOCK_SCATTER),
+    "step": None,
 }
 
 
 def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
-    """{category: (traced bytes, estimated bytes)} at the step's peak, and the allocated total."""
+    """{traced peak: (traced bytes, estimated bytes)}, for rank 0 and the settings the trace ran."""
     est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
-    traced = p.trace.peak_by_category
-    traced["activations + temporaries"] = traced.pop("activations") + traced.pop("temporaries")
-    out = {k: (traced[k], sum(est.device.get(r, 0) for r in rows)) for k, rows in TRACE_ROWS.items()}
-    out["allocated peak"] = (p.trace.peak_total, est.allocated)
+    out = {}
+    for name, keys in TRACE_PHASES.items():
+        estimated = est.allocated if keys is None else max(est.phase_bytes.get(k, 0) for k in keys)
+        out[name] = (p.trace.peaks[name].get("Total", 0), estimated)
     return out
 
 
@@ -393,10 +394,12 @@ def format_trace(p: Plan) -> str:
     lines = [
         "",
         (f"Traced step (rank 0 of {p.launch.world_size}, fake tensors on {t.device}; SDPA with the packed-row mask)"),
-        "                                   traced GiB   estimate GiB",
+        "Peak allocated, rank 0             traced GiB   estimate GiB",
     ]
     for name, (traced, est) in trace_comparison(p).items():
         lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
+    lines += ["", "Traced step peak by category       GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in t.by_category("step").items()]
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines)
 
@@ -532,7 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     if plan.as_json:
         out = plan.to_dict()
         if plan.trace is not None:
-            out["trace"] = {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(plan).items()}
+            out["trace"] = {
+                "peaks": {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(plan).items()},
+                "step_by_category": plan.trace.by_category("step"),
+                "state": plan.trace.state,
+                "device": plan.trace.device,
+            }
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan) + (format_trace(plan) if plan.trace is not None else ""))

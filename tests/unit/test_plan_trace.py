@@ -11,6 +11,7 @@ terms; the CLI test traces one 80-block config end to end only for the table, no
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 
 import pytest
@@ -22,12 +23,9 @@ from shardtune.planning.known_configs import known_config
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"
-_LORA = (
-    "--bf16 True --max_length 1024 --per_device_train_batch_size 2 --gradient_checkpointing True "
-    "--use_peft_lora True --lora_r 16 --lora_dropout 0 --lora_target_modules all-linear"
-).split()
-_QLORA = "--use_4bit_quantization True --use_nested_quant True --bnb_4bit_quant_storage_dtype bfloat16".split()
-_FULL = "--bf16 True --max_length 1024 --per_device_train_batch_size 2 --gradient_checkpointing True".split()
+_FULL = shlex.split("--bf16 True --max_length 1024 --per_device_train_batch_size 2 --gradient_checkpointing True")
+_LORA = [*_FULL, *shlex.split("--use_peft_lora True --lora_r 16 --lora_dropout 0 --lora_target_modules all-linear")]
+_QLORA = shlex.split("--use_4bit_quantization True --use_nested_quant True --bnb_4bit_quant_storage_dtype bfloat16")
 CASES = {
     "dense LoRA, 2 ranks": (L7, [*_LORA, "--num_processes", "2"]),
     "GQA LoRA, 1 rank": (L8, [*_LORA, "--num_processes", "1"]),
@@ -94,6 +92,35 @@ def test_traced_model_state_equals_planner(traced, case):
     assert by_type["OptState"] - est["optimizer"] == 4 * p.trace.state["trainable_tensors"]
 
 
+# The bound the estimate is held to. It is not derived: the estimate leaves out tensors it does not model (per
+# block: RoPE's cos/sin and their casts, LoRA's dropout scratch, SDPA's small buffers; DoRA's norm scratch), which
+# measure 0.0-2.6% of these peaks; docs/plan.md lists the residuals.
+BOUND = 0.03
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_within_3_percent_of_traced_peaks(traced, case):
+    """Each traced peak (the root's forward, the blocks' backward, the root's backward, the whole step) against
+    the estimate's phases that happen there."""
+    rows = trace_comparison(traced[case])
+    if case.startswith("full"):
+        # Full fine-tuning's loss backward also holds the head's weight gradient while each chunk adds to it,
+        # which the estimate does not model; that phase is not its peak (the root's reduce-scatter is).
+        rows.pop("backward")
+    for name, (got, est) in rows.items():
+        assert abs(est - got) <= BOUND * got, (
+            f"{case}, {name}: traced {got / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
+        )
+
+
+def test_traced_phases_name_the_peak(traced):
+    """The phase the estimate reports as the peak is where the trace peaks (different phases across the cases)."""
+    got = {case: traced[case].estimate.peak_phase for case in CASES}
+    assert got["GQA LoRA, 8 ranks"] == "forward (first block's all-gather)"  # 128k-vocabulary root gathered twice
+    assert got["GQA LoRA, 1 rank"] == "loss backward"  # one rank: no flat all-gather copies
+    assert got["full fine-tuning, 8 ranks"].startswith("root backward")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,12 +175,15 @@ def test_cli_prints_traced_beside_estimate(tmp_path_factory, capsys):
     rc = main(["--model_name_or_path", path, *_LORA, "--num_processes", "2", "--trace", "True", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    rows = out["trace"]
-    assert set(rows) == {"parameters", "gradients", "optimizer states", "activations + temporaries", "allocated peak"}
+    trace = out["trace"]
+    assert set(trace["peaks"]) == {"forward", "decoder-layer backward", "backward", "step"}
+    step = trace["peaks"]["step"]
+    assert abs(step["estimate"] - step["traced"]) <= BOUND * step["traced"]
+    assert step["traced"] == sum(trace["step_by_category"].values())
     # the planner counts what a GPU holds; AdamW's step counters (4 bytes per tensor) stay on the host there
-    opt = rows["optimizer states"]
-    assert opt["traced"] - opt["estimate"] == 4 * 2 * 7 * 2 and opt["estimate"] > 0  # 2 blocks x 7 linears x A, B
-    assert rows["allocated peak"]["traced"] == sum(v["traced"] for k, v in rows.items() if k != "allocated peak")
+    held = trace["state"]
+    assert trace["step_by_category"]["optimizer states"] - held["optimizer"] == 4 * 2 * 7 * 2  # 2 blocks x 7 x A, B
     main(["--model_name_or_path", path, *_LORA, "--num_processes", "2", "--trace", "True"])
     text = capsys.readouterr().out
     assert "Traced step (rank 0 of 2, fake tensors on cpu" in text and "traced GiB   estimate GiB" in text
+    assert "Traced step peak by category" in text

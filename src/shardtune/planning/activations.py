@@ -72,23 +72,30 @@ def layer_saved_bytes_per_token(
     for name in lora_targets:
         if name in dims:
             total += a * lora_r
-            if use_dora:  # DoRA keeps the base and LoRA outputs to rescale them by the magnitude vector
-                total += 2 * a * dims[name][1]
+            if use_dora:  # shardtune's DoRA forward keeps z = base + s·B·A·x to rescale it by g (adapters.py)
+                total += a * dims[name][1]
     return total
 
 
 def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Gradients alive while one layer runs backward (assumed: three MLP-wide and two hidden-wide tensors)."""
-    return compute_bytes * (3 * shape.intermediate_size + 2 * shape.hidden_size)
+    """Gradients alive at the peak of a block's backward, beyond what the block saved (`layer_saved_bytes_...`).
+
+    The MLP runs backward first and peaks in the backward of `act(gate) * up`: the incoming gradient of the
+    block's output (h wide) has produced the product's gradient (I wide), which produces the gradients of
+    act(gate) and of up (I wide each) before it is freed; down_proj's input (the product, I wide, counted in the
+    saved bytes) was freed when down_proj's backward ended. Net: 3 I-wide gradients - 1 freed saved tensor + the
+    h-wide incoming gradient. Checked against the traced step (tests/unit/test_plan_trace.py)."""
+    return compute_bytes * (2 * shape.intermediate_size + shape.hidden_size)
 
 
 def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
-    """DoRA (peft) rebuilds each wrapped weight to take its norm: lora_B(lora_A(eye(in))) and weight + lora weight
-    exist while that layer runs, for the largest wrapped linear."""
+    """shardtune's DoRA forward (adapters.dora_weight_norm) takes the weight's row norms from an fp32 copy of the
+    weight, which exists while that layer runs (also in the recomputation): 4·in·out bytes for the largest
+    wrapped linear, none when the weight already is fp32."""
     dims = [d for name, d in shape.linear_dims().items() if name in lora_targets]
-    if not dims:
+    if not dims or compute_bytes >= 4:
         return 0
-    return compute_bytes * (max(i * i for i, _ in dims) + 2 * max(i * o for i, o in dims))
+    return 4 * max(i * o for i, o in dims)
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

@@ -64,6 +64,8 @@ class MemoryEstimate:
     logits_peak: int
     settings: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    # Allocated bytes at each of the step's phases (planning.phases), of which `device` is the largest.
+    phase_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated(self) -> int:
@@ -102,6 +104,7 @@ class MemoryEstimate:
             "logits_peak_bytes": self.logits_peak,
             "settings": dict(self.settings),
             "notes": list(self.notes),
+            "phase_bytes": dict(self.phase_bytes),
         }
 
 
@@ -292,6 +295,10 @@ def _fsdp_buffers(
         "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
         "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
         "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
+        # The head's and final norm's gradients are made in the loss's backward and wait, unsharded in the compute
+        # dtype, for the root's reduce-scatter after every block; the embeddings' come last.
+        "root_early_grads": a
+        * sum(t.numel for t in tensors if t.group == "root" and t.trainable and not t.name.startswith("embed_")),
     }
 
 
@@ -327,6 +334,7 @@ class _Dynamic:
     logits_kept: int
     forward: int = 0  # alive when the first block is gathered: the embeddings' output and the attention mask
     logits_forward: int = 0  # the loss's forward peak
+    final_norm: int = 0  # the final norm's saved tensors and the head's input: freed before any block's backward
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -398,6 +406,7 @@ def _dynamic(
         kept,
         forward,
         act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens),
+        tokens * act.final_norm_bytes_per_token(shape, a),
     )
 
 
@@ -493,6 +502,7 @@ def estimate_memory(
         grad_accum=grad_accum,
         forward_activations=dynamic.forward,
         stored=dynamic.stored,
+        layer_stored=dynamic.stored - dynamic.final_norm,
         working=dynamic.working,
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
@@ -516,7 +526,8 @@ def estimate_memory(
     }
     host = _host(state, tensors, shape, world_size // num_nodes, offload)
     notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint)
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes)
+    phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
 
 
 def _with_checkpoint_save(

@@ -14,7 +14,10 @@ traced under fake tensors (shardtune.planning.trace, tests/unit/test_plan_trace.
 - the loss's backward: the root and the last block are still gathered (neither is resharded after forward);
   no gradient exists yet in the first micro-batch (the previous step set them to None).
 - a decoder block's backward: the root, the block and the prefetched next one gathered; the block's activations
-  recomputed and its backward's working memory; gradients of the blocks done, and a block's reduce-scatter.
+  recomputed and its backward's working memory; gradients of the blocks done; the head's unsharded gradient
+  when it trains.
+- a block's reduce-scatter (post-backward): its activations are freed, its unsharded gradients and their fp32
+  reduce-scatter input exist, beside the root and that block still gathered.
 - the root's backward (when the root trains: full fine-tuning, saved modules, new token rows): every block's
   gradient shards (not yet the root's own) and the root's unsharded gradients with their fp32 reduce-scatter
   input; the root is already resharded (FSDP2 reshards before it reduces) and the activations are freed.
@@ -28,6 +31,7 @@ FORWARD = "forward (first block's all-gather)"
 LOSS_FORWARD = "loss forward"
 LOSS = "loss backward"
 LAYER = "decoder-layer backward"
+BLOCK_SCATTER = "a block's reduce-scatter"
 ROOT = "root backward (root gradients' reduce-scatter)"
 
 
@@ -47,9 +51,11 @@ class StepParts:
     block_scatter: int  # one block's unsharded gradients + fp32 reduce-scatter input
     root_scatter: int  # the root's
     root_grad_shard: int  # the root's sharded gradients
+    root_early_grads: int  # the root's unsharded gradients made before the blocks' backward (head, final norm)
     grad_accum: int
     forward_activations: int  # embeddings' output and masks at the first block
     stored: int  # activations kept for backward
+    layer_stored: int  # those still kept when the blocks run backward (the final norm's and the head's are freed)
     working: int  # one block's recomputation and backward working memory
     logits_peak: int
     logits_kept: int
@@ -73,6 +79,7 @@ def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather
 def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
     """{phase: device rows}; gradients before the blocks' backward exist only from the second micro-batch on."""
     early_grads = p.state["gradients"] if p.grad_accum > 1 else 0
+    block_grads = p.state["gradients"] - p.root_grad_shard  # the root's shards come after every block
     copies = 2 if p.flat_copy else 1
     phases = {
         FORWARD: _rows(
@@ -102,15 +109,22 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
         ),
         LAYER: _rows(
             p,
-            gradients=p.state["gradients"],
-            activations=p.stored + p.working,
+            gradients=block_grads,
+            activations=p.layer_stored + p.working,
             logits=p.logits_kept,
             gather=p.root_gathered + p.blocks_in_flight * p.block_gathered + p.offload_copies,
-            scatter=p.block_scatter,
+            scatter=p.root_early_grads,
+        ),
+        BLOCK_SCATTER: _rows(
+            p,
+            gradients=block_grads,
+            activations=p.forward_activations,
+            logits=p.logits_kept,
+            gather=p.root_gathered + p.block_gathered + p.offload_copies,
+            scatter=p.root_early_grads + p.block_scatter,
         ),
     }
     if p.root_scatter:
-        block_grads = p.state["gradients"] - p.root_grad_shard
         phases[ROOT] = _rows(p, gradients=block_grads, activations=0, logits=0, gather=0, scatter=p.root_scatter)
     return phases
 
