@@ -322,6 +322,15 @@ def make_plan(argv: list[str]) -> Plan:
     if plan.host_memory:
         result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
     if plan.trace:
+        if train.optim.endswith("8bit"):
+            raise ConfigError(
+                [
+                    (
+                        f"--trace with --optim {train.optim}: bitsandbytes' optimizer cannot run under fake "
+                        "tensors; trace with --optim adamw_torch (the estimate counts the 8-bit states either way)."
+                    )
+                ]
+            )
         result.trace = run_trace(result)
     return result
 
@@ -345,7 +354,7 @@ def run_trace(p: Plan) -> Any:
 
     vocab = int(p.config.vocab_size)
     new = _CHAT_NEW_TOKENS if p.run.model.chat_template_format in ("chatml", "zephyr") else 0
-    return trace_step(
+    result = trace_step(
         p.run,
         p.config,
         n_tokens=vocab + new,
@@ -355,6 +364,9 @@ def run_trace(p: Plan) -> Any:
         device="cuda" if torch.cuda.is_available() else "cpu",
         loss_chunk_tokens=p.kwargs["loss_chunk_tokens"],
     )
+    if p.launch.offload and result.device == "cpu":
+        result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")
+    return result
 
 
 def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:

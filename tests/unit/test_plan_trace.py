@@ -187,3 +187,10 @@ def test_cli_prints_traced_beside_estimate(tmp_path_factory, capsys):
     text = capsys.readouterr().out
     assert "Traced step (rank 0 of 2, fake tensors on cpu" in text and "traced GiB   estimate GiB" in text
     assert "Traced step peak by category" in text
+
+
+def test_trace_refuses_what_cannot_run_under_fake_tensors(tmp_path_factory, capsys):
+    path = _config_file(tmp_path_factory, L7, layers=2)
+    rc = main(["--model_name_or_path", path, *_LORA, "--optim", "adamw_8bit", "--trace", "True"])
+    assert rc == 2
+    assert "--trace with --optim adamw_8bit" in capsys.readouterr().err

@@ -178,13 +178,15 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
     model.train()
     # The first step creates the optimizer states; the second's forward and backward run with them.
-    _forward_backward(model, batch, t.gradient_accumulation_steps, t.max_grad_norm)
+    # The first step only has to create the optimizer states: one micro-batch. The traced step runs two when the
+    # run accumulates: the second holds every gradient from its start, and later ones repeat it.
+    _forward_backward(model, batch, 1, t.max_grad_norm)
     _optimizer_step(model, optimizer)
     peaks = track_peak(
         model,
         optimizer,
         tuple(batch.values()),
-        lambda: _forward_backward(model, batch, t.gradient_accumulation_steps, t.max_grad_norm),
+        lambda: _forward_backward(model, batch, min(t.gradient_accumulation_steps, 2), t.max_grad_norm),
     )
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
     # (7x the trainable shard, against 1x in a real run); the step's peak is computed (see estimate.py).
