@@ -17,7 +17,7 @@ import socket
 import pytest
 import torch
 
-from shardtune.plan import main, make_plan, trace_comparison
+from shardtune.plan import format_plan, format_trace, main, make_plan, trace_comparison
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
 
@@ -31,7 +31,10 @@ CASES = {
     "GQA LoRA, 1 rank": (L8, [*_LORA, "--num_processes", "1"]),
     "GQA LoRA, 8 ranks": (L8, [*_LORA, "--num_processes", "8"]),
     "DoRA, 2 ranks": (L7, [*_LORA, "--use_dora", "True", "--num_processes", "2"]),
-    "QLoRA, 2 ranks": (L8, [*_LORA, *_QLORA, "--num_processes", "2"]),
+    "QLoRA, 2 ranks, 2 micro-batches": (
+        L8,
+        [*_LORA, *_QLORA, "--num_processes", "2", "--gradient_accumulation_steps", "2"],
+    ),
     "full fine-tuning, 8 ranks": (L8, [*_FULL, "--num_processes", "8"]),
 }
 
@@ -170,7 +173,7 @@ def test_traced_model_state_equals_real_run(tiny_assets, monkeypatch, method):
     assert real["trainable"] > 0 and real["optimizer"] == 2 * real["trainable"]
 
 
-def test_cli_prints_traced_beside_estimate(tmp_path_factory, capsys):
+def test_cli_prints_traced_beside_estimate(traced, tmp_path_factory, capsys):
     path = _config_file(tmp_path_factory, L7, layers=2)
     rc = main(["--model_name_or_path", path, *_LORA, "--num_processes", "2", "--trace", "True", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -183,9 +186,12 @@ def test_cli_prints_traced_beside_estimate(tmp_path_factory, capsys):
     # the planner counts what a GPU holds; AdamW's step counters (4 bytes per tensor) stay on the host there
     held = trace["state"]
     assert trace["step_by_category"]["optimizer states"] - held["optimizer"] == 4 * 2 * 7 * 2  # 2 blocks x 7 x A, B
-    main(["--model_name_or_path", path, *_LORA, "--num_processes", "2", "--trace", "True"])
-    text = capsys.readouterr().out
+    # the same run as the fixture's: the table prints those numbers
+    p = traced["dense LoRA, 2 ranks"]
+    assert p.trace.peak_total == step["traced"]
+    text = format_plan(p) + format_trace(p)
     assert "Traced step (rank 0 of 2, fake tensors on cpu" in text and "traced GiB   estimate GiB" in text
+    assert f"  step                            {step['traced'] / 2**30:8.2f}" in text
     assert "Traced step peak by category" in text
 
 

@@ -36,32 +36,34 @@ def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, 
         dist.destroy_process_group()
 
 
-def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, run) -> dict[str, dict[str, int]]:
-    """Call `run()` under FSDP2's memory tracker and return this rank's peaks, each split by the tracker's
-    categories (sharded/unsharded parameters, gradients, optimizer states, activations, temporaries, ...):
-    "step" over the whole call, "forward" and "backward" of the root module, and "decoder-layer backward", the
-    largest peak while one of the other FSDP modules (the decoder blocks) runs backward. The optimizer's existing states and the inputs are
-    counted from the start."""
+def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: list) -> dict[str, dict[str, int]]:
+    """Call each of `micro_batches` (callables) under FSDP2's memory tracker and return this rank's peaks, each
+    split by the tracker's categories (sharded/unsharded parameters, gradients, optimizer states, activations,
+    temporaries, ...): "step" over all calls, "forward" and "backward" of the root module, and "decoder-layer
+    backward", the largest while one of the other FSDP modules (the decoder blocks) runs backward; module peaks
+    are the largest over the micro-batches. The optimizer's existing states and the inputs count from the start."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
     from torch.distributed.fsdp import FSDPModule
 
     tracker = FSDPMemTracker(mod=model, optm=optimizer)
     tracker.track_inputs(inputs)
-    with tracker:
-        run()
-
-    def split(snap: dict) -> dict[str, int]:
-        return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}
-
-    def module_peak(module, state) -> dict[str, int]:
-        snaps = tracker.memory_tracking[module].snapshots.get(state) or [{}]
-        return split(snaps[-1])
-
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    layer = [module_peak(b, _FSDPModState.PEAK_BW) for b in blocks]
-    return {
-        "step": split(tracker.get_tracker_snapshot("peak")),
-        "forward": module_peak(model, _FSDPModState.PEAK_FW),
-        "backward": module_peak(model, _FSDPModState.PEAK_BW),
-        "decoder-layer backward": max(layer, key=lambda s: s.get("Total", 0), default={}),
-    }
+    modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
+    modules["decoder-layer backward"] = (blocks, _FSDPModState.PEAK_BW)
+    peaks: dict[str, dict[str, int]] = {name: {} for name in modules}
+    with tracker:
+        for run in micro_batches:
+            run()
+            for name, (mods, state) in modules.items():
+                for m in mods:
+                    snaps = tracker.memory_tracking[m].snapshots.get(state) or [{}]
+                    peaks[name] = max(peaks[name], _split(snaps[-1]), key=lambda s: s.get("Total", 0))
+            # The tracker keeps one forward per module; its global peak survives the reset.
+            tracker.reset_mod_stats()
+    peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
+    return peaks
+
+
+def _split(snap: dict) -> dict[str, int]:
+    """{category name: bytes} of a tracker snapshot of one device."""
+    return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}

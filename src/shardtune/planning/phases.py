@@ -79,7 +79,8 @@ def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather
 def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
     """{phase: device rows}; gradients before the blocks' backward exist only from the second micro-batch on."""
     early_grads = p.state["gradients"] if p.grad_accum > 1 else 0
-    block_grads = p.state["gradients"] - p.root_grad_shard  # the root's shards come after every block
+    # The root's gradient shards come after every block's, except from the second micro-batch on.
+    block_grads = p.state["gradients"] - (p.root_grad_shard if p.grad_accum == 1 else 0)
     copies = 2 if p.flat_copy else 1
     phases = {
         FORWARD: _rows(

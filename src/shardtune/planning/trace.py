@@ -1,11 +1,13 @@
 """`shardtune plan --trace`: run shardtune's own training step for a real config.json under fake tensors.
 
-Nothing is allocated and no weights are read: the model is built by `build_sharded_model` (the same builder,
-adapter wrapping, 4-bit preparation, activation checkpointing and FSDP2 sharding as `shardtune train`) with
-`read_weights=False`, inside torch's FakeTensorMode and over a fake process group of the run's world size
-(shardtune.distributed.fake); then two optimizer steps run (forward through the chunked loss, backward, gradient
-clipping, the optimizer's step) while FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker, as in
-torchtitan's memory estimation) records, storage by storage, the peak of rank 0 by category.
+Nothing is allocated and no weights are read: the model is built and sharded on meta by `build_sharded_model`
+(the same builder, adapter wrapping, 4-bit preparation, activation checkpointing and FSDP2 sharding as
+`shardtune train`, with `read_weights=False`) over a fake process group of the run's world size
+(shardtune.distributed.fake); its shards are then allocated under torch's FakeTensorMode, one step creates the
+optimizer states, and a second step's forward (through the chunked loss), backward and gradient clipping run under
+FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker, as in torchtitan's memory estimation), which
+records, storage by storage, rank 0's peaks by category. docs/plan.md ("Tracing the real step") lists what differs
+from a real run.
 
 What the trace cannot run exactly, and what it runs instead:
 - data-dependent host logic has no values under fake tensors: the packed rows' per-document attention spans
@@ -26,7 +28,8 @@ from typing import Any
 
 import torch
 
-# The tracker's categories, grouped as the planner's rows (the tracker has no separate row for frozen weights).
+# The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
+# activations; backward: temporaries), not by what it is, and has no row for frozen weights.
 CATEGORIES = {
     "parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather", "Quantization constants"),
     "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
@@ -38,10 +41,10 @@ CATEGORIES = {
 
 @dataclass
 class TraceResult:
-    """Rank 0's traced peak: bytes by tracker category and by planner row, and the model state held at rest."""
+    """Rank 0's traced peaks by the tracker's categories, and the model state it holds after the step."""
 
     peaks: dict[str, dict[str, int]]  # {"step", "forward", "backward", "decoder-layer backward": {category: bytes}}
-    state: dict[str, int]  # frozen / trainable parameter bytes and optimizer-state bytes after the step
+    state: dict[str, int]  # frozen / trainable parameter bytes, optimizer-state bytes, trainable tensors
     device: str
     notes: list[str] = field(default_factory=list)
 
@@ -177,19 +180,16 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     )
     batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
     model.train()
-    # The first step creates the optimizer states; the second's forward and backward run with them.
     # The first step only has to create the optimizer states: one micro-batch. The traced step runs two when the
     # run accumulates: the second holds every gradient from its start, and later ones repeat it.
-    _forward_backward(model, batch, 1, t.max_grad_norm)
+    _forward_backward(model, batch)
+    _clip(model, t.max_grad_norm)
     _optimizer_step(model, optimizer)
-    peaks = track_peak(
-        model,
-        optimizer,
-        tuple(batch.values()),
-        lambda: _forward_backward(model, batch, min(t.gradient_accumulation_steps, 2), t.max_grad_norm),
-    )
+    micro = [lambda: _forward_backward(model, batch)] * (min(t.gradient_accumulation_steps, 2) - 1)
+    micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
+    peaks = track_peak(model, optimizer, tuple(batch.values()), micro)
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
-    # (7x the trainable shard, against 1x in a real run); the step's peak is computed (see estimate.py).
+    # (7x the trainable shard, against 2x states + 1x temporary in a real run).
     _optimizer_step(model, optimizer)
     state = _state_bytes(model, optimizer)
     # bitsandbytes' quantization states are plain attributes of the layers, which the tracker does not see;
@@ -207,11 +207,14 @@ def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> d
     return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
 
 
-def _forward_backward(model, batch, grad_accum: int, max_grad_norm: float) -> None:
-    """shardtune.trainer's forward, backward and clipping, without its host reads (token counts, the norm)."""
-    for _ in range(grad_accum):
-        loss, _ = model(**batch)
-        loss.backward()
+def _forward_backward(model, batch) -> None:
+    """One micro-batch of shardtune.trainer's step, without its host reads (the token counts)."""
+    loss, _ = model(**batch)
+    loss.backward()
+
+
+def _clip(model, max_grad_norm: float) -> None:
+    """shardtune.trainer's gradient clipping, without reading the norm on the host."""
     grads = [p for p in model.parameters() if p.grad is not None]
     if grads:
         torch.nn.utils.clip_grad_norm_(grads, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)
