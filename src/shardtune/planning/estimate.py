@@ -507,6 +507,7 @@ def estimate_memory(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
+        forward_working=batch_size * seq_len * 4 * a * shape.intermediate_size,
         **buffers,
     )
     by_phase = phases.step_phases(parts)

@@ -8,6 +8,9 @@ traced under fake tensors (shardtune.planning.trace, tests/unit/test_plan_trace.
   group's copy-out ("defer free to allow for overlap of this copy-out with next all-gather", wait_for_unshard),
   so the root's and the first block's gathered parameters exist twice (flat buffer + per-parameter copies)
   when a parameter is split over more than one rank; with one rank there is no flat buffer.
+- a block's forward (the last): the stored activations of every block, the block's forward intermediates (the
+  MLP holds its gate and up outputs, act(gate) and their product at once: 4 I-wide tensors per token), the root,
+  the block and (sharded) its flat all-gather output.
 - the loss's forward: one chunk's fp32 logits and their log-softmax (the compute-dtype logits are freed by
   `.float()`), beside the stored activations and the root and last block still gathered (the last block's flat
   all-gather output too: the root's post-forward frees it, and the loss runs inside the root's forward).
@@ -28,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORWARD = "forward (first block's all-gather)"
+BLOCK_FORWARD = "a block's forward"
 LOSS_FORWARD = "loss forward"
 LOSS = "loss backward"
 LAYER = "decoder-layer backward"
@@ -60,6 +64,7 @@ class StepParts:
     logits_peak: int
     logits_kept: int
     logits_forward: int
+    forward_working: int  # a block's forward intermediates
 
 
 def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
@@ -89,6 +94,14 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             activations=p.forward_activations,
             logits=0,
             gather=copies * (p.root_gathered + p.block_gathered) + p.offload_copies,
+            scatter=0,
+        ),
+        BLOCK_FORWARD: _rows(
+            p,
+            gradients=early_grads,
+            activations=p.layer_stored + p.forward_working,
+            logits=0,
+            gather=p.root_gathered + copies * p.block_gathered + p.offload_copies,
             scatter=0,
         ),
         LOSS_FORWARD: _rows(
