@@ -32,6 +32,7 @@ from shardtune.launcher import (
     read_accelerate_yaml,
 )
 from shardtune.loss import rows_per_example
+from shardtune.planning import phases
 from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
@@ -97,6 +98,12 @@ class PlanArguments:
         "sdpa, flash_attention_2 or eager (default: flash_attention_2 with --use_flash_attn True, otherwise sdpa).",
     )
     loss_chunk_tokens: int = _f(1024, "Positions per chunk of shardtune's chunked lm_head + cross-entropy.")
+    trace: bool = _f(
+        False,
+        "Also run shardtune's own training step for this config under fake tensors (no weights, nothing "
+        "allocated) on rank 0 of a fake process group of the run's world size, and print its traced peak by "
+        "category beside the estimate. Takes seconds to minutes of CPU time for large models.",
+    )
 
 
 @dataclass
@@ -242,6 +249,7 @@ def run_kwargs(
         "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
         "packing": data.packing,
         "optim": train.optim,
+        "grad_accum": train.gradient_accumulation_steps,
         "loss_chunk_tokens": loss_chunk_tokens,
     }
 
@@ -269,6 +277,9 @@ class Plan:
     host_bytes: int | None = None
     recommendation: Recommendation | None = None
     as_json: bool = False
+    run: RunConfig | None = None  # the flags as `shardtune train` would run them (for --trace)
+    config: Any = None  # the model's transformers config
+    trace: Any = None  # a planning.trace.TraceResult, with --trace
 
     def to_dict(self) -> dict[str, Any]:
         targets = (
@@ -314,7 +325,14 @@ def make_plan(argv: list[str]) -> Plan:
     shape = plan_shape(config, model.chat_template_format)
     kwargs = run_kwargs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
     result = Plan(
-        model.model_name_or_path, shape, kwargs, estimate_memory(shape, **kwargs), launch, as_json=bool(plan.json)
+        model.model_name_or_path,
+        shape,
+        kwargs,
+        estimate_memory(shape, **kwargs),
+        launch,
+        as_json=bool(plan.json),
+        run=RunConfig(model, data, train, _fsdp_settings(launch)),
+        config=config,
     )
     if train.objective != "sft":
         result.estimate.notes.append(
@@ -326,7 +344,99 @@ def make_plan(argv: list[str]) -> Plan:
             result.recommendation = recommend(kwargs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
     if plan.host_memory:
         result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
+    if plan.trace:
+        if train.optim.endswith("8bit"):
+            raise ConfigError(
+                [
+                    (
+                        f"--trace with --optim {train.optim}: bitsandbytes' optimizer cannot run under fake "
+                        "tensors; trace with --optim adamw_torch (the estimate counts the 8-bit states either way)."
+                    )
+                ]
+            )
+        result.trace = run_trace(result)
     return result
+
+
+def _fsdp_settings(launch: Launch) -> FSDPSettings:
+    """The FSDP settings `shardtune train` would get from the launcher for this launch."""
+    return FSDPSettings(
+        enabled=True,
+        sharding_strategy=launch.sharding_strategy,
+        offload_params=launch.offload,
+        mixed_precision=launch.mixed_precision,
+        activation_checkpointing=launch.activation_checkpointing,
+    )
+
+
+def run_trace(p: Plan) -> Any:
+    """Trace the plan's run under fake tensors (shardtune.planning.trace) on the device type this machine has."""
+    import torch
+
+    from shardtune.planning.trace import trace_step
+
+    vocab = int(p.config.vocab_size)
+    new = _CHAT_NEW_TOKENS if p.run.model.chat_template_format in ("chatml", "zephyr") else 0
+    result = trace_step(
+        p.run,
+        p.config,
+        n_tokens=vocab + new,
+        new_ids=list(range(vocab, vocab + new)),
+        world_size=p.launch.world_size,
+        num_nodes=p.launch.num_nodes,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        loss_chunk_tokens=p.kwargs["loss_chunk_tokens"],
+    )
+    if p.launch.offload and result.device == "cpu":
+        result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")
+    return result
+
+
+def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """The estimate's settings for what the trace runs: SDPA with the 4-D packed-row mask (fake tensors give
+    transformers no positions to read), no offload on CPU (shardtune offloads only from a GPU), and CPU dropout
+    masks in the compute dtype there."""
+    out = {**kwargs, "attn_implementation": "sdpa", "packing": True}
+    if device == "cpu":
+        out["offload"] = False
+        out["dropout_mask_bytes"] = 4 if not (kwargs["bf16"] or kwargs["fp16"]) else 2
+    return out
+
+
+# The traced peaks and the estimate's phases that correspond: the root module's forward (first block's
+# all-gather, loss forward), the blocks' backward (compute, reduce-scatter), the root's backward (with the loss's
+# backward), and the whole step (every phase, the root's reduce-scatter included).
+TRACE_PHASES = {
+    "forward": (phases.FORWARD, phases.BLOCK_FORWARD, phases.LOSS_FORWARD),
+    "decoder-layer backward": (phases.LAYER, phases.BLOCK_SCATTER),
+    "backward": (phases.LOSS, phases.LAYER, phases.BLOCK_SCATTER),
+    "step": None,
+}
+
+
+def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
+    """{traced peak: (traced bytes, estimated bytes)}, for rank 0 and the settings the trace ran."""
+    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    out = {}
+    for name, keys in TRACE_PHASES.items():
+        estimated = est.allocated if keys is None else max(est.phase_bytes.get(k, 0) for k in keys)
+        out[name] = (p.trace.peaks[name].get("Total", 0), estimated)
+    return out
+
+
+def format_trace(p: Plan) -> str:
+    t = p.trace
+    lines = [
+        "",
+        (f"Traced step (rank 0 of {p.launch.world_size}, fake tensors on {t.device}; SDPA with the packed-row mask)"),
+        "Peak allocated, rank 0             traced GiB   estimate GiB",
+    ]
+    for name, (traced, est) in trace_comparison(p).items():
+        lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
+    lines += ["", "Traced step peak by category       GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in t.by_category("step").items()]
+    lines += [f"note: {n}" for n in t.notes]
+    return "\n".join(lines)
 
 
 def _gib(n: int) -> str:
@@ -457,6 +567,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConfigError, or a setting the estimate cannot take
         print(f"shardtune plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_dict(), indent=2) if plan.as_json else format_plan(plan))
+    if plan.as_json:
+        out = plan.to_dict()
+        if plan.trace is not None:
+            out["trace"] = {
+                "peaks": {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(plan).items()},
+                "step_by_category": plan.trace.by_category("step"),
+                "state": plan.trace.state,
+                "device": plan.trace.device,
+            }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan) + (format_trace(plan) if plan.trace is not None else ""))
     # 1 tells scripts the run does not fit the given --gpu_memory (2 is a configuration mistake).
     return 1 if plan.gpu_bytes is not None and not plan.estimate.fits(plan.gpu_bytes) else 0

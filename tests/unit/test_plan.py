@@ -571,11 +571,41 @@ def _estimate_gib(pub: Published) -> float:
     return getattr(estimate_memory(shape, **pub.settings), pub.metric) / GiB
 
 
-@pytest.mark.parametrize("pub", PUBLISHED, ids=lambda p: p.name)
+# FSDP1 CPU offload (Answer.AI's runs) holds more on the GPU than the FSDP2 phases describe: every offload row is
+# under (-11% to -16%). Not fitted away: docs/plan.md lists it as a known miss.
+_FSDP1_OFFLOAD_MISS = {"Answer.AI: 7B LoRA offload batch 10"}
+
+
+def _midpoint(measured: float | tuple[float, float]) -> float:
+    return sum(measured) / 2 if isinstance(measured, tuple) else measured
+
+
+@pytest.mark.parametrize(
+    "pub",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="FSDP1 offload: see _FSDP1_OFFLOAD_MISS"))
+        if p.name in _FSDP1_OFFLOAD_MISS
+        else p
+        for p in PUBLISHED
+    ],
+    ids=lambda p: p.name,
+)
 def test_estimate_within_15_percent_of_published(pub):
-    est = _estimate_gib(pub)
-    low, high = pub.measured_gib if isinstance(pub.measured_gib, tuple) else (pub.measured_gib,) * 2
-    assert low * 0.85 <= est <= high * 1.15, f"{pub.name}: estimated {est:.2f} GiB, measured {pub.measured_gib}"
+    est, mid = _estimate_gib(pub), _midpoint(pub.measured_gib)
+    assert mid * 0.85 <= est <= mid * 1.15, f"{pub.name}: estimated {est:.2f} GiB, measured {pub.measured_gib}"
+
+
+def test_guide_lora_at_its_midpoint_with_an_fp32_base():
+    """The guide's LoRA run (72-80 GB per H100) held its base in fp32: its utils.py loads the model with
+    `dtype=quant_storage_dtype or torch.float32` (quoted in the guide) and sets quant_storage_dtype only with
+    --use_4bit_quantization, which this run turns off; `mixed_precision: bf16` then casts to bf16 for compute only.
+    Within the trace's 3% bound of the midpoint; a bf16 base would be 20% under."""
+    pub = PUBLISHED[0]
+    assert pub.settings["base_dtype"] == "float32"
+    mid = _midpoint(pub.measured_gib)
+    assert abs(_estimate_gib(pub) - mid) <= 0.03 * mid
+    bf16_base = replace(pub, settings={**pub.settings, "base_dtype": "bfloat16"})
+    assert _estimate_gib(bf16_base) < 0.85 * mid
 
 
 def test_guide_qlora_offload_within_15_percent():

@@ -136,6 +136,17 @@ def _allocate(model: nn.Module, *, params_on: torch.device, buffers_on: torch.de
                 module._buffers[name] = buf.to(buffers_on)
 
 
+def allocate_unread(model: nn.Module, device: torch.device) -> None:
+    """Allocate every (meta) parameter's local shard and 4-bit quantization state on `device`, unfilled: the
+    model of `ModelSpec(read_weights=False)`, whose step is traced for its memory, not its values."""
+    from shardtune.quant import linear4bit_modules, quant_state_tensors
+
+    _allocate(model, device)
+    for _, module in linear4bit_modules(model):
+        for holder, attr in quant_state_tensors(module.quant_state):
+            setattr(holder, attr, torch.empty_like(getattr(holder, attr), device=device))
+
+
 def _shard_index(global_rank: int, mesh) -> int:
     """This rank's position along the mesh's shard (last) dimension."""
     coords = (mesh.mesh == global_rank).nonzero()

@@ -69,13 +69,16 @@ class ModelSpec:
     reshard_after_forward: bool | None = None
     torch_compile: bool = False
     loss_chunk_size: int = 1024
+    # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
+    # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
+    read_weights: bool = True
 
 
 def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMForTraining:
     """Steps 2–7 of the setup order; returns the sharded training module."""
-    from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1
+    from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1 and spec.read_weights
     node = node_group(info.rank, info.local_rank) if from_rank0 else None
-    on_meta = from_rank0 and not info.is_local_main
+    on_meta = (from_rank0 and not info.is_local_main) or not spec.read_weights
     quantized = spec.quantization_config is not None
     if from_rank0:
         print0(
@@ -153,6 +156,8 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
         reshard_after_forward=spec.reshard_after_forward,
     )
     # Step 6: fill the shards.
+    if not spec.read_weights:
+        return train_module
     if from_rank0:
         materialize_from_rank0(train_module, full_tensors, info.device, node, offload=offload)
         del full_tensors

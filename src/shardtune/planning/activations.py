@@ -72,23 +72,30 @@ def layer_saved_bytes_per_token(
     for name in lora_targets:
         if name in dims:
             total += a * lora_r
-            if use_dora:  # DoRA keeps the base and LoRA outputs to rescale them by the magnitude vector
-                total += 2 * a * dims[name][1]
+            if use_dora:  # shardtune's DoRA forward keeps z = base + s·B·A·x to rescale it by g (adapters.py)
+                total += a * dims[name][1]
     return total
 
 
 def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Gradients alive while one layer runs backward (assumed: three MLP-wide and two hidden-wide tensors)."""
-    return compute_bytes * (3 * shape.intermediate_size + 2 * shape.hidden_size)
+    """Gradients alive at the peak of a block's backward, beyond what the block saved (`layer_saved_bytes_...`).
+
+    The MLP runs backward first and peaks in the backward of `act(gate) * up`: the incoming gradient of the
+    block's output (h wide) has produced the product's gradient (I wide), which produces the gradients of
+    act(gate) and of up (I wide each) before it is freed; down_proj's input (the product, I wide, counted in the
+    saved bytes) was freed when down_proj's backward ended. Net: 3 I-wide gradients - 1 freed saved tensor + the
+    h-wide incoming gradient. Checked against the traced step (tests/unit/test_plan_trace.py)."""
+    return compute_bytes * (2 * shape.intermediate_size + shape.hidden_size)
 
 
 def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
-    """DoRA (peft) rebuilds each wrapped weight to take its norm: lora_B(lora_A(eye(in))) and weight + lora weight
-    exist while that layer runs, for the largest wrapped linear."""
+    """shardtune's DoRA forward (adapters.dora_weight_norm) takes the weight's row norms from an fp32 copy of the
+    weight, which exists while that layer runs (also in the recomputation): 4·in·out bytes for the largest
+    wrapped linear, none when the weight already is fp32."""
     dims = [d for name, d in shape.linear_dims().items() if name in lora_targets]
-    if not dims:
+    if not dims or compute_bytes >= 4:
         return 0
-    return compute_bytes * (max(i * i for i, _ in dims) + 2 * max(i * o for i, o in dims))
+    return 4 * max(i * o for i, o in dims)
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
@@ -124,7 +131,23 @@ def logits_bytes(
     # (not kept for backward) is freed before the backward allocations.
     per_elem = compute_bytes + 12 if compute_bytes < 4 else 12
     if loss_impl == "chunked":
-        return min(chunk_tokens, tokens) * vocab_size * per_elem, 0
+        # Recomputed inside backward, a chunk keeps no compute-dtype logits: `.float()` does not save its input
+        # and cross-entropy saves only its fp32 log-softmax, so the chunk's lm_head output is freed at once;
+        # then log-softmax's output, its gradient and the logits' fp32 gradient: 12 bytes (as traced).
+        return min(chunk_tokens, tokens) * vocab_size * 12, 0
     if loss_impl == "full":
         return tokens * vocab_size * per_elem, tokens * vocab_size * compute_bytes
     return tokens * vocab_size * 16, tokens * vocab_size * 4
+
+
+def loss_forward_bytes(
+    tokens: int, vocab_size: int, compute_bytes: int, loss_impl: str = "chunked", chunk_tokens: int = 1024
+) -> int:
+    """Peak of the loss's forward. chunked: a chunk's fp32 logits and their log-softmax (its compute-dtype
+    logits are freed by `.float()`, which keeps no input). full: the kept logits, their fp32 upcast and its
+    log-softmax. full_fp32: fp32 logits, the shifted copy and its log-softmax."""
+    if loss_impl == "chunked":
+        return min(chunk_tokens, tokens) * vocab_size * 8
+    if loss_impl == "full":
+        return tokens * vocab_size * (compute_bytes + 8)
+    return tokens * vocab_size * 12

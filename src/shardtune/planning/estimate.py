@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.planning import activations as act
+from shardtune.planning import phases
 from shardtune.planning.model import (
     DTYPE_BYTES,
     ModelShape,
@@ -63,6 +64,8 @@ class MemoryEstimate:
     logits_peak: int
     settings: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    # Allocated bytes at each of the step's phases (planning.phases), of which `device` is the largest.
+    phase_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated(self) -> int:
@@ -101,6 +104,7 @@ class MemoryEstimate:
             "logits_peak_bytes": self.logits_peak,
             "settings": dict(self.settings),
             "notes": list(self.notes),
+            "phase_bytes": dict(self.phase_bytes),
         }
 
 
@@ -272,19 +276,30 @@ def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trai
 
 def _fsdp_buffers(
     shape: ModelShape, tensors: list[Tensor], *, a: int, shard: int, strategy: str, prefetch: bool, offload: bool
-) -> tuple[int, int]:
-    """(all-gather, reduce-scatter) bytes: the unsharded blocks in flight (every block after forward when
-    parameters are not resharded), the root's unsharded parameters (FSDP2 keeps the root gathered from forward
-    to backward), the host-to-GPU copies of offloaded shards, and one block's unsharded gradients plus their fp32
-    reduce-scatter input."""
-    block = _unsharded_bytes(tensors, "block", a)
-    in_flight = shape.num_layers if strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else (2 if prefetch else 1)
-    gather = block * min(in_flight, shape.num_layers) + _unsharded_bytes(tensors, "root", a)
-    if offload:
-        block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
-        gather += block_shard * (2 if prefetch else 1)
-    scatter = max(_unsharded_bytes(tensors, g, a + 4, trainable_only=True) for g in ("block", "root"))
-    return gather, scatter
+) -> dict[str, int]:
+    """The FSDP pieces of phases.StepParts: one block's and the root's unsharded parameters in the compute dtype
+    (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
+    and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
+    keep_all = strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    # With one rank per shard group FSDP2 copies a prefetched block's shard at its wait, not at its issue, so
+    # one block is gathered at a time in backward; otherwise the prefetched block's all-gather output exists.
+    in_flight = (2 if prefetch and shard > 1 else 1) if not keep_all else shape.num_layers
+    block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
+    return {
+        "root_gathered": _unsharded_bytes(tensors, "root", a),
+        "block_gathered": _unsharded_bytes(tensors, "block", a),
+        "blocks_in_flight": min(in_flight, shape.num_layers),
+        "kept_after_forward": shape.num_layers if keep_all else 1,
+        "flat_copy": shard > 1,
+        "offload_copies": block_shard * (2 if prefetch else 1) if offload else 0,
+        "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
+        "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
+        "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
+        # The head's and final norm's gradients are made in the loss's backward and wait, unsharded in the compute
+        # dtype, for the root's reduce-scatter after every block; the embeddings' come last.
+        "root_early_grads": a
+        * sum(t.numel for t in tensors if t.group == "root" and t.trainable and not t.name.startswith("embed_")),
+    }
 
 
 def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
@@ -317,6 +332,9 @@ class _Dynamic:
     working: int
     logits_peak: int
     logits_kept: int
+    forward: int = 0  # alive when the first block is gathered: the embeddings' output and the attention mask
+    logits_forward: int = 0  # the loss's forward peak
+    final_norm: int = 0  # the final norm's saved tensors and the head's input: freed before any block's backward
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -378,7 +396,18 @@ def _dynamic(
     else:
         stored = shape.num_layers * layer + fixed
     peak, kept = act.logits_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens)
-    return _Dynamic(stored, working, peak, kept)
+    forward = tokens * a * shape.hidden_size + act.attention_mask_bytes(
+        batch_size, seq_len, a, attn_implementation, packing
+    )
+    return _Dynamic(
+        stored,
+        working,
+        peak,
+        kept,
+        forward,
+        act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens),
+        tokens * act.final_norm_bytes_per_token(shape, a),
+    )
 
 
 def estimate_memory(
@@ -407,6 +436,7 @@ def estimate_memory(
     attn_implementation: str = "sdpa",
     packing: bool = False,
     optim: str = "adamw_torch",
+    grad_accum: int = 1,
     loss_impl: str = "chunked",
     loss_chunk_tokens: int = 1024,
     base_dtype: str | None = None,
@@ -446,9 +476,7 @@ def estimate_memory(
         adapter_dtype=adapter_dtype,
     )
     state = _state_per_rank(shape, tensors, shard, optim, None)
-    gather, scatter = _fsdp_buffers(
-        shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload
-    )
+    buffers = _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
     targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
     dyn_kwargs = {
         "a": a,
@@ -468,19 +496,25 @@ def estimate_memory(
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
     )
-    activations, logits, phase = dynamic.peak
-    on_gpu = 0 if offload else 1
-    device = {
-        "frozen base weights": state["frozen"] * on_gpu,
-        "quantization constants": _quant_constants(shape, use_4bit, use_8bit, nested_quant),
-        "trainable weights": state["trainable"] * on_gpu,
-        "gradients": state["gradients"] * on_gpu,
-        "optimizer state": state["optimizer"] * on_gpu,
-        "activations": activations,
-        "logits and loss": logits,
-        "FSDP all-gather buffers": gather,
-        "FSDP reduce-scatter buffers": scatter,
-    }
+    parts = phases.StepParts(
+        state=state,
+        on_gpu=0 if offload else 1,
+        quant_constants=_quant_constants(shape, use_4bit, use_8bit, nested_quant),
+        grad_accum=grad_accum,
+        forward_activations=dynamic.forward,
+        stored=dynamic.stored,
+        layer_stored=dynamic.stored - dynamic.final_norm,
+        working=dynamic.working,
+        logits_peak=dynamic.logits_peak,
+        logits_kept=dynamic.logits_kept,
+        logits_forward=dynamic.logits_forward,
+        forward_working=batch_size * seq_len * 4 * a * shape.intermediate_size,
+        **buffers,
+    )
+    by_phase = phases.step_phases(parts)
+    phase = phases.peak_phase(by_phase)
+    device = dict(by_phase[phase])
+    on_gpu = parts.on_gpu
     device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
     if sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, on_gpu, phase)
@@ -494,7 +528,8 @@ def estimate_memory(
     }
     host = _host(state, tensors, shape, world_size // num_nodes, offload)
     notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint)
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes)
+    phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
 
 
 def _with_checkpoint_save(

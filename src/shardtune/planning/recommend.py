@@ -40,7 +40,7 @@ def _halvings(batch: int, accumulation: int) -> Iterator[tuple[str, dict[str, An
         yield (
             f"per-device batch {b} with gradient accumulation {g} (same global batch)",
             {"per_device_train_batch_size": b, "gradient_accumulation_steps": g},
-            {"batch_size": b},
+            {"batch_size": b, "grad_accum": g},
         )
 
 

@@ -1,0 +1,69 @@
+"""A fake process group of any world size, for tracing one rank's training step under fake tensors.
+
+torch's "fake" backend (torch.testing._internal.distributed.fake_pg, which torchtitan's memory estimation uses)
+accepts every collective and returns at once without communicating, so one process can run the FSDP2 code of
+rank 0 of a W-rank job: `fully_shard` splits every parameter W ways and all-gathers/reduce-scatters through the
+fake group. Combined with FakeTensorMode nothing is allocated either (shardtune.planning.trace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from shardtune.distributed.mesh import DistInfo, build_mesh
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, device: str) -> Iterator[DistInfo]:
+    """Rank 0 of a `world_size`-rank job on `num_nodes` machines, with the mesh shardtune would build for it.
+
+    The mesh is built before any FakeTensorMode is entered: DeviceMesh reads its rank layout with real tensors.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; trace in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        local = world_size // num_nodes
+        mesh = build_mesh(device, world_size, local, sharding_strategy)
+        yield DistInfo(0, world_size, 0, local, torch.device(device), mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: list) -> dict[str, dict[str, int]]:
+    """Call each of `micro_batches` (callables) under FSDP2's memory tracker and return this rank's peaks, each
+    split by the tracker's categories (sharded/unsharded parameters, gradients, optimizer states, activations,
+    temporaries, ...): "step" over all calls, "forward" and "backward" of the root module, and "decoder-layer
+    backward", the largest while one of the other FSDP modules (the decoder blocks) runs backward; module peaks
+    are the largest over the micro-batches. The optimizer's existing states and the inputs count from the start."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+    from torch.distributed.fsdp import FSDPModule
+
+    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    tracker.track_inputs(inputs)
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
+    modules["decoder-layer backward"] = (blocks, _FSDPModState.PEAK_BW)
+    peaks: dict[str, dict[str, int]] = {name: {} for name in modules}
+    with tracker:
+        for run in micro_batches:
+            run()
+            for name, (mods, state) in modules.items():
+                for m in mods:
+                    snaps = tracker.memory_tracking[m].snapshots.get(state) or [{}]
+                    peaks[name] = max(peaks[name], _split(snaps[-1]), key=lambda s: s.get("Total", 0))
+            # The tracker keeps one forward per module; its global peak survives the reset.
+            tracker.reset_mod_stats()
+    peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
+    return peaks
+
+
+def _split(snap: dict) -> dict[str, int]:
+    """{category name: bytes} of a tracker snapshot of one device."""
+    return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}

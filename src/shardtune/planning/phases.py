@@ -1,0 +1,147 @@
+"""The moments of a training step at which per-GPU memory can peak, as FSDP2 and autograd hold it.
+
+Each phase lists what is alive then; the estimate reports the largest. The phases and what each holds were read
+from torch's FSDP2 code (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) and checked against the step
+traced under fake tensors (shardtune.planning.trace, tests/unit/test_plan_trace.py):
+
+- forward, at the first block's all-gather: FSDP2 keeps a forward all-gather's flat output alive until the next
+  group's copy-out ("defer free to allow for overlap of this copy-out with next all-gather", wait_for_unshard),
+  so the root's and the first block's gathered parameters exist twice (flat buffer + per-parameter copies)
+  when a parameter is split over more than one rank; with one rank there is no flat buffer.
+- a block's forward (the last): the stored activations of every block, the block's forward intermediates (the
+  MLP holds its gate and up outputs, act(gate) and their product at once: 4 I-wide tensors per token), the root,
+  the block and (sharded) its flat all-gather output.
+- the loss's forward: one chunk's fp32 logits and their log-softmax (the compute-dtype logits are freed by
+  `.float()`), beside the stored activations and the root and last block still gathered (the last block's flat
+  all-gather output too: the root's post-forward frees it, and the loss runs inside the root's forward).
+- the loss's backward: the root and the last block are still gathered (neither is resharded after forward);
+  no gradient exists yet in the first micro-batch (the previous step set them to None).
+- a decoder block's backward: the root, the block and the prefetched next one gathered; the block's activations
+  recomputed and its backward's working memory; gradients of the blocks done; the head's unsharded gradient
+  when it trains.
+- a block's reduce-scatter (post-backward): its activations are freed, its unsharded gradients and their fp32
+  reduce-scatter input exist, beside the root and that block still gathered.
+- the root's backward (when the root trains: full fine-tuning, saved modules, new token rows): every block's
+  gradient shards (not yet the root's own) and the root's unsharded gradients with their fp32 reduce-scatter
+  input; the root is already resharded (FSDP2 reshards before it reduces) and the activations are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD = "forward (first block's all-gather)"
+BLOCK_FORWARD = "a block's forward"
+LOSS_FORWARD = "loss forward"
+LOSS = "loss backward"
+LAYER = "decoder-layer backward"
+BLOCK_SCATTER = "a block's reduce-scatter"
+ROOT = "root backward (root gradients' reduce-scatter)"
+
+
+@dataclass
+class StepParts:
+    """Bytes per rank of the pieces the phases combine."""
+
+    state: dict[str, int]  # frozen, trainable, gradients, optimizer (sharded, on the GPU or offloaded)
+    on_gpu: int  # 0 with CPU offload, else 1
+    quant_constants: int
+    root_gathered: int  # the root's unsharded parameters in the compute dtype
+    block_gathered: int  # one block's
+    blocks_in_flight: int  # blocks gathered during backward (2 with prefetch; every block without resharding)
+    kept_after_forward: int  # blocks still gathered after forward (1: the last; every block without resharding)
+    flat_copy: bool  # parameters split over more than one rank: forward all-gathers keep their flat output
+    offload_copies: int  # host-to-GPU copies of offloaded shards being gathered
+    block_scatter: int  # one block's unsharded gradients + fp32 reduce-scatter input
+    root_scatter: int  # the root's
+    root_grad_shard: int  # the root's sharded gradients
+    root_early_grads: int  # the root's unsharded gradients made before the blocks' backward (head, final norm)
+    grad_accum: int
+    forward_activations: int  # embeddings' output and masks at the first block
+    stored: int  # activations kept for backward
+    layer_stored: int  # those still kept when the blocks run backward (the final norm's and the head's are freed)
+    working: int  # one block's recomputation and backward working memory
+    logits_peak: int
+    logits_kept: int
+    logits_forward: int
+    forward_working: int  # a block's forward intermediates
+
+
+def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
+    return {
+        "frozen base weights": p.state["frozen"] * p.on_gpu,
+        "quantization constants": p.quant_constants,
+        "trainable weights": p.state["trainable"] * p.on_gpu,
+        "gradients": gradients * p.on_gpu,
+        "optimizer state": p.state["optimizer"] * p.on_gpu,
+        "activations": activations,
+        "logits and loss": logits,
+        "FSDP all-gather buffers": gather,
+        "FSDP reduce-scatter buffers": scatter,
+    }
+
+
+def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
+    """{phase: device rows}; gradients before the blocks' backward exist only from the second micro-batch on."""
+    early_grads = p.state["gradients"] if p.grad_accum > 1 else 0
+    # The root's gradient shards come after every block's, except from the second micro-batch on.
+    block_grads = p.state["gradients"] - (p.root_grad_shard if p.grad_accum == 1 else 0)
+    copies = 2 if p.flat_copy else 1
+    phases = {
+        FORWARD: _rows(
+            p,
+            gradients=early_grads,
+            activations=p.forward_activations,
+            logits=0,
+            gather=copies * (p.root_gathered + p.block_gathered) + p.offload_copies,
+            scatter=0,
+        ),
+        BLOCK_FORWARD: _rows(
+            p,
+            gradients=early_grads,
+            activations=p.layer_stored + p.forward_working,
+            logits=0,
+            gather=p.root_gathered + copies * p.block_gathered + p.offload_copies,
+            scatter=0,
+        ),
+        LOSS_FORWARD: _rows(
+            p,
+            gradients=early_grads,
+            activations=p.stored,
+            logits=p.logits_forward,
+            # the last block's flat all-gather output is freed only by the root's post-forward, after the loss
+            gather=p.root_gathered + (p.kept_after_forward + copies - 1) * p.block_gathered + p.offload_copies,
+            scatter=0,
+        ),
+        LOSS: _rows(
+            p,
+            gradients=early_grads,
+            activations=p.stored,
+            logits=p.logits_peak,
+            gather=p.root_gathered + p.kept_after_forward * p.block_gathered + p.offload_copies,
+            scatter=0,
+        ),
+        LAYER: _rows(
+            p,
+            gradients=block_grads,
+            activations=p.layer_stored + p.working,
+            logits=p.logits_kept,
+            gather=p.root_gathered + p.blocks_in_flight * p.block_gathered + p.offload_copies,
+            scatter=p.root_early_grads,
+        ),
+        BLOCK_SCATTER: _rows(
+            p,
+            gradients=block_grads,
+            activations=p.forward_activations,
+            logits=p.logits_kept,
+            gather=p.root_gathered + p.block_gathered + p.offload_copies,
+            scatter=p.root_early_grads + p.block_scatter,
+        ),
+    }
+    if p.root_scatter:
+        phases[ROOT] = _rows(p, gradients=block_grads, activations=0, logits=0, gather=0, scatter=p.root_scatter)
+    return phases
+
+
+def peak_phase(phases: dict[str, dict[str, int]]) -> str:
+    return max(phases, key=lambda k: sum(phases[k].values()))

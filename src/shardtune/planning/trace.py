@@ -1,0 +1,243 @@
+"""`shardtune plan --trace`: run shardtune's own training step for a real config.json under fake tensors.
+
+Nothing is allocated and no weights are read: the model is built and sharded on meta by `build_sharded_model`
+(the same builder, adapter wrapping, 4-bit preparation, activation checkpointing and FSDP2 sharding as
+`shardtune train`, with `read_weights=False`) over a fake process group of the run's world size
+(shardtune.distributed.fake); its shards are then allocated under torch's FakeTensorMode, one step creates the
+optimizer states, and a second step's forward (through the chunked loss), backward and gradient clipping run under
+FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker, as in torchtitan's memory estimation), which
+records, storage by storage, rank 0's peaks by category. docs/plan.md ("Tracing the real step") lists what differs
+from a real run.
+
+What the trace cannot run exactly, and what it runs instead:
+- data-dependent host logic has no values under fake tensors: the packed rows' per-document attention spans
+  (shardtune.fastpath reads position_ids on the host) and transformers' packed-sequence check. The trace
+  runs SDPA with the 4-D packed-row mask, as transformers does when it cannot read the positions.
+- the loss keeps every position (`h[labels != -100]` is taken as all rows: the guide's packed rows train on
+  every token), see `_AllTargetsFakeMode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
+# activations; backward: temporaries), not by what it is, and has no row for frozen weights.
+CATEGORIES = {
+    "parameters": ("Sharded Param", "Unsharded Param", "Buffer", "All Gather", "Quantization constants"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimizer states": ("OptState",),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+}
+
+
+@dataclass
+class TraceResult:
+    """Rank 0's traced peaks by the tracker's categories, and the model state it holds after the step."""
+
+    peaks: dict[str, dict[str, int]]  # {"step", "forward", "backward", "decoder-layer backward": {category: bytes}}
+    state: dict[str, int]  # frozen / trainable parameter bytes, optimizer-state bytes, trainable tensors
+    device: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_total(self) -> int:
+        return self.peaks["step"]["Total"]
+
+    @property
+    def peak_by_type(self) -> dict[str, int]:
+        return {k: v for k, v in self.peaks["step"].items() if k != "Total"}
+
+    def by_category(self, phase: str = "step") -> dict[str, int]:
+        snap = self.peaks[phase]
+        return {c: sum(snap.get(k, 0) for k in kinds) for c, kinds in CATEGORIES.items()}
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        return self.by_category("step")
+
+
+class _AllTargetsFakeMode:
+    """Builds a FakeTensorMode whose boolean-mask indexing keeps every row (there are no values to count)."""
+
+    @staticmethod
+    def make():
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        aten = torch.ops.aten
+
+        class Mode(FakeTensorMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is aten.index.Tensor and _bool_index(args[1]):
+                    x, idx = args
+                    mask = next(i for i in idx if i is not None)
+                    # Every position is a target: the output has all the mask's rows.
+                    return super().__torch_dispatch__(
+                        aten.empty.memory_format,
+                        types,
+                        ((mask.numel(), *x.shape[mask.dim() :]),),
+                        {"dtype": x.dtype, "device": x.device},
+                    )
+                if func in (aten.index_put.default, aten.index_put_.default) and _bool_index(args[1]):
+                    x = args[0]
+                    if func is aten.index_put_.default:
+                        return x
+                    return super().__torch_dispatch__(aten.clone.default, types, (x,), {})
+                return super().__torch_dispatch__(func, types, args, kwargs)
+
+        return Mode(allow_non_fake_inputs=True)  # the rotary buffers are real (built with the skeleton)
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(i is not None and i.dtype == torch.bool for i in indices)
+
+
+def _config_folder(config: Any, tmp: str) -> str:
+    """The config as a folder with config.json, which the product's builder reads like a model folder."""
+    config.save_pretrained(tmp)
+    return tmp
+
+
+def trace_step(
+    cfg,
+    config: Any,
+    *,
+    n_tokens: int,
+    new_ids: list[int],
+    world_size: int,
+    num_nodes: int,
+    device: str = "cpu",
+    loss_chunk_tokens: int = 1024,
+) -> TraceResult:
+    """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks."""
+    from shardtune.distributed.fake import fake_process_group
+    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.train import _model_spec
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fake_process_group(world_size, num_nodes, cfg.fsdp.sharding_strategy, device) as info,
+    ):
+        model_args = dataclasses.replace(cfg.model, model_name_or_path=_config_folder(config, tmp))
+        cfg = dataclasses.replace(cfg, model=model_args)
+        spec = _model_spec(cfg, info, n_tokens, new_ids)
+        spec.read_weights = False
+        spec.loss_chunk_size = loss_chunk_tokens
+        # Built and sharded on meta (nothing allocated); fake tensors only from allocation on, since
+        # bitsandbytes' Params4bit cannot wrap a FakeTensor while the 4-bit layers are being built.
+        model = build_sharded_model(spec, info)
+        with _AllTargetsFakeMode.make(), _fake_4bit_weights():
+            return _trace_built(model, cfg, info, n_tokens)
+
+
+@contextlib.contextmanager
+def _fake_4bit_weights():
+    """bitsandbytes re-wraps a 4-bit layer's plain (FSDP2-gathered) weight as Params4bit at every forward,
+    which cannot wrap a FakeTensor; the wrapper only re-attaches the layer's quantization state (same storage,
+    no bytes), so under the trace the state is attached to the plain weight instead."""
+    try:
+        from bitsandbytes.nn import modules as bnb_modules
+    except ImportError:
+        yield
+        return
+
+    def attach_state(module) -> None:
+        module.weight.quant_state = module.quant_state
+
+    original = bnb_modules.fix_4bit_weight_quant_state_from_module
+    bnb_modules.fix_4bit_weight_quant_state_from_module = attach_state
+    try:
+        yield
+    finally:
+        bnb_modules.fix_4bit_weight_quant_state_from_module = original
+
+
+def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
+    from shardtune import quant
+    from shardtune.distributed.fake import track_peak
+    from shardtune.distributed.loading import allocate_unread
+    from shardtune.trainer import build_optimizer
+
+    t = cfg.train
+    allocate_unread(model, info.device)
+    model.per_document_attention = False  # see the module docstring
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = build_optimizer(
+        params,
+        optim=t.optim,
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+    )
+    batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
+    model.train()
+    # The first step only has to create the optimizer states: one micro-batch. The traced step runs two when the
+    # run accumulates: the second holds every gradient from its start, and later ones repeat it.
+    _forward_backward(model, batch)
+    _clip(model, t.max_grad_norm)
+    _optimizer_step(model, optimizer)
+    micro = [lambda: _forward_backward(model, batch)] * (min(t.gradient_accumulation_steps, 2) - 1)
+    micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
+    peaks = track_peak(model, optimizer, tuple(batch.values()), micro)
+    # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
+    # (7x the trainable shard, against 2x states + 1x temporary in a real run).
+    _optimizer_step(model, optimizer)
+    state = _state_bytes(model, optimizer)
+    # bitsandbytes' quantization states are plain attributes of the layers, which the tracker does not see;
+    # they live through the whole step on every rank.
+    constants = quant.quantized_bytes(model)["quant_state"]
+    for snap in peaks.values():
+        snap["Quantization constants"] = constants
+        snap["Total"] = snap.get("Total", 0) + constants
+    return TraceResult(peaks, state, info.device.type)
+
+
+def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
+    pos = torch.arange(seq_len, device=device).expand(batch_size, seq_len).contiguous()
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+
+
+def _forward_backward(model, batch) -> None:
+    """One micro-batch of shardtune.trainer's step, without its host reads (the token counts)."""
+    loss, _ = model(**batch)
+    loss.backward()
+
+
+def _clip(model, max_grad_norm: float) -> None:
+    """shardtune.trainer's gradient clipping, without reading the norm on the host."""
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch.nn.utils.clip_grad_norm_(grads, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)
+
+
+def _optimizer_step(model, optimizer) -> None:
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
+def _state_bytes(model, optimizer) -> dict[str, int]:
+    from shardtune.distributed.fsdp import local_state_bytes
+
+    out = dict(local_state_bytes(model))
+    out["trainable_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
+    out["optimizer"] = sum(
+        _local(v).numel() * _local(v).element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
