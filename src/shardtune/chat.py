@@ -128,11 +128,18 @@ def _adapter_vocab_rows(model, adapter: str) -> int | None:
 
 
 def _resize_for(model, tokenizer, adapter: str | None) -> None:
+    """Give the base as many embedding rows as training did: the rows the adapter saved in full when it saved any,
+    else training's own rule (len(tokenizer) rounded up to a multiple of 8, shardtune.modeling.resize_embeddings):
+    an adapter with trainable token rows holds rows up to that padded size, past len(tokenizer)."""
+    from shardtune.modeling import resize_embeddings
+
     current = model.get_input_embeddings().weight.shape[0]
-    target = (_adapter_vocab_rows(model, adapter) if adapter else None) or len(tokenizer)
-    if target > current:
-        model.resize_token_embeddings(target, mean_resizing=False)
-        print0(f"Resized the embeddings from {current} to {target} rows to match the tokenizer/adapter.")
+    saved = _adapter_vocab_rows(model, adapter) if adapter else None
+    if saved is not None and saved > current:
+        model.resize_token_embeddings(saved, mean_resizing=False)  # every row is overwritten by the adapter's
+        print0(f"Resized the embeddings from {current} to {saved} rows to match the adapter.")
+    else:
+        resize_embeddings(model, len(tokenizer))
 
 
 def load_for_chat(

@@ -657,19 +657,26 @@ def _lazy_entry(f: Any, name: str, plan: MergePlan, base: BaseCheckpoint) -> _Pe
 
 
 def _tied_entries(f: Any, name: str, plan: MergePlan) -> list[_Pending]:
-    """The input embedding, plus its tied output embedding when the adapter leaves the two different."""
+    """The input embedding, plus its tied output embedding when the adapter leaves the two different.
+
+    The tied head is the merged embedding itself (trained token rows and rows added by the resize included) unless
+    the adapter edits the head on its own; only then can the two differ and the head be written separately."""
     weight = f.get_tensor(name)
     merged = apply_edit(plan.edits.get(name), weight, plan.dtype)
     entries = [_Pending(name, merged.dtype, tuple(merged.shape), lambda: merged)]
-    for alias in (a for a, src in plan.aliases.items() if src == name):
-        if name in plan.edits or alias in plan.edits:
-            copy = apply_edit(plan.edits.get(alias), weight, plan.dtype)
-            if copy.shape != merged.shape or not torch.allclose(copy, merged, rtol=1e-5, atol=1e-6):
-                warn0(
-                    f"the adapter leaves {alias} different from {name}; writing it separately and setting "
-                    "tie_word_embeddings to false."
-                )
-                entries.append(_Pending(alias, copy.dtype, tuple(copy.shape), lambda copy=copy: copy))
+    for alias in (a for a, src in plan.aliases.items() if src == name and a in plan.edits):
+        edit = plan.edits[alias]
+        if edit.replacement is None and merged.shape[0] > weight.shape[0]:
+            # The head was tied to the resized embedding in training: its added rows are the embedding's.
+            grown = torch.cat([weight.to(merged.dtype), merged[weight.shape[0] :]])
+            edit = dataclasses.replace(edit, replacement=grown, grow_to=None)
+        copy = apply_edit(edit, weight, plan.dtype)
+        if copy.shape != merged.shape or not torch.allclose(copy, merged, rtol=1e-5, atol=1e-6):
+            warn0(
+                f"the adapter leaves {alias} different from {name}; writing it separately and setting "
+                "tie_word_embeddings to false."
+            )
+            entries.append(_Pending(alias, copy.dtype, tuple(copy.shape), lambda copy=copy: copy))
     return entries
 
 
