@@ -54,7 +54,11 @@ FAMILIES = {
             "Gemma2Config",
             {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 16},
         ),
-        Family("gemma3", "Gemma3TextConfig", {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2}),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+        ),
         Family("phi3", "Phi3Config", _LLAMA),
         Family("olmo2", "Olmo2Config", _LLAMA),
         Family("granite", "GraniteConfig", {**_LLAMA, "logits_scaling": 4.0, "embedding_multiplier": 2.0}),
@@ -100,3 +104,87 @@ def build_family_model(family: Family | str, out_dir: Path, vocab_size: int, *, 
     model = AutoModelForCausalLM.from_config(family.config(vocab_size), dtype=torch.float32)
     model.save_pretrained(str(out_dir))
     return model
+
+
+# ---------------------------------------------------------------- the matrix's runs
+
+FSDP_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+STEPS = 3
+METHODS = {
+    "lora": ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"],
+    "dora": [
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "16",
+        "--lora_target_modules",
+        "all-linear",
+        "--use_dora",
+        "True",
+    ],
+    "full": ["--use_peft_lora", "False"],
+    "qlora": [
+        *("--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"),
+        *("--use_4bit_quantization", "True", "--bnb_4bit_quant_type", "nf4"),
+        *("--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage_dtype", "float32"),
+    ],
+}
+
+
+def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, dropout: float = 0.0) -> list[str]:
+    """One matrix run: 3 steps of the global batch 4 (batch × ranks × 2 accumulation... see callers), packed chatml
+    rows of 96 positions, evaluated at the end, saved without checkpoints."""
+    flags = {
+        "model_name_or_path": model,
+        "dataset_name": data,
+        "chat_template_format": "chatml",
+        "packing": True,
+        "max_seq_len": 96,
+        "seed": 5,
+        "max_steps": STEPS,
+        "learning_rate": 5e-3,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": 3,
+        "eval_strategy": "epoch",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "ddp_timeout": 300,
+        "output_dir": out,
+    }
+    argv = ["train", *(x for k, v in flags.items() for x in (f"--{k}", str(v))), *METHODS[method]]
+    if method != "full":
+        argv += ["--lora_dropout", str(dropout)]
+    return argv
+
+
+def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900) -> dict:
+    """Run the jobs in one process (or one torchrun of nproc ranks); return {name: exit code or error text}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    jobs_file, results_file = workdir / f"jobs-{nproc}.json", workdir / f"results-{nproc}.json"
+    jobs_file.write_text(json.dumps([{**j, "argv": list(map(str, j["argv"]))} for j in jobs]))
+    worker = [str(root / "tests" / "family_worker.py"), str(jobs_file), str(results_file)]
+    env = {**os.environ, **FSDP_ENV}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *worker]
+    else:
+        cmd = [sys.executable, *worker]
+    proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
+    (workdir / f"log-{nproc}.txt").write_text(proc.stdout + proc.stderr)
+    if not results_file.exists():
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(results_file.read_text())
