@@ -75,7 +75,13 @@ FAMILIES = {
             dense=False,
         ),
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
-        Family("gpt2", "GPT2Config", {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_inner": FFN}),
+        # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
+        Family(
+            "gpt2",
+            "GPT2Config",
+            {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_inner": FFN}
+            | dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0),
+        ),
     )
 }
 

@@ -20,7 +20,12 @@ def main(jobs_file: str, results_file: str) -> int:
     from shardtune.train import main as train_main
 
     results = {}
-    for job in json.loads(Path(jobs_file).read_text()):
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    for i, job in enumerate(json.loads(Path(jobs_file).read_text())):
+        if "RANK" in os.environ and i > 0:
+            # Each run starts its own process group. torchrun's agent store keeps the first group's keys, and a
+            # second group on it waits forever; each later group gets a fresh store on the next port instead.
+            os.environ.update(MASTER_PORT=str(port + i), TORCHELASTIC_USE_AGENT_STORE="False")
         try:
             results[job["name"]] = train_main(job["argv"][1:] if job["argv"][0] == "train" else job["argv"])
         except Exception:  # noqa: BLE001 - recorded for the test to report, then the next family runs

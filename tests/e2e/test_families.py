@@ -1,0 +1,253 @@
+"""The family matrix: every architecture family trains, saves, reloads, merges and chats through the CLI.
+
+One 1-process run and one 2-rank FSDP2 (gloo) run each loop over all families in a single interpreter
+(tests/family_worker.py), so the matrix pays for starting Python and torch twice, not once per family. Every family
+trains LoRA (all-linear) with the same global batch in both; the 2-rank run also trains the other methods on some
+families (the full cross product is bench/family_matrix.py). Tokenizers: `llama` and `mistral` use one without chat
+tokens (chatml adds them, 600 -> 608 rows), the others one that already has <|im_start|>/<|im_end|> and 602 tokens
+(chatml adds 4 more; training pads to 608, past len(tokenizer)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import packed_eval_split, run_cli, train_records
+from tests.families import FAMILIES, build_family_model, run_jobs, train_argv
+
+PLAIN_TOKENIZER = ("llama", "mistral")
+TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gpt2")
+# (family, method, lora_dropout) trained on 2 ranks only, besides LoRA on every family.
+EXTRA = [
+    ("mixtral", "lora", 0.1),  # the guide's flags on mixtures of experts
+    ("qwen3-moe", "lora", 0.1),
+    ("gemma2", "dora", 0.0),
+    ("phi3", "dora", 0.0),
+    ("gpt2", "dora", 0.0),
+    ("qwen3", "full", 0.0),
+    ("gemma3", "full", 0.0),
+    ("llama-tied", "qlora", 0.0),
+    ("gpt-neox", "qlora", 0.0),
+    ("mixtral", "qlora", 0.0),  # refused before loading
+]
+
+
+def _assets(root: Path) -> dict:
+    from shardtune.demo import build_tokenizer, write_chat_dataset
+    from tests.families import build_chat_tokenizer
+
+    write_chat_dataset(root / "data", n_train=64, n_test=12, seed=3)
+    toks = {"plain": build_tokenizer(root / "tok-plain", vocab_size=600), "chat": build_chat_tokenizer(root / "tok")}
+    for name in FAMILIES:
+        tok = toks["plain" if name in PLAIN_TOKENIZER else "chat"]
+        build_family_model(name, root / name, len(tok))
+        tok.save_pretrained(str(root / name))
+    return {"root": root, "data": root / "data", "tokenizers": toks}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("families")
+    assets = _assets(root)
+    one = [
+        {"name": n, "argv": train_argv(root / n, assets["data"], root / "one" / n, "lora", batch=4)} for n in FAMILIES
+    ]
+    two = [
+        {"name": n, "argv": train_argv(root / n, assets["data"], root / "two" / n, "lora", batch=2)} for n in FAMILIES
+    ]
+    two += [
+        {"name": f"{n}/{m}", "argv": train_argv(root / n, assets["data"], root / m / n, m, batch=2, dropout=p)}
+        for n, m, p in EXTRA
+    ]
+    return {**assets, "one": run_jobs(one, root, nproc=1), "two": run_jobs(two, root, nproc=2)}
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in train_records(out)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_two_ranks_match_one_process(matrix, family):
+    assert matrix["one"][family] == 0, matrix["one"][family]
+    assert matrix["two"][family] == 0, matrix["two"][family]
+    l1, l2 = _losses(matrix["root"] / "one" / family), _losses(matrix["root"] / "two" / family)
+    assert len(l1) == len(l2) == 3
+    # fp32 sums over ~300 targets reduced in a different order on 2 ranks: agreement to ~1e-6 relative; 1e-4 leaves
+    # room for the different all-reduce order of the gradients over 3 Adam steps.
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=0)
+    assert abs(l1[-1] - l1[0]) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize(("family", "method", "dropout"), EXTRA)
+def test_other_methods(matrix, family, method, dropout):
+    result = matrix["two"][f"{family}/{method}"]
+    log = (matrix["root"] / "log-2.txt").read_text()
+    if method == "qlora" and not FAMILIES[family].dense:
+        assert result == 2
+        assert f"--use_4bit_quantization: {FAMILIES[family].config_class.replace('Config', 'ForCausalLM')}" in log
+        return
+    assert result == 0, result
+    losses = _losses(matrix["root"] / method / family)
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses))) and abs(losses[-1] - losses[0]) > 1e-3
+    if not FAMILIES[family].dense:
+        assert "all-linear on a mixture-of-experts model: LoRA on k_proj, o_proj, q_proj, v_proj;" in log
+
+
+# Runs in a fresh interpreter that never imports shardtune: only torch, transformers and peft.
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+result = {}
+for job in json.loads(sys.argv[1]):
+    tok = AutoTokenizer.from_pretrained(job["out"])
+    model = AutoModelForCausalLM.from_pretrained(job["base"], dtype=torch.float32)
+    model.resize_token_embeddings(len(tok), pad_to_multiple_of=8)  # as the README says
+    model = PeftModel.from_pretrained(model, job["out"]).eval()
+    rows = json.load(open(job["rows"]))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            ids, pos, y = torch.tensor([r["input_ids"]]), torch.tensor([r["position_ids"]]), torch.tensor(r["labels"])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            total += F.cross_entropy(logits, y, reduction="sum", ignore_index=-100).item()
+            count += int((y != -100).sum())
+    result[job["name"]] = total / count
+assert "shardtune" not in sys.modules
+print(json.dumps(result))
+"""
+
+
+def _eval_rows(matrix, family: str) -> Path:
+    out = matrix["root"] / "two" / family
+    path = matrix["root"] / f"rows-{family}.json"
+    ev = packed_eval_split({"data": matrix["data"]}, out, matrix["root"] / "cache", seed=5)
+    rows = [
+        {"input_ids": list(map(int, ev.input_ids[i])), "labels": list(map(int, ev.labels[i])),
+         "position_ids": list(map(int, ev.position_ids[i]))}
+        for i in range(len(ev.input_ids))
+    ]  # fmt: skip
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
+    jobs = [
+        {
+            "name": n,
+            "base": str(matrix["root"] / n),
+            "out": str(matrix["root"] / "two" / n),
+            "rows": str(_eval_rows(matrix, n)),
+        }
+        for n in FAMILIES
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, json.dumps(jobs)],
+        capture_output=True, text=True, check=False, timeout=600, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for n in FAMILIES:
+        trained = json.loads((matrix["root"] / "two" / n / "train_summary.json").read_text())["final_eval_loss"]
+        # fp32 on both sides; the training forward (chunked loss, per-document SDPA) sums in another order.
+        assert got[n] == pytest.approx(trained, rel=1e-5), n
+
+
+def _peft_and_merged(matrix, family: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.merge import merge_adapter
+
+    adapter, merged_dir = matrix["root"] / "two" / family, matrix["root"] / "merged" / family
+    if not merged_dir.exists():
+        merge_adapter(matrix["root"] / family, adapter, merged_dir, dtype="fp32")
+    base = AutoModelForCausalLM.from_pretrained(matrix["root"] / family, dtype=torch.float32)
+    base.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)), pad_to_multiple_of=8)
+    peft = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    return peft, merged, merged_dir
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
+    peft, merged, merged_dir = _peft_and_merged(matrix, family)
+    config = json.loads((merged_dir / "config.json").read_text())
+    emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
+    assert emb.shape == head.shape == (608, emb.shape[1]) and config["vocab_size"] == 608
+    if family in TIED:  # the adapter leaves the head equal to the embedding: it stays tied
+        assert config["tie_word_embeddings"] is True and head is emb
+    ids = torch.tensor([[1, 40, 77, 602, 605, 607, 9, 300]])  # includes the chat tokens and a padding row
+    with torch.no_grad():
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+    # fp32 merge: W + s·BA rounded once per weight (~1e-7 relative); through 2 blocks and the head ~1e-6.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
+    from shardtune.chat import encode_messages, generate_reply, load_for_chat
+
+    _peft_and_merged(matrix, family)  # the merged folder
+    messages = [{"role": "user", "content": "What is the capital of Peru?"}]
+    answers = []
+    for model_dir, adapter in (
+        (matrix["root"] / family, matrix["root"] / "two" / family),
+        (matrix["root"] / "merged" / family, None),
+    ):
+        model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
+        assert model.get_input_embeddings().weight.shape[0] == 608  # as trained, not len(tokenizer)
+        inputs = encode_messages(tok, messages)
+        ids = model.generate(
+            **inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+        answers.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
+        assert isinstance(generate_reply(model, tok, messages, max_new_tokens=4, temperature=0), str)
+    assert len(answers[0]) == 6 and answers[0] == answers[1]
+
+
+def test_chat_cli_on_tied_model_whose_tokenizer_had_chat_tokens(matrix):
+    """`shardtune chat --adapter` sizes the base as training did (602 tokens + 4 chatml tokens -> 608 rows)."""
+    out = matrix["root"] / "two" / "llama-tied"
+    args = ["chat", "--model_name_or_path", str(matrix["root"] / "llama-tied"), "--adapter", str(out)]
+    proc = run_cli([*args, "--prompt", "What is the capital of Peru?", "--max_new_tokens", "4", "--temperature", "0"])
+    assert "Resized the embeddings from 602 to 608 rows" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_plan_counts_the_familys_parameters(family, tmp_path):
+    """The planner's parameter count equals the real model's numel (GPT-2, not Llama-shaped, is refused clearly)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ConfigError
+    from shardtune.plan import plan_shape
+    from shardtune.planning import base_param_count
+
+    config = FAMILIES[family].config(602)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if family == "gpt2":
+        with pytest.raises(ConfigError, match="model_type 'gpt2' is not a Llama-style decoder"):
+            plan_shape(config, "none")
+        return
+    assert base_param_count(plan_shape(config, "none")) == real
+
+
+def test_plan_cli_reports_exact_count_for_moe(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = FAMILIES["qwen3-moe"].config(602)
+    config.save_pretrained(str(tmp_path))
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    proc = run_cli(["plan", "--model_name_or_path", str(tmp_path), "--json", "True", "--use_peft_lora", "True"])
+    assert json.loads(proc.stdout)["model"]["parameters"] == real
