@@ -101,6 +101,22 @@ def build_chat_tokenizer(out_dir: Path, *, base_vocab: int = 600):
     return tok
 
 
+PLAIN_TOKENIZER = ("llama", "mistral")  # a tokenizer without chat tokens (600 tokens); the others: build_chat_tokenizer
+
+
+def build_assets(root: Path, families=None) -> dict:
+    """The chat data, both tokenizers and a model folder (with its tokenizer) per family under root."""
+    from shardtune.demo import build_tokenizer, write_chat_dataset
+
+    write_chat_dataset(root / "data", n_train=64, n_test=12, seed=3)
+    toks = {"plain": build_tokenizer(root / "tok-plain", vocab_size=600), "chat": build_chat_tokenizer(root / "tok")}
+    for name in families or FAMILIES:
+        tok = toks["plain" if name in PLAIN_TOKENIZER else "chat"]
+        build_family_model(name, root / name, len(tok))
+        tok.save_pretrained(str(root / name))
+    return {"root": root, "data": root / "data", "tokenizers": toks}
+
+
 def build_family_model(family: Family | str, out_dir: Path, vocab_size: int, *, seed: int = 0):
     """A random fp32 model of the family, saved as safetensors into out_dir."""
     from transformers import AutoModelForCausalLM
@@ -194,3 +210,108 @@ def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900)
     if not results_file.exists():
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(results_file.read_text())
+
+
+# ---------------------------------------------------------------- checks shared by the test and the bench
+
+# Runs in a fresh interpreter that never imports shardtune: only torch, transformers and peft.
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+result = {}
+for job in json.loads(sys.argv[1]):
+    tok = AutoTokenizer.from_pretrained(job["out"])
+    model = AutoModelForCausalLM.from_pretrained(job["base"], dtype=torch.float32)
+    model.resize_token_embeddings(len(tok), pad_to_multiple_of=8)  # as the README says
+    model = PeftModel.from_pretrained(model, job["out"]).eval()
+    rows = json.load(open(job["rows"]))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            ids, pos, y = torch.tensor([r["input_ids"]]), torch.tensor([r["position_ids"]]), torch.tensor(r["labels"])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            total += F.cross_entropy(logits, y, reduction="sum", ignore_index=-100).item()
+            count += int((y != -100).sum())
+    result[job["name"]] = total / count
+assert "shardtune" not in sys.modules
+print(json.dumps(result))
+"""
+
+
+def eval_rows_file(data: Path, out: Path, workdir: Path, name: str) -> Path:
+    """The packed eval rows a matrix run evaluated on (tokenized with the tokenizer it saved), as JSON."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shardtune.data import build_datasets
+
+    _, ev = build_datasets(
+        tokenizer=AutoTokenizer.from_pretrained(out), dataset_name=str(data), splits="train,test",
+        dataset_text_field="text", max_length=96, packing=True, append_concat_token=False,
+        add_special_tokens=False, assistant_only_loss=False, drop_long_samples=False,
+        cache_dir=str(workdir / "cache"), seed=5,
+    )  # fmt: skip
+    rows = [
+        {"input_ids": list(map(int, ev.input_ids[i])), "labels": list(map(int, ev.labels[i])),
+         "position_ids": list(map(int, ev.position_ids[i]))}
+        for i in range(len(ev.input_ids))
+    ]  # fmt: skip
+    path = workdir / f"rows-{name}.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def reload_eval_losses(jobs: list[dict]) -> dict[str, float]:
+    """{name: eval loss} of each adapter reloaded with transformers + peft only, in one fresh interpreter.
+    jobs: {"name", "base", "out", "rows"}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, json.dumps(jobs)],
+        capture_output=True, text=True, check=False, timeout=900, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def peft_and_merged(base: Path, adapter: Path, merged_dir: Path):
+    """(PeftModel of base + adapter, the folder `shardtune merge` wrote loaded by transformers), both fp32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.merge import merge_adapter
+
+    if not merged_dir.exists():
+        merge_adapter(base, adapter, merged_dir, dtype="fp32")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)), pad_to_multiple_of=8)
+    peft = PeftModel.from_pretrained(model, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    return peft, merged
+
+
+def merge_logit_error(peft, merged, ids: torch.Tensor) -> float:
+    """Largest |merged - base+adapter| logit, relative to the largest |logit|."""
+    with torch.no_grad():
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) -> tuple[list[int], int]:
+    """Greedy answer ids of `shardtune chat`'s loading path to one question, and the model's embedding rows."""
+    from shardtune.chat import encode_messages, load_for_chat
+
+    model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
+    inputs = encode_messages(tok, [{"role": "user", "content": "What is the capital of Peru?"}])
+    out = model.generate(
+        **inputs, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), model.get_input_embeddings().weight.shape[0]

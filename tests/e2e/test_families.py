@@ -11,18 +11,24 @@ tokens (chatml adds them, 600 -> 608 rows), the others one that already has <|im
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import packed_eval_split, run_cli, train_records
-from tests.families import FAMILIES, build_family_model, run_jobs, train_argv
+from tests.conftest import run_cli, train_records
+from tests.families import (
+    FAMILIES,
+    build_assets,
+    chat_answer_ids,
+    eval_rows_file,
+    merge_logit_error,
+    peft_and_merged,
+    reload_eval_losses,
+    run_jobs,
+    train_argv,
+)
 
-PLAIN_TOKENIZER = ("llama", "mistral")
 TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gpt2")
 # (family, method, lora_dropout) trained on 2 ranks only, besides LoRA on every family.
 EXTRA = [
@@ -39,23 +45,10 @@ EXTRA = [
 ]
 
 
-def _assets(root: Path) -> dict:
-    from shardtune.demo import build_tokenizer, write_chat_dataset
-    from tests.families import build_chat_tokenizer
-
-    write_chat_dataset(root / "data", n_train=64, n_test=12, seed=3)
-    toks = {"plain": build_tokenizer(root / "tok-plain", vocab_size=600), "chat": build_chat_tokenizer(root / "tok")}
-    for name in FAMILIES:
-        tok = toks["plain" if name in PLAIN_TOKENIZER else "chat"]
-        build_family_model(name, root / name, len(tok))
-        tok.save_pretrained(str(root / name))
-    return {"root": root, "data": root / "data", "tokenizers": toks}
-
-
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("families")
-    assets = _assets(root)
+    assets = build_assets(root)
     one = [
         {"name": n, "argv": train_argv(root / n, assets["data"], root / "one" / n, "lora", batch=4)} for n in FAMILIES
     ]
@@ -100,119 +93,48 @@ def test_other_methods(matrix, family, method, dropout):
         assert "all-linear on a mixture-of-experts model: LoRA on k_proj, o_proj, q_proj, v_proj;" in log
 
 
-# Runs in a fresh interpreter that never imports shardtune: only torch, transformers and peft.
-RELOAD_SCRIPT = r"""
-import json, sys, torch
-import torch.nn.functional as F
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-result = {}
-for job in json.loads(sys.argv[1]):
-    tok = AutoTokenizer.from_pretrained(job["out"])
-    model = AutoModelForCausalLM.from_pretrained(job["base"], dtype=torch.float32)
-    model.resize_token_embeddings(len(tok), pad_to_multiple_of=8)  # as the README says
-    model = PeftModel.from_pretrained(model, job["out"]).eval()
-    rows = json.load(open(job["rows"]))
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for r in rows:
-            ids, pos, y = torch.tensor([r["input_ids"]]), torch.tensor([r["position_ids"]]), torch.tensor(r["labels"])
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
-            total += F.cross_entropy(logits, y, reduction="sum", ignore_index=-100).item()
-            count += int((y != -100).sum())
-    result[job["name"]] = total / count
-assert "shardtune" not in sys.modules
-print(json.dumps(result))
-"""
-
-
-def _eval_rows(matrix, family: str) -> Path:
-    out = matrix["root"] / "two" / family
-    path = matrix["root"] / f"rows-{family}.json"
-    ev = packed_eval_split({"data": matrix["data"]}, out, matrix["root"] / "cache", seed=5)
-    rows = [
-        {"input_ids": list(map(int, ev.input_ids[i])), "labels": list(map(int, ev.labels[i])),
-         "position_ids": list(map(int, ev.position_ids[i]))}
-        for i in range(len(ev.input_ids))
-    ]  # fmt: skip
-    path.write_text(json.dumps(rows))
-    return path
-
-
 def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
+    root = matrix["root"]
     jobs = [
-        {
-            "name": n,
-            "base": str(matrix["root"] / n),
-            "out": str(matrix["root"] / "two" / n),
-            "rows": str(_eval_rows(matrix, n)),
-        }
+        {"name": n, "base": str(root / n), "out": str(root / "two" / n),
+         "rows": str(eval_rows_file(matrix["data"], root / "two" / n, root, n))}
         for n in FAMILIES
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-c", RELOAD_SCRIPT, json.dumps(jobs)],
-        capture_output=True, text=True, check=False, timeout=600, env={**env, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    ]  # fmt: skip
+    got = reload_eval_losses(jobs)
     for n in FAMILIES:
-        trained = json.loads((matrix["root"] / "two" / n / "train_summary.json").read_text())["final_eval_loss"]
+        trained = json.loads((root / "two" / n / "train_summary.json").read_text())["final_eval_loss"]
         # fp32 on both sides; the training forward (chunked loss, per-document SDPA) sums in another order.
         assert got[n] == pytest.approx(trained, rel=1e-5), n
 
 
-def _peft_and_merged(matrix, family: str):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardtune.merge import merge_adapter
-
-    adapter, merged_dir = matrix["root"] / "two" / family, matrix["root"] / "merged" / family
-    if not merged_dir.exists():
-        merge_adapter(matrix["root"] / family, adapter, merged_dir, dtype="fp32")
-    base = AutoModelForCausalLM.from_pretrained(matrix["root"] / family, dtype=torch.float32)
-    base.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)), pad_to_multiple_of=8)
-    peft = PeftModel.from_pretrained(base, adapter).eval()
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    return peft, merged, merged_dir
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
-    peft, merged, merged_dir = _peft_and_merged(matrix, family)
-    config = json.loads((merged_dir / "config.json").read_text())
+    root = matrix["root"]
+    peft, merged = peft_and_merged(root / family, root / "two" / family, root / "merged" / family)
+    config = json.loads((root / "merged" / family / "config.json").read_text())
     emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
     assert emb.shape == head.shape == (608, emb.shape[1]) and config["vocab_size"] == 608
     if family in TIED:  # the adapter leaves the head equal to the embedding: it stays tied
         assert config["tie_word_embeddings"] is True and head is emb
     ids = torch.tensor([[1, 40, 77, 602, 605, 607, 9, 300]])  # includes the chat tokens and a padding row
-    with torch.no_grad():
-        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
     # fp32 merge: W + s·BA rounded once per weight (~1e-7 relative); through 2 blocks and the head ~1e-6.
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    assert merge_logit_error(peft, merged, ids) < 1e-5
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
-    from shardtune.chat import encode_messages, generate_reply, load_for_chat
+    from shardtune.chat import generate_reply, load_for_chat
 
-    _peft_and_merged(matrix, family)  # the merged folder
-    messages = [{"role": "user", "content": "What is the capital of Peru?"}]
-    answers = []
-    for model_dir, adapter in (
-        (matrix["root"] / family, matrix["root"] / "two" / family),
-        (matrix["root"] / "merged" / family, None),
-    ):
-        model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
-        assert model.get_input_embeddings().weight.shape[0] == 608  # as trained, not len(tokenizer)
-        inputs = encode_messages(tok, messages)
-        ids = model.generate(
-            **inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id
-        )
-        answers.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
-        assert isinstance(generate_reply(model, tok, messages, max_new_tokens=4, temperature=0), str)
-    assert len(answers[0]) == 6 and answers[0] == answers[1]
+    root = matrix["root"]
+    peft_and_merged(root / family, root / "two" / family, root / "merged" / family)  # writes the merged folder
+    with_adapter, rows = chat_answer_ids(root / family, root / "two" / family)
+    merged, merged_rows = chat_answer_ids(root / "merged" / family, None)
+    assert rows == merged_rows == 608  # as trained, not len(tokenizer)
+    assert len(with_adapter) == 6 and with_adapter == merged
+    model, tok = load_for_chat(str(root / "merged" / family))
+    assert isinstance(
+        generate_reply(model, tok, [{"role": "user", "content": "Hi"}], max_new_tokens=3, temperature=0), str
+    )
 
 
 def test_chat_cli_on_tied_model_whose_tokenizer_had_chat_tokens(matrix):
