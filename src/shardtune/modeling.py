@@ -245,7 +245,7 @@ def load_checkpoint_into(
     convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True.
     """
     unexpected = []
-    rename = checkpoint_renaming(model)
+    rename = checkpoint_renaming(model.config, type(model))
     for key, tensor in iter_checkpoint(model_name_or_path):
         key = rename(key)
         module_name, _, name = key.rpartition(".")
@@ -301,11 +301,12 @@ def check_4bit_layout(config) -> None:
         )
 
 
-def checkpoint_renaming(model: nn.Module) -> Callable[[str], str]:
+def checkpoint_renaming(config, cls: type | None = None) -> Callable[[str], str]:
     """Checkpoint name -> the model's name, through the family's renamings (GPT-NeoX's embed_out -> lm_head)."""
     from transformers.core_model_loading import WeightRenaming
 
-    renamings = [c for c in _layout_conversions(model.config, type(model)) if isinstance(c, WeightRenaming)]
+    conversions = _layout_conversions(config, cls or _causal_lm_class(config))
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
 
     def rename(key: str) -> str:
         for r in renamings:
