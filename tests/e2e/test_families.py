@@ -20,6 +20,7 @@ from tests.conftest import run_cli, train_records
 from tests.families import (
     FAMILIES,
     build_assets,
+    build_family_model,
     chat_answer_ids,
     eval_rows_file,
     merge_logit_error,
@@ -173,3 +174,29 @@ def test_plan_cli_reports_exact_count_for_moe(tmp_path):
         real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     proc = run_cli(["plan", "--model_name_or_path", str(tmp_path), "--json", "True", "--use_peft_lora", "True"])
     assert json.loads(proc.stdout)["model"]["parameters"] == real
+
+
+def test_qlora_quantizes_gpt2_conv1d_as_transformers_does(tmp_path):
+    """GPT-2's Conv1D stores (in, out) weights: shardtune's 4-bit loader transposes them as transformers' does."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import modeling
+
+    build_family_model("gpt2", tmp_path, 256)
+    config = modeling.bnb_config(
+        use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="float32", nested=False,
+        storage_dtype_name="float32",
+    )  # fmt: skip
+    ours = modeling.load_base_model(
+        str(tmp_path), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=config
+    )
+    ref = dict(
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=config).named_modules()
+    )
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 8  # c_attn, c_proj, c_fc, c_proj in 2 blocks
+    for name, module in layers:
+        mine = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        theirs = bnb.functional.dequantize_4bit(ref[name].weight.data, ref[name].weight.quant_state)
+        assert torch.equal(mine, theirs), name
