@@ -187,6 +187,14 @@ def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, d
     return argv
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900) -> dict:
     """Run the jobs in one process (or one torchrun of nproc ranks); return {name: exit code or error text}."""
     import json
@@ -202,7 +210,8 @@ def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *worker]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
+        cmd += [str(_free_port()), *worker]
     else:
         cmd = [sys.executable, *worker]
     proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)

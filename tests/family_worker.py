@@ -20,12 +20,10 @@ def main(jobs_file: str, results_file: str) -> int:
     from shardtune.train import main as train_main
 
     results = {}
-    port = int(os.environ.get("MASTER_PORT", "0"))
+    agent_port = os.environ.get("MASTER_PORT")  # torchrun's agent store
     for i, job in enumerate(json.loads(Path(jobs_file).read_text())):
         if "RANK" in os.environ and i > 0:
-            # Each run starts its own process group. torchrun's agent store keeps the first group's keys, and a
-            # second group on it waits forever; each later group gets a fresh store on the next port instead.
-            os.environ.update(MASTER_PORT=str(port + i), TORCHELASTIC_USE_AGENT_STORE="False")
+            _fresh_store(i, int(agent_port))
         try:
             results[job["name"]] = train_main(job["argv"][1:] if job["argv"][0] == "train" else job["argv"])
         except Exception:  # noqa: BLE001 - recorded for the test to report, then the next family runs
@@ -37,6 +35,24 @@ def main(jobs_file: str, results_file: str) -> int:
         with open(results_file, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _fresh_store(i: int, agent_port: int) -> None:
+    """Each run starts its own process group. torchrun's agent store keeps the first group's keys, and a second
+    group on it waits forever; so each later group gets a fresh store on a free port that rank 0 picks and shares
+    through the agent store."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    agent = TCPStore(os.environ["MASTER_ADDR"], agent_port, is_master=False)
+    key = f"family_worker/port/{i}"
+    if os.environ["RANK"] == "0":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            agent.set(key, str(s.getsockname()[1]))
+    port = agent.get(key).decode()
+    os.environ.update(MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="False")
 
 
 if __name__ == "__main__":
