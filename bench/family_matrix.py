@@ -13,7 +13,7 @@ Prints a table, writes bench/results/family_matrix.json, and with --readme rewri
 table (between its markers). The suite's tests/e2e/test_families.py runs the LoRA column on every family and the
 other methods on some; this script runs all of them (about 5 minutes on 2 CPU cores).
 
-    python bench/family_matrix.py [--workdir /tmp/family_matrix] [--families llama,gpt2] [--readme]
+    python bench/family_matrix.py [--workdir /tmp/family_matrix] [--families llama,gpt2] [--readme] [--from_json]
 """
 
 from __future__ import annotations
@@ -159,7 +159,10 @@ def markdown(result: dict) -> str:
     for name, row in result["families"].items():
         cells = " | ".join(_cell(row[c]) for c in COLUMNS)
         lines.append(f"| {name} ({FAMILIES[name].config_class}) | {cells} |")
-    notes = sorted({f"{n}, {c}: {v}" for n, row in result["families"].items() for c, v in row.items() if v != "yes"})
+    # The first clause of each message (the full one is in the JSON).
+    notes = sorted(
+        {f"{n}, {c}: {v.split('; ')[0]}" for n, row in result["families"].items() for c, v in row.items() if v != "yes"}
+    )
     lines += ["", f"Tested with transformers {result['transformers']}, peft {result['peft']}, torch {result['torch']}."]
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
@@ -178,12 +181,17 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/family_matrix")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's Supported models table")
+    ap.add_argument("--from_json", action="store_true", help="only print (and write) the table of the last results")
     args = ap.parse_args()
-    result = run_matrix(Path(args.workdir), [f for f in args.families.split(",") if f])
+    if args.from_json:
+        result = json.loads(RESULTS.read_text())
+    else:
+        result = run_matrix(Path(args.workdir), [f for f in args.families.split(",") if f])
     table = markdown(result)
     print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    if not args.from_json:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     if args.readme:
         write_readme(table)
 
