@@ -20,9 +20,10 @@ def main(jobs_file: str, results_file: str) -> int:
     from shardtune.train import main as train_main
 
     results = {}
-    agent_port = os.environ.get("MASTER_PORT")  # torchrun's agent store
+    # Under torchrun, its agent store; in one process shardtune starts a 1-rank group (and sets RANK) itself.
+    agent_port = os.environ.get("MASTER_PORT") if "RANK" in os.environ else None
     for i, job in enumerate(json.loads(Path(jobs_file).read_text())):
-        if "RANK" in os.environ and i > 0:
+        if agent_port is not None and i > 0:
             _fresh_store(i, int(agent_port))
         try:
             results[job["name"]] = train_main(job["argv"][1:] if job["argv"][0] == "train" else job["argv"])
