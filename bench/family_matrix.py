@@ -11,7 +11,7 @@ What counts as working, per cell:
 
 Prints a table, writes bench/results/family_matrix.json, and with --readme rewrites README.md's "Supported models"
 table (between its markers). The suite's tests/e2e/test_families.py runs the LoRA column on every family and the
-other methods on some; this script runs all of them (about 5 minutes on 2 CPU cores).
+other methods on some; this script runs all of them (6.4 minutes measured on 2 CPU cores shared with other jobs).
 
     python bench/family_matrix.py [--workdir /tmp/family_matrix] [--families llama,gpt2] [--readme] [--from_json]
 """
