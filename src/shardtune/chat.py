@@ -136,13 +136,23 @@ def _trainable_token_rows(adapter: str) -> int:
 
 
 def _resize_for(model, tokenizer, adapter: str | None) -> None:
+    """Give the base as many embedding rows as training did: the rows the adapter saved in full when it saved any,
+    else training's own rule (len(tokenizer) rounded up to a multiple of 8, shardtune.modeling.resize_embeddings):
+    an adapter with trainable token rows holds rows up to that padded size, past len(tokenizer)."""
+    from shardtune.modeling import resize_embeddings
+
     current = model.get_input_embeddings().weight.shape[0]
-    target = (_adapter_vocab_rows(model, adapter) if adapter else None) or len(tokenizer)
-    if adapter:  # training padded the vocabulary to a multiple of 8: the indices reach past len(tokenizer)
-        target = max(target, _trainable_token_rows(adapter))
-    if target > current:
-        model.resize_token_embeddings(target, mean_resizing=False)
-        print0(f"Resized the embeddings from {current} to {target} rows to match the tokenizer/adapter.")
+    saved = _adapter_vocab_rows(model, adapter) if adapter else None
+    if saved is not None and saved > current:
+        model.resize_token_embeddings(saved, mean_resizing=False)  # every row is overwritten by the adapter's
+        print0(f"Resized the embeddings from {current} to {saved} rows to match the adapter.")
+        return
+    resize_embeddings(model, len(tokenizer))
+    # A tokenizer saved apart from the adapter may be shorter than training's: the trainable token rows say how
+    # many rows training had.
+    need = _trainable_token_rows(adapter) if adapter else 0
+    if need > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(need, mean_resizing=False)
 
 
 def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: bool, tokenizer: str | None) -> None:

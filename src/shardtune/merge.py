@@ -381,7 +381,7 @@ def plan_merge(
     """Map every adapter tensor to the base tensor it changes and check shapes, before any weight is read."""
     in_name, aliases = _embedding_layout(base, trust_remote_code)
     plan = MergePlan({}, aliases, in_name, _output_dtype(base, dtype))
-    names = set(base.shapes) | set(aliases)
+    names = {n: n for n in [*base.shapes, *aliases]} | _renamed_tensors(base, trust_remote_code)
     groups = _parse_keys(weights)
     # Replacements first: they fix the shape (e.g. a resized embedding) that LoRA and token edits must match.
     for target, parts in sorted(groups.items(), key=lambda kv: "replace" not in kv[1]):
@@ -441,13 +441,14 @@ def _output_dtype(base: BaseCheckpoint, dtype: str | None) -> torch.dtype:
     return floats[0] if floats else torch.float32
 
 
-def _resolve(target: str, names: set[str], key: str) -> str:
-    """The base tensor an adapter key means, tolerating a differing leading prefix (e.g. `model.`)."""
+def _resolve(target: str, names: dict[str, str], key: str) -> str:
+    """The base tensor an adapter key means, tolerating a differing leading prefix (e.g. `model.`). names maps the
+    model's tensor names to the names stored in the checkpoint."""
     if target in names:
-        return target
+        return names[target]
     found = sorted(n for n in names if n.endswith("." + target) or target.endswith("." + n))
     if len(found) == 1:
-        return found[0]
+        return names[found[0]]
     if found:
         raise ValueError(f"adapter key {key!r} matches several base tensors ({', '.join(found)}).")
     close = difflib.get_close_matches(target, sorted(names), n=1, cutoff=0.5)
@@ -458,7 +459,22 @@ def _resolve(target: str, names: set[str], key: str) -> str:
     )
 
 
-def _plan_lora(plan: MergePlan, module: str, parts: dict[str, Any], names: set[str], cfg: Any) -> None:
+def _renamed_tensors(base: BaseCheckpoint, trust_remote_code: bool) -> dict[str, str]:
+    """{model name: stored name} for tensors the family stores under another name than its module's (GPT-NeoX
+    stores lm_head as embed_out); the adapter's keys use the module names."""
+    from transformers import AutoConfig
+
+    from shardtune.modeling import checkpoint_renaming
+
+    try:
+        config = AutoConfig.from_pretrained(str(base.folder), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return {}
+    rename = checkpoint_renaming(config)
+    return {rename(n): n for n in base.shapes if rename(n) != n}
+
+
+def _plan_lora(plan: MergePlan, module: str, parts: dict[str, Any], names: dict[str, str], cfg: Any) -> None:
     from peft.utils.other import get_pattern_key
 
     embedding = "emb_A" in parts or "emb_B" in parts
@@ -480,7 +496,7 @@ def _plan_lora(plan: MergePlan, module: str, parts: dict[str, Any], names: set[s
         plan.edits.setdefault(_resolve(f"{module}.bias", names, bias_key), TensorEdit()).add = bias * scale
 
 
-def _plan_tokens(plan: MergePlan, module: str, part: tuple[str, torch.Tensor], names: set[str], cfg: Any) -> None:
+def _plan_tokens(plan: MergePlan, module: str, part: tuple[str, torch.Tensor], names: dict[str, str], cfg: Any) -> None:
     key, rows = part
     spec = cfg.trainable_token_indices
     if isinstance(spec, dict):
@@ -675,19 +691,26 @@ def _lazy_entry(f: Any, name: str, plan: MergePlan, base: BaseCheckpoint) -> _Pe
 
 
 def _tied_entries(f: Any, name: str, plan: MergePlan) -> list[_Pending]:
-    """The input embedding, plus its tied output embedding when the adapter leaves the two different."""
+    """The input embedding, plus its tied output embedding when the adapter leaves the two different.
+
+    The tied head is the merged embedding itself (trained token rows and rows added by the resize included) unless
+    the adapter edits the head on its own; only then can the two differ and the head be written separately."""
     weight = f.get_tensor(name)
     merged = apply_edit(plan.edits.get(name), weight, plan.dtype)
     entries = [_Pending(name, merged.dtype, tuple(merged.shape), lambda: merged)]
-    for alias in (a for a, src in plan.aliases.items() if src == name):
-        if name in plan.edits or alias in plan.edits:
-            copy = apply_edit(plan.edits.get(alias), weight, plan.dtype)
-            if copy.shape != merged.shape or not torch.allclose(copy, merged, rtol=1e-5, atol=1e-6):
-                warn0(
-                    f"the adapter leaves {alias} different from {name}; writing it separately and setting "
-                    "tie_word_embeddings to false."
-                )
-                entries.append(_Pending(alias, copy.dtype, tuple(copy.shape), lambda copy=copy: copy))
+    for alias in (a for a, src in plan.aliases.items() if src == name and a in plan.edits):
+        edit = plan.edits[alias]
+        if edit.replacement is None and merged.shape[0] > weight.shape[0]:
+            # The head was tied to the resized embedding in training: its added rows are the embedding's.
+            grown = torch.cat([weight.to(merged.dtype), merged[weight.shape[0] :]])
+            edit = dataclasses.replace(edit, replacement=grown, grow_to=None)
+        copy = apply_edit(edit, weight, plan.dtype)
+        if copy.shape != merged.shape or not torch.allclose(copy, merged, rtol=1e-5, atol=1e-6):
+            warn0(
+                f"the adapter leaves {alias} different from {name}; writing it separately and setting "
+                "tie_word_embeddings to false."
+            )
+            entries.append(_Pending(alias, copy.dtype, tuple(copy.shape), lambda copy=copy: copy))
     return entries
 
 

@@ -47,6 +47,38 @@ def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
     return fastpath.register_attention()
 
 
+_SAID: set[str] = set()
+
+
+def family_attention(config, attn_impl: str) -> str:
+    """attn_impl, or eager attention where the family cannot run SDPA: its class says it does not support SDPA
+    (Gemma 2), or its config soft-caps the attention scores, which SDPA cannot do. Eager attention receives
+    transformers' block-diagonal causal mask over packed rows, so packed documents still never see each other."""
+    if attn_impl not in (fastpath.ATTENTION, "sdpa"):
+        return attn_impl
+    cls = _causal_lm_class(config)
+    reason = None
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        reason = f"{cls.__name__} does not support SDPA attention"
+    elif getattr(config, "attn_logit_softcapping", None):
+        reason = f"{getattr(cls, '__name__', config.model_type)} soft-caps its attention scores, which SDPA cannot"
+    if reason is None:
+        return attn_impl
+    if reason not in _SAID:
+        _SAID.add(reason)
+        print0(f"{reason}; using eager attention (packed documents stay separated by its block-diagonal mask).")
+    return "eager"
+
+
+def _causal_lm_class(config):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None  # remote code: its class is only known once loaded
+
+
 def load_tokenizer(
     model_name_or_path: str, *, tokenizer_name_or_path: str | None, chat_template_format: str, trust_remote_code: bool
 ):
@@ -104,8 +136,12 @@ def load_base_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    attn_impl = family_attention(config, attn_impl)
     if quantization_config is not None and getattr(quantization_config, "load_in_4bit", False):
         from shardtune.quant import load_4bit_model
+
+        check_4bit_layout(config)  # on every rank, before anything is read
 
         model = load_4bit_model(
             model_name_or_path,
@@ -117,7 +153,6 @@ def load_base_model(
             quantize_device=quantize_device,
         )
     elif on_meta:
-        config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code
@@ -161,6 +196,7 @@ def build_skeleton(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    attn_impl = family_attention(config, attn_impl)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=attn_impl, trust_remote_code=trust_remote_code
@@ -209,7 +245,9 @@ def load_checkpoint_into(
     convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True.
     """
     unexpected = []
+    rename = checkpoint_renaming(model.config, type(model))
     for key, tensor in iter_checkpoint(model_name_or_path):
+        key = rename(key)
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name) if _has_submodule(model, module_name) else None
         if module is None or (name not in module._parameters and name not in module._buffers):
@@ -233,6 +271,49 @@ def load_checkpoint_into(
             f"its tensor names (e.g. {unexpected[:3]}) do not match the model's. Load this model without "
             "--use_4bit_quantization, or save it again with transformers' save_pretrained."
         )
+
+
+def _layout_conversions(config, cls: type | None) -> list:
+    """transformers' conversions from the family's checkpoint names to its modules' (none for most families);
+    looked up by class name first, then model_type, as transformers does."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    for key in (getattr(cls, "__name__", None), getattr(config, "model_type", None)):
+        found = get_checkpoint_conversion_mapping(key) if key else None
+        if found:
+            return list(found)
+    return []
+
+
+def check_4bit_layout(config) -> None:
+    """Refuse a family whose checkpoint tensors transformers merges while loading (fused mixture-of-experts weights
+    saved per expert): shardtune's 4-bit loader reads and quantizes one tensor at a time."""
+    from transformers.core_model_loading import WeightRenaming
+
+    merged = [c for c in _layout_conversions(config, _causal_lm_class(config)) if not isinstance(c, WeightRenaming)]
+    if merged:
+        name = getattr(_causal_lm_class(config), "__name__", config.model_type)
+        raise ValueError(
+            f"--use_4bit_quantization: {name} checkpoints store {', '.join(merged[0].source_patterns)} that "
+            f"transformers merges into {', '.join(merged[0].target_patterns)} while loading; shardtune's 4-bit "
+            f"loader quantizes one stored tensor at a time and cannot merge them yet. Train {name} without "
+            "--use_4bit_quantization (LoRA, DoRA or full fine-tuning in bf16)."
+        )
+
+
+def checkpoint_renaming(config, cls: type | None = None) -> Callable[[str], str]:
+    """Checkpoint name -> the model's name, through the family's renamings (GPT-NeoX's embed_out -> lm_head)."""
+    from transformers.core_model_loading import WeightRenaming
+
+    conversions = _layout_conversions(config, cls or _causal_lm_class(config))
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        for r in renamings:
+            key = r.rename_source_key(key)[0]
+        return key
+
+    return rename
 
 
 def release_free_memory() -> None:
@@ -278,11 +359,41 @@ def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> 
     return target
 
 
-def _target_modules(spec: str) -> str | list[str]:
-    """all-linear, one regular expression (peft full-matches a string against module names), or a list of names."""
+def _target_modules(spec: str, model: nn.Module | None = None) -> str | list[str]:
+    """all-linear (on mixture-of-experts models: the linear layers only), one regular expression (peft full-matches
+    a string against module names), or a list of names."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    if names == ["all-linear"] or len(names) == 1 and any(c in names[0] for c in "*+?[](){}|^$\\"):
+    if names == ["all-linear"]:
+        return (_moe_all_linear(model) if model is not None else None) or "all-linear"
+    if len(names) == 1 and any(c in names[0] for c in "*+?[](){}|^$\\"):
         return names[0]
+    return names
+
+
+def _moe_all_linear(model: nn.Module) -> list[str] | None:
+    """What `all-linear` means on a mixture-of-experts model whose experts are fused 3-D parameters (transformers
+    5: Mixtral, Qwen3-MoE, ...): every nn.Linear (attention, shared experts), not the experts nor the router.
+
+    PEFT would otherwise wrap the expert tensors and the router as target_parameters (ParamWrapper), which refuses
+    lora_dropout != 0 and DoRA and which shardtune's merge cannot fold yet; for v4 compatibility PEFT also turns any
+    target named like an expert projection (gate_proj, up_proj, down_proj, gate, w1..w3) into one, so those leaf
+    names are left out too. None when the model has no fused experts (PEFT's own all-linear applies)."""
+    fused = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.ndim == 3})
+    if not fused:
+        return None
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+
+    model_type = getattr(model.config, "model_type", None)
+    remapped = set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {}))
+    remapped |= {"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"}
+    linear = _maybe_include_all_linear_layers(LoraConfig(target_modules="all-linear"), model).target_modules
+    names = sorted({n.rpartition(".")[2] for n in linear} - remapped)
+    print0(
+        f"all-linear on a mixture-of-experts model: LoRA on {', '.join(names)}; the experts (fused parameters in "
+        f"{fused[0]}{' and others' if len(fused) > 1 else ''}) and the router are not trained (docs/adapters.md)."
+    )
     return names
 
 
@@ -314,7 +425,7 @@ def attach_adapter(
         r=lora_r,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
-        target_modules=_target_modules(target_modules),
+        target_modules=_target_modules(target_modules, model),
         use_dora=use_dora,
         modules_to_save=mts,
         trainable_token_indices=tti or None,
@@ -397,10 +508,12 @@ class CausalLMForTraining(nn.Module):
         object.__setattr__(self, "_decoder", base.get_decoder())
         object.__setattr__(self, "_head", base.get_output_embeddings())
         cfg = base.config
-        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-            raise ValueError(
-                f"{type(base).__name__} scales its logits; shardtune's chunked loss does not support it yet."
-            )
+        # Families whose forward changes the head's output: Granite divides by logits_scaling, Gemma 2 soft-caps
+        # (cap·tanh(z/cap)); Cohere's logit_scale multiplies.
+        self.logit_divisor = float(getattr(cfg, "logits_scaling", None) or 1.0)
+        if getattr(cfg, "logit_scale", None):
+            self.logit_divisor /= float(cfg.logit_scale)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         extra = {}
@@ -437,8 +550,14 @@ class CausalLMForTraining(nn.Module):
         return F.cross_entropy(self.chunk_logits(h), y, reduction="sum")
 
     def chunk_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of a chunk of hidden states: the one place every loss gets its logits from."""
-        return self._head(h).float()
+        """The family's fp32 logits of a chunk of hidden states, as its own forward computes them (logit scaling,
+        final soft-capping): the one place every loss gets its logits from."""
+        logits = self._head(h).float()
+        if self.logit_divisor != 1.0:
+            logits = logits / self.logit_divisor
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _sequence_logps(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the targets' log-probs, number of targets) per row, through the same chunked head as the loss.
@@ -467,7 +586,7 @@ class CausalLMForTraining(nn.Module):
         if hasattr(self, "unshard"):
             # Sharded root: calling the decoder directly skips the root's FSDP hooks, so gather its weights here.
             self.unshard()
-        return self._head(self.hidden_states(input_ids, position_ids)).float()
+        return self.chunk_logits(self.hidden_states(input_ids, position_ids))
 
 
 def write_tokenizer(tokenizer, out_dir: str | Path) -> None:

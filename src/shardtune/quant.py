@@ -175,12 +175,21 @@ def _quantize_into(module: nn.Module, name: str, tensor: torch.Tensor, device: t
     if not (isinstance(module, bnb.nn.Linear4bit) and name == "weight"):
         return False
     old = module._parameters["weight"]
+    if tuple(tensor.shape) == (module.in_features, module.out_features) and _from_conv1d(module):
+        tensor = tensor.T  # GPT-2's Conv1D stores (in, out); Linear4bit takes (out, in), as transformers transposes
     # The same construction as transformers' Bnb4bitQuantize, so the packed bytes match its from_pretrained.
     param = bnb.nn.Params4bit(tensor, requires_grad=False, **old.__dict__).to(device)  # sets module.quant_state
     if param.device.type != "cpu":
         param = param.to("cpu")  # the state moves with it: rank 0 holds the model in host memory until sharding
     module._parameters["weight"] = param
     return True
+
+
+def _from_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    source = getattr(module, "source_cls", None)
+    return isinstance(source, type) and issubclass(source, Conv1D)
 
 
 def _quantize_on_meta(module: nn.Module, dtype: torch.dtype) -> None:

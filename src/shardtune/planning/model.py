@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ class ModelShape:
     # Embedding rows the base checkpoint lacks (chat tokens + padding to a multiple of 8): trained as LoRA's
     # trainable token rows in the input embedding and the untied output head.
     new_token_rows: int = 0
+    # Parameters the family has beyond the Llama layout below (biases, q/k norms, experts, routers, fused or
+    # renamed layers), counted on the real model class: base_param_count is then exact for every family.
+    extra_params: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -86,7 +89,7 @@ class ModelShape:
                 ]
             )
         heads = int(get("num_attention_heads"))
-        return cls(
+        shape = cls(
             model_type=str(get("model_type") or "llama"),
             hidden_size=int(get("hidden_size")),
             num_layers=int(get("num_hidden_layers")),
@@ -99,6 +102,8 @@ class ModelShape:
             attention_bias=bool(get("attention_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)),
         )
+        real = None if isinstance(config, dict) else _real_param_count(config)
+        return shape if real is None else replace(shape, extra_params=real - base_param_count(shape))
 
 
 def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> Any:
@@ -138,7 +143,22 @@ def base_param_count(shape: ModelShape) -> int:
     """Parameters of the base model (decoder blocks, embeddings, final norm, head)."""
     block = sum(i * o for i, o in shape.linear_dims().values()) + 2 * shape.hidden_size
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
-    return shape.num_layers * block + shape.vocab_size * shape.hidden_size + shape.hidden_size + head
+    llama = shape.num_layers * block + shape.vocab_size * shape.hidden_size + shape.hidden_size + head
+    return llama + shape.extra_params
+
+
+def _real_param_count(config: Any) -> int | None:
+    """The parameters of the config's model class, built on the meta device (no memory, nothing initialised);
+    None for an architecture transformers cannot build here (remote code)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, ImportError, OSError):
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str]) -> tuple[str, ...]:

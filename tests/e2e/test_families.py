@@ -1,0 +1,191 @@
+"""The family matrix: every architecture family trains, saves, reloads, merges and chats through the CLI.
+
+One 1-process run and one 2-rank FSDP2 (gloo) run each loop over all families in a single interpreter
+(tests/family_worker.py), so the matrix pays for starting Python and torch twice, not once per family. Every family
+trains LoRA (all-linear) with the same global batch in both; the 2-rank run also trains the other methods on some
+families (the full cross product is bench/family_matrix.py). Tokenizers: `llama` and `mistral` use one without chat
+tokens (chatml adds them, 600 -> 608 rows), the others one that already has <|im_start|>/<|im_end|> and 602 tokens
+(chatml adds 4 more; training pads to 608, past len(tokenizer)).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli, train_records
+from tests.families import (
+    FAMILIES,
+    build_assets,
+    build_family_model,
+    chat_answer_ids,
+    eval_rows_file,
+    merge_logit_error,
+    peft_and_merged,
+    reload_eval_losses,
+    run_jobs,
+    train_argv,
+)
+
+TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gpt2")
+# (family, method, lora_dropout) trained on 2 ranks only, besides LoRA on every family.
+EXTRA = [
+    ("mixtral", "lora", 0.1),  # the guide's flags on mixtures of experts
+    ("qwen3-moe", "lora", 0.1),
+    ("gemma2", "dora", 0.0),
+    ("phi3", "dora", 0.0),
+    ("gpt2", "dora", 0.0),
+    ("qwen3", "full", 0.0),
+    ("gemma3", "full", 0.0),
+    ("llama-tied", "qlora", 0.0),
+    ("gpt-neox", "qlora", 0.0),
+    ("mixtral", "qlora", 0.0),  # refused before loading
+]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("families")
+    assets = build_assets(root)
+    one = [
+        {"name": n, "argv": train_argv(root / n, assets["data"], root / "one" / n, "lora", batch=4)} for n in FAMILIES
+    ]
+    two = [
+        {"name": n, "argv": train_argv(root / n, assets["data"], root / "two" / n, "lora", batch=2)} for n in FAMILIES
+    ]
+    two += [
+        {"name": f"{n}/{m}", "argv": train_argv(root / n, assets["data"], root / m / n, m, batch=2, dropout=p)}
+        for n, m, p in EXTRA
+    ]
+    return {**assets, "one": run_jobs(one, root, nproc=1), "two": run_jobs(two, root, nproc=2)}
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in train_records(out)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lora_two_ranks_match_one_process(matrix, family):
+    assert matrix["one"][family] == 0, matrix["one"][family]
+    assert matrix["two"][family] == 0, matrix["two"][family]
+    l1, l2 = _losses(matrix["root"] / "one" / family), _losses(matrix["root"] / "two" / family)
+    assert len(l1) == len(l2) == 3
+    # fp32 sums over ~300 targets reduced in a different order on 2 ranks: agreement to ~1e-6 relative; 1e-4 leaves
+    # room for the different all-reduce order of the gradients over 3 Adam steps.
+    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=1e-4, atol=0)
+    assert abs(l1[-1] - l1[0]) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize(("family", "method", "dropout"), EXTRA)
+def test_other_methods(matrix, family, method, dropout):
+    result = matrix["two"][f"{family}/{method}"]
+    log = (matrix["root"] / "log-2.txt").read_text()
+    if method == "qlora" and not FAMILIES[family].dense:
+        assert result == 2
+        assert f"--use_4bit_quantization: {FAMILIES[family].config_class.replace('Config', 'ForCausalLM')}" in log
+        return
+    assert result == 0, result
+    losses = _losses(matrix["root"] / method / family)
+    assert len(losses) == 3 and all(map(torch.isfinite, torch.tensor(losses))) and abs(losses[-1] - losses[0]) > 1e-3
+    if not FAMILIES[family].dense:
+        assert "all-linear on a mixture-of-experts model: LoRA on k_proj, o_proj, q_proj, v_proj;" in log
+
+
+def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
+    root = matrix["root"]
+    jobs = [
+        {"name": n, "base": str(root / n), "out": str(root / "two" / n),
+         "rows": str(eval_rows_file(matrix["data"], root / "two" / n, root, n))}
+        for n in FAMILIES
+    ]  # fmt: skip
+    got = reload_eval_losses(jobs)
+    for n in FAMILIES:
+        trained = json.loads((root / "two" / n / "train_summary.json").read_text())["final_eval_loss"]
+        # fp32 on both sides; the training forward (chunked loss, per-document SDPA) sums in another order.
+        assert got[n] == pytest.approx(trained, rel=1e-5), n
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
+    root = matrix["root"]
+    peft, merged = peft_and_merged(root / family, root / "two" / family, root / "merged" / family)
+    config = json.loads((root / "merged" / family / "config.json").read_text())
+    emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
+    assert emb.shape == head.shape == (608, emb.shape[1]) and config["vocab_size"] == 608
+    if family in TIED:  # the adapter leaves the head equal to the embedding: it stays tied
+        assert config["tie_word_embeddings"] is True and head is emb
+    ids = torch.tensor([[1, 40, 77, 602, 605, 607, 9, 300]])  # includes the chat tokens and a padding row
+    # fp32 merge: W + s·BA rounded once per weight (~1e-7 relative); through 2 blocks and the head ~1e-6.
+    assert merge_logit_error(peft, merged, ids) < 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
+    from shardtune.chat import generate_reply, load_for_chat
+
+    root = matrix["root"]
+    peft_and_merged(root / family, root / "two" / family, root / "merged" / family)  # writes the merged folder
+    with_adapter, rows = chat_answer_ids(root / family, root / "two" / family)
+    merged, merged_rows = chat_answer_ids(root / "merged" / family, None)
+    assert rows == merged_rows == 608  # as trained, not len(tokenizer)
+    assert len(with_adapter) == 6 and with_adapter == merged
+    model, tok = load_for_chat(str(root / "merged" / family))
+    assert isinstance(
+        generate_reply(model, tok, [{"role": "user", "content": "Hi"}], max_new_tokens=3, temperature=0), str
+    )
+
+
+def test_chat_cli_on_tied_model_whose_tokenizer_had_chat_tokens(matrix):
+    """`shardtune chat --adapter` sizes the base as training did (602 tokens + 4 chatml tokens -> 608 rows)."""
+    out = matrix["root"] / "two" / "llama-tied"
+    args = ["chat", "--model_name_or_path", str(matrix["root"] / "llama-tied"), "--adapter", str(out)]
+    proc = run_cli([*args, "--prompt", "What is the capital of Peru?", "--max_new_tokens", "4", "--temperature", "0"])
+    assert "Resized the embeddings from 602 to 608 rows" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_plan_counts_the_familys_parameters(family, tmp_path):
+    """The planner's parameter count equals the real model's numel (GPT-2, not Llama-shaped, is refused clearly)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ConfigError
+    from shardtune.plan import plan_shape
+    from shardtune.planning import base_param_count
+
+    config = FAMILIES[family].config(602)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if family == "gpt2":
+        with pytest.raises(ConfigError, match="model_type 'gpt2' is not a Llama-style decoder"):
+            plan_shape(config, "none")
+        return
+    assert base_param_count(plan_shape(config, "none")) == real
+
+
+def test_qlora_quantizes_gpt2_conv1d_as_transformers_does(tmp_path):
+    """GPT-2's Conv1D stores (in, out) weights: shardtune's 4-bit loader transposes them as transformers' does."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import modeling
+
+    build_family_model("gpt2", tmp_path, 256)
+    config = modeling.bnb_config(
+        use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="float32", nested=False,
+        storage_dtype_name="float32",
+    )  # fmt: skip
+    ours = modeling.load_base_model(
+        str(tmp_path), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=config
+    )
+    ref = dict(
+        AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, quantization_config=config).named_modules()
+    )
+    layers = [(n, m) for n, m in ours.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 8  # c_attn, c_proj, c_fc, c_proj in 2 blocks
+    for name, module in layers:
+        mine = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        theirs = bnb.functional.dequantize_4bit(ref[name].weight.data, ref[name].weight.quant_state)
+        assert torch.equal(mine, theirs), name

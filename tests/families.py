@@ -1,0 +1,326 @@
+"""Tiny random models of every architecture family shardtune supports, built locally from each family's
+transformers config class, and the tokenizer cases users bring (used by tests/e2e/test_families.py and
+bench/family_matrix.py; no network).
+
+Every model is small (hidden 64, 2 layers) but keeps what sets its family apart: tied embeddings, qkv bias, q/k
+norms, soft-capping and sliding windows, fused qkv/gate_up, Conv1D, logit scaling, experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
+# Sliding window shorter than the 96-position packed rows, so that the window really cuts attention.
+WINDOW = 32
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_class: str
+    kwargs: dict = field(default_factory=dict)
+    dense: bool = True  # no mixture of experts
+
+    def config(self, vocab_size: int):
+        import transformers
+
+        cls = getattr(transformers, self.config_class)
+        return cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **self.kwargs)
+
+
+_LLAMA = {
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "intermediate_size": FFN,
+}
+_NEOX = {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": FFN}
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaConfig", {**_LLAMA, "tie_word_embeddings": False}),
+        Family("llama-tied", "LlamaConfig", {**_LLAMA, "tie_word_embeddings": True}),
+        Family("mistral", "MistralConfig", {**_LLAMA, "sliding_window": WINDOW}),
+        Family("qwen2", "Qwen2Config", {**_LLAMA, "tie_word_embeddings": False}),
+        Family("qwen3", "Qwen3Config", {**_LLAMA, "head_dim": 16, "tie_word_embeddings": True}),
+        Family(
+            "gemma2",
+            "Gemma2Config",
+            {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 16},
+        ),
+        Family(
+            "gemma3",
+            "Gemma3TextConfig",
+            {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+        ),
+        Family("phi3", "Phi3Config", _LLAMA),
+        Family("olmo2", "Olmo2Config", _LLAMA),
+        Family("granite", "GraniteConfig", {**_LLAMA, "logits_scaling": 4.0, "embedding_multiplier": 2.0}),
+        Family(
+            "mixtral",
+            "MixtralConfig",
+            {**_LLAMA, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+            dense=False,
+        ),
+        Family(
+            "qwen3-moe",
+            "Qwen3MoeConfig",
+            {**_LLAMA, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+            dense=False,
+        ),
+        Family("gpt-neox", "GPTNeoXConfig", _NEOX),
+        # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
+        Family(
+            "gpt2",
+            "GPT2Config",
+            {"n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_inner": FFN}
+            | dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0),
+        ),
+    )
+}
+
+
+def build_chat_tokenizer(out_dir: Path, *, base_vocab: int = 600):
+    """A tokenizer that already has <|im_start|>/<|im_end|> (as many instruct models) and a length that is not a
+    multiple of 8, so that chatml still adds tokens and the embeddings are padded past len(tokenizer)."""
+    from shardtune.demo import build_tokenizer
+
+    tok = build_tokenizer(out_dir, vocab_size=base_vocab)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    filler = 0
+    while len(tok) % 8 == 0 or len(tok) % 8 == 7:  # +chatml's new tokens must not land on a multiple of 8 either
+        tok.add_tokens([f"<extra_{filler}>"])
+        filler += 1
+    tok.save_pretrained(str(out_dir))
+    return tok
+
+
+PLAIN_TOKENIZER = ("llama", "mistral")  # a tokenizer without chat tokens (600 tokens); the others: build_chat_tokenizer
+
+
+def build_assets(root: Path, families=None) -> dict:
+    """The chat data, both tokenizers and a model folder (with its tokenizer) per family under root."""
+    from shardtune.demo import build_tokenizer, write_chat_dataset
+
+    write_chat_dataset(root / "data", n_train=64, n_test=12, seed=3)
+    toks = {"plain": build_tokenizer(root / "tok-plain", vocab_size=600), "chat": build_chat_tokenizer(root / "tok")}
+    for name in families or FAMILIES:
+        tok = toks["plain" if name in PLAIN_TOKENIZER else "chat"]
+        build_family_model(name, root / name, len(tok))
+        tok.save_pretrained(str(root / name))
+    return {"root": root, "data": root / "data", "tokenizers": toks}
+
+
+def build_family_model(family: Family | str, out_dir: Path, vocab_size: int, *, seed: int = 0):
+    """A random fp32 model of the family, saved as safetensors into out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    family = FAMILIES[family] if isinstance(family, str) else family
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family.config(vocab_size), dtype=torch.float32)
+    model.save_pretrained(str(out_dir))
+    return model
+
+
+# ---------------------------------------------------------------- the matrix's runs
+
+FSDP_ENV = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+STEPS = 3
+METHODS = {
+    "lora": ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"],
+    "dora": [
+        "--use_peft_lora",
+        "True",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "16",
+        "--lora_target_modules",
+        "all-linear",
+        "--use_dora",
+        "True",
+    ],
+    "full": ["--use_peft_lora", "False"],
+    "qlora": [
+        *("--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"),
+        *("--use_4bit_quantization", "True", "--bnb_4bit_quant_type", "nf4"),
+        *("--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage_dtype", "float32"),
+    ],
+}
+
+
+def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, dropout: float = 0.0) -> list[str]:
+    """One matrix run: 3 steps of the global batch 4 (batch × ranks × 2 accumulation... see callers), packed chatml
+    rows of 96 positions, evaluated at the end, saved without checkpoints."""
+    flags = {
+        "model_name_or_path": model,
+        "dataset_name": data,
+        "chat_template_format": "chatml",
+        "packing": True,
+        "max_seq_len": 96,
+        "seed": 5,
+        "max_steps": STEPS,
+        "learning_rate": 5e-3,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": 3,
+        "eval_strategy": "epoch",
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "ddp_timeout": 300,
+        "output_dir": out,
+    }
+    argv = ["train", *(x for k, v in flags.items() for x in (f"--{k}", str(v))), *METHODS[method]]
+    if method != "full":
+        argv += ["--lora_dropout", str(dropout)]
+    return argv
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900) -> dict:
+    """Run the jobs in one process (or one torchrun of nproc ranks); return {name: exit code or error text}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    jobs_file, results_file = workdir / f"jobs-{nproc}.json", workdir / f"results-{nproc}.json"
+    jobs_file.write_text(json.dumps([{**j, "argv": list(map(str, j["argv"]))} for j in jobs]))
+    worker = [str(root / "tests" / "family_worker.py"), str(jobs_file), str(results_file)]
+    env = {**os.environ, **FSDP_ENV}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
+        cmd += [str(_free_port()), *worker]
+    else:
+        cmd = [sys.executable, *worker]
+    proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
+    (workdir / f"log-{nproc}.txt").write_text(proc.stdout + proc.stderr)
+    if not results_file.exists():
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(results_file.read_text())
+
+
+# ---------------------------------------------------------------- checks shared by the test and the bench
+
+# Runs in a fresh interpreter that never imports shardtune: only torch, transformers and peft.
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+result = {}
+for job in json.loads(sys.argv[1]):
+    tok = AutoTokenizer.from_pretrained(job["out"])
+    model = AutoModelForCausalLM.from_pretrained(job["base"], dtype=torch.float32)
+    model.resize_token_embeddings(len(tok), pad_to_multiple_of=8)  # as the README says
+    model = PeftModel.from_pretrained(model, job["out"]).eval()
+    rows = json.load(open(job["rows"]))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            ids, pos, y = torch.tensor([r["input_ids"]]), torch.tensor([r["position_ids"]]), torch.tensor(r["labels"])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
+            total += F.cross_entropy(logits, y, reduction="sum", ignore_index=-100).item()
+            count += int((y != -100).sum())
+    result[job["name"]] = total / count
+assert "shardtune" not in sys.modules
+print(json.dumps(result))
+"""
+
+
+def eval_rows_file(data: Path, out: Path, workdir: Path, name: str) -> Path:
+    """The packed eval rows a matrix run evaluated on (tokenized with the tokenizer it saved), as JSON."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from shardtune.data import build_datasets
+
+    _, ev = build_datasets(
+        tokenizer=AutoTokenizer.from_pretrained(out), dataset_name=str(data), splits="train,test",
+        dataset_text_field="text", max_length=96, packing=True, append_concat_token=False,
+        add_special_tokens=False, assistant_only_loss=False, drop_long_samples=False,
+        cache_dir=str(workdir / "cache"), seed=5,
+    )  # fmt: skip
+    rows = [
+        {"input_ids": list(map(int, ev.input_ids[i])), "labels": list(map(int, ev.labels[i])),
+         "position_ids": list(map(int, ev.position_ids[i]))}
+        for i in range(len(ev.input_ids))
+    ]  # fmt: skip
+    path = workdir / f"rows-{name}.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def reload_eval_losses(jobs: list[dict]) -> dict[str, float]:
+    """{name: eval loss} of each adapter reloaded with transformers + peft only, in one fresh interpreter.
+    jobs: {"name", "base", "out", "rows"}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD_SCRIPT, json.dumps(jobs)],
+        capture_output=True, text=True, check=False, timeout=900, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def peft_and_merged(base: Path, adapter: Path, merged_dir: Path):
+    """(PeftModel of base + adapter, the folder `shardtune merge` wrote loaded by transformers), both fp32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.merge import merge_adapter
+
+    if not merged_dir.exists():
+        merge_adapter(base, adapter, merged_dir, dtype="fp32")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)), pad_to_multiple_of=8)
+    peft = PeftModel.from_pretrained(model, adapter).eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    return peft, merged
+
+
+def merge_logit_error(peft, merged, ids: torch.Tensor) -> float:
+    """Largest |merged - base+adapter| logit, relative to the largest |logit|."""
+    with torch.no_grad():
+        want, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) -> tuple[list[int], int]:
+    """Greedy answer ids of `shardtune chat`'s loading path to one question, and the model's embedding rows."""
+    from shardtune.chat import encode_messages, load_for_chat
+
+    model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
+    inputs = encode_messages(tok, [{"role": "user", "content": "What is the capital of Peru?"}])
+    out = model.generate(
+        **inputs, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    return out[0, inputs["input_ids"].shape[1] :].tolist(), model.get_input_embeddings().weight.shape[0]
