@@ -341,6 +341,8 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         trust_remote_code=m.trust_remote_code,
     )
     train_split, eval_split = _prepare_data(cfg, tokenizer, info)
+    if t.resume_from_checkpoint:  # before the model loads: another run's data is refused at no cost
+        _check_resumed_data(cfg, train_split)
     spe = (
         STREAMING_STEPS_PER_EPOCH
         if cfg.data.streaming
@@ -414,6 +416,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         _save_checkpoint(
             cfg,
             s,
+            data_digest=getattr(train_split, "digest", None),
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
@@ -584,8 +587,11 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     return None
 
 
-def _save_checkpoint(cfg: RunConfig, s, *, model, optimizer, scheduler, tokenizer, info, repo_id: str | None) -> None:
-    """Save a checkpoint; with a hub repository, upload as --hub_strategy says (rank 0)."""
+def _save_checkpoint(
+    cfg: RunConfig, s, *, data_digest: str | None, model, optimizer, scheduler, tokenizer, info, repo_id: str | None
+) -> None:
+    """Save a checkpoint; with a hub repository, upload as --hub_strategy says (rank 0). The training rows' content
+    digest goes into its config.json, so that a resume recognises the same data under another path."""
     t = cfg.train
     path = checkpoint.save(
         t.output_dir,
@@ -593,7 +599,7 @@ def _save_checkpoint(cfg: RunConfig, s, *, model, optimizer, scheduler, tokenize
         optimizer=optimizer,
         scheduler=scheduler,
         loop_state=_loop_dict(s, t, info),
-        config=_config_record(cfg),
+        config={**_config_record(cfg), "data_digest": data_digest},
         state_dict_type=cfg.fsdp.state_dict_type,
         save_total_limit=t.save_total_limit,
     )
@@ -620,6 +626,40 @@ def _loop_dict(s, t, info) -> dict:
     d["samples_in_epoch"] = s.batch_in_epoch * t.per_device_train_batch_size * info.world_size
     d["global_batch"] = t.per_device_train_batch_size * info.world_size * t.gradient_accumulation_steps
     return d
+
+
+def _check_resumed_data(cfg: RunConfig, train_split) -> None:
+    """The checkpoint's training rows must be this run's: compared by content (the cache digest) when both have
+    one, so that data moved to another path (another node, another machine) still resumes, and other data under
+    the same path does not. The preflight compared the paths where no digest was saved."""
+    t = cfg.train
+    path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
+    try:
+        record = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # no readable config: the checkpoint's own checks name the file
+    saved, now = record.get("data_digest"), getattr(train_split, "digest", None)
+    if saved and not now:  # this run's rows have no digest (streamed, pairs): the paths must match after all
+        from shardtune.preflight import run_identity
+
+        key = "data.dataset_name"
+        before, after = (
+            run_identity(record)[key],
+            run_identity(json.loads(json.dumps(_config_record(cfg), default=str)))[key],
+        )
+        if before != after:
+            raise ValueError(
+                f"--resume_from_checkpoint {t.resume_from_checkpoint}: {path} belongs to another run (dataset_name "
+                f"{before!r} there, {after!r} now); resume with that run's settings, or start afresh with another "
+                "--output_dir or --overwrite_output_dir."
+            )
+    if saved and now and saved != now:
+        raise ValueError(
+            f"--resume_from_checkpoint {t.resume_from_checkpoint}: {path} was trained on other rows than "
+            f"--dataset_name {cfg.data.dataset_name} gives now (tokenized content differs: the data, the tokenizer "
+            "or a data flag changed); resume with that run's data, or start afresh with another --output_dir or "
+            "--overwrite_output_dir."
+        )
 
 
 def _resume(cfg, model, optimizer, scheduler, info):

@@ -349,3 +349,26 @@ def test_run_file_with_a_wrong_type_exits_2_without_traceback(tiny_assets, tmp_p
     run.write_text(f"model_name_or_path: {tiny_assets['model']}\ndataset_name: {tiny_assets['data']}\nlora_r: [8]\n")
     rc, line = _main(["train", run], capsys)
     assert rc == 2 and line == f"- {run}: lora_r: [8] is not a number; write e.g. lora_r: 1."
+
+
+def test_resume_compares_the_data_by_content_not_by_path(tiny_assets, finished_run, tmp_path, capsys, no_dist_env):
+    """The same rows under another path (another node's copy, a moved folder) resume; other rows under any path are
+    refused once tokenized, before the model loads, naming the checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    moved = shutil.copytree(tiny_assets["data"], tmp_path / "moved-data")
+    changed = shutil.copytree(tiny_assets["data"], tmp_path / "changed-data")
+    rows = (changed / "train.jsonl").read_text().splitlines()
+    (changed / "train.jsonl").write_text("\n".join(rows[1:]) + "\n")  # one conversation fewer
+    before = _snapshot(run)
+    flags = {"max_steps": 3, "resume_from_checkpoint": "latest", "dataset_cache_dir": tmp_path / "cache"}
+    rc, line = _main([*_run_args(tiny_assets, run, **flags), "--dataset_name", changed], capsys)
+    assert rc == 2 and line.startswith(
+        f"error: --resume_from_checkpoint latest: {run}/checkpoints/checkpoint-2 was trained on other rows than "
+        f"--dataset_name {changed} gives now"
+    ), line
+    assert _snapshot(run) == before
+    proc = run_cli([*_run_args(tiny_assets, run, **flags), "--dataset_name", str(moved)])
+    assert f"Resumed from {run}/checkpoints/checkpoint-2 at step 2" in proc.stderr + proc.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3]
