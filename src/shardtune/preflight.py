@@ -416,6 +416,8 @@ def model_input_problems(cfg) -> list[str]:
     elif _looks_local(m.model_name_or_path):
         problems.append(tokenizer_problem(m.model_name_or_path, "--model_name_or_path"))
     problems.append(max_length_problem(d.max_length, config, m.model_name_or_path))
+    if m.use_4bit_quantization:
+        problems.append(_4bit_layout_problem(config))
     if m.use_peft_lora:
         try:
             skeleton = meta_skeleton(config, m.trust_remote_code)
@@ -442,6 +444,17 @@ def model_input_problems(cfg) -> list[str]:
             )
             problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
     return [p for p in problems if p]
+
+
+def _4bit_layout_problem(config) -> str | None:
+    """A family the 4-bit loader cannot read (experts merged while loading), said before any data is prepared."""
+    from shardtune.modeling import check_4bit_layout
+
+    try:
+        check_4bit_layout(config)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
