@@ -166,8 +166,7 @@ def _check_same_rows(train, evals, dataset_name: str) -> None:
     caches' content digests, so that a node with other files stops the run instead of training on other rows."""
     from shardtune.distributed.mesh import all_gather_objects
 
-    # preference splits carry no digest yet (None on every rank): only packed SFT caches are compared
-    mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]
+    mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]  # None for a streamed split: not compared
     digests = all_gather_objects(mine)
     differ = [r for r, x in enumerate(digests) if x != digests[0]]
     if differ:

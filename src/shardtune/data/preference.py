@@ -44,6 +44,7 @@ class PreferenceSplit:
     from_cache: bool = False
     cache_path: str | None = None
     ref_logps: np.ndarray | None = field(default=None, repr=False)
+    digest: str | None = None  # of the tokenized pairs: equal digests, equal rows (compared across nodes and on resume)
 
     def __len__(self) -> int:
         return len(self.input_ids) // 2
@@ -96,7 +97,7 @@ def build_preference_datasets(
     max_eval_samples: int | None = None,
 ) -> tuple[PreferenceSplit, PreferenceSplit | None]:
     """Load and tokenize the pairs of the train split and the optional eval split named by --splits."""
-    from . import _load_cache, _save_cache, _tokenizer_fingerprint
+    from . import _tokenizer_fingerprint
 
     request = parse_splits(splits)
     out = []
@@ -122,15 +123,11 @@ def build_preference_datasets(
             ).encode()
         ).hexdigest()
         path = Path(cache_dir) / f"pairs-{key[:32]}.npz" if cache_dir else None
-        cached = _load_cache(path) if path is not None else None
-        if cached is not None:
-            prepared = PreferenceSplit(
-                cached.input_ids, cached.labels, cached.position_ids, cached.stats, True, cached.cache_path
-            )
-        else:
+        prepared = _load_pairs(path) if path is not None else None
+        if prepared is None:
             prepared = _tokenize_pairs(tokenizer, ds, split, opts)
             if path is not None:
-                _save_cache(path, prepared)
+                _save_pairs(path, prepared)
         s = prepared.stats
         print0(
             f"data: split {split!r}{' (from cache)' if prepared.from_cache else ''}: {s['pairs']} pairs "
@@ -189,7 +186,9 @@ def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
         "dropped": dropped,
         "documents": len(docs) // 2,
     }
-    return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
+    prepared = PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
+    prepared.digest = _pairs_digest(prepared)
+    return prepared
 
 
 def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
@@ -256,3 +255,54 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+_PAIR_ARRAYS = ("input_ids", "labels", "position_ids")
+
+
+def _pairs_digest(prepared: PreferenceSplit) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in _PAIR_ARRAYS:
+        rows = getattr(prepared, name)
+        h.update(np.ascontiguousarray(rows.offsets).tobytes())
+        h.update(np.ascontiguousarray(rows.flat).tobytes())
+    return h.hexdigest()
+
+
+def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
+    """The tokenized pairs as one .npz, written to a unique temporary file, fsynced and renamed over the final name
+    (a reader never sees half a file; ranks of one node may write it at the same time)."""
+    import os
+    import uuid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, offsets=prepared.input_ids.offsets, stats=np.array(json.dumps(prepared.stats)), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    prepared.cache_path = str(path)
+
+
+def _load_pairs(path: Path) -> PreferenceSplit | None:
+    """The cached pairs, or None when absent or unreadable (then they are tokenized again)."""
+    import zipfile
+
+    from .packing import RaggedRows
+
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = [RaggedRows(z[name], z["offsets"]) for name in _PAIR_ARRAYS]
+            stats = json.loads(str(z["stats"]))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+    prepared = PreferenceSplit(*arrays, stats=stats, from_cache=True, cache_path=str(path))
+    prepared.digest = _pairs_digest(prepared)
+    return prepared

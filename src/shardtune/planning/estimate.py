@@ -458,6 +458,7 @@ def estimate_memory(
     strategy = sharding_strategy.upper()
     shard = shard_group_size(world_size, num_nodes, strategy)
     a = compute_dtype_bytes(bf16, fp16)
+    rows = batch_size * rows_per_example  # the rows of one micro-batch: a preference pair is two
     if (use_4bit or use_8bit) and not use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
     tensors = _tensors(
@@ -480,7 +481,7 @@ def estimate_memory(
     targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
     dyn_kwargs = {
         "a": a,
-        "batch_size": batch_size * rows_per_example,  # a preference pair is two rows
+        "batch_size": rows,
         "seq_len": seq_len,
         "packing": packing,
         "lora_targets": targets,
@@ -508,7 +509,7 @@ def estimate_memory(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=batch_size * seq_len * 4 * a * shape.intermediate_size,
+        forward_working=rows * seq_len * 4 * a * shape.intermediate_size,
         **buffers,
     )
     by_phase = phases.step_phases(parts)
