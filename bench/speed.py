@@ -325,9 +325,9 @@ def run_shardtune_worker(spec: dict) -> dict:
     rec = StepRecorder(spec["pad_id"], spec["device"])
     original = trainer.train_step
 
-    def timed_train_step(model, batches, info):
+    def timed_train_step(model, batches, info, *args, **kwargs):
         rec.step_start(batches)
-        return original(model, batches, info)
+        return original(model, batches, info, *args, **kwargs)
 
     trainer.train_step = timed_train_step
     rc = train_main(shardtune_argv(spec))
