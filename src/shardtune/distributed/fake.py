@@ -42,10 +42,10 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
     temporaries, ...): "step" over all calls, "forward" and "backward" of the root module, and "decoder-layer
     backward", the largest while one of the other FSDP modules (the decoder blocks) runs backward; module peaks
     are the largest over the micro-batches. The optimizer's existing states and the inputs count from the start."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
     from torch.distributed.fsdp import FSDPModule
 
-    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    tracker = _identity_tracker()(mod=model, optm=optimizer)
     tracker.track_inputs(inputs)
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
@@ -61,9 +61,82 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
             # The tracker keeps one forward per module; its global peak survives the reset.
             tracker.reset_mod_stats()
     peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
+    peaks["step by identity"] = dict(tracker.peak_by_identity)
     return peaks
 
 
 def _split(snap: dict) -> dict[str, int]:
     """{category name: bytes} of a tracker snapshot of one device."""
     return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}
+
+
+# What a storage is, by the tracker's tag, when its identity does not say otherwise. The tracker tags by when a
+# storage was made: whatever forward (or recomputation) allocates is "Activation", whatever backward allocates is
+# "Temp", and it re-tags FSDP's own storages only once the hook that made them returns; a peak reached inside such
+# a hook (the first block's all-gather copy-out, a block's backward before its reduce-scatter) would file a
+# gathered weight as an activation and an unsharded gradient as a temporary.
+_BY_TAG = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Buffer": "parameters",
+    "All Gather": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "OptState": "optimizer states",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+}
+
+
+def _identity_tracker():
+    """FSDP2's memory tracker, which also files the storages alive at the step's peak by what they are: every
+    FSDP parameter's unsharded storage and all-gather output is a parameter, and their `.grad` a gradient,
+    whatever phase allocated them; the rest keeps the tracker's tag (shardtune.planning.trace compares these
+    with the estimate's categories)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class IdentityTracker(FSDPMemTracker):
+        peak_by_identity: dict[str, int] = {}
+        _best = -1
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+            if total > self._best:  # a new step peak: file what is alive now (a walk over live storages)
+                self._best = total
+                self.peak_by_identity = _file_by_identity(self._WINFO, self._root_mod)
+
+    return IdentityTracker
+
+
+def _file_by_identity(winfos, model: torch.nn.Module) -> dict[str, int]:
+    params, grads = _fsdp_storages(model)
+    out = dict.fromkeys(("parameters", "gradients", "optimizer states", "activations", "temporaries"), 0)
+    for storage, (winfo, _) in list(winfos.items()):
+        key = id(storage)
+        tag = str(getattr(winfo.reftype, "value", winfo.reftype))
+        category = "parameters" if key in params else "gradients" if key in grads else _BY_TAG.get(tag)
+        if category is not None:
+            out[category] += winfo.mem_consumed
+    return out
+
+
+def _fsdp_storages(model: torch.nn.Module) -> tuple[set[int], set[int]]:
+    """ids of the storages of every FSDP parameter's unsharded tensor and all-gather outputs, and of their
+    gradients (FSDP2's FSDPParam keeps both; autograd accumulates into the unsharded parameter's .grad)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params: set[int] = set()
+    grads: set[int] = set()
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            unsharded = getattr(fp, "_unsharded_param", None)
+            for t in [unsharded, *getattr(fp, "all_gather_outputs", ())]:
+                if t is not None:
+                    params.add(id(t.untyped_storage()))
+            if unsharded is not None and unsharded.grad is not None:
+                grads.add(id(unsharded.grad.untyped_storage()))
+    return params, grads
