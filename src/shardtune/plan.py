@@ -443,6 +443,7 @@ def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     got = dict(p.trace.step_by_identity)
     got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
     got["activations and temporaries"] = got.pop("activations") + got.pop("temporaries")
+    # not compared: the buffers (the rotary tables, a few KiB), which the estimate leaves out
     return {c: (got[c], sum(est.device[r] for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
 
 

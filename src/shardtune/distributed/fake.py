@@ -45,13 +45,15 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
     from torch.distributed.fsdp import FSDPModule
 
+    stack = contextlib.ExitStack()
     tracker = _identity_tracker()(mod=model, optm=optimizer)
+    stack.enter_context(_flag_reduce(tracker))
     tracker.track_inputs(inputs)
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
     modules["decoder-layer backward"] = (blocks, _FSDPModState.PEAK_BW)
     peaks: dict[str, dict[str, int]] = {name: {} for name in modules}
-    with tracker:
+    with stack, tracker:
         for run in micro_batches:
             run()
             for name, (mods, state) in modules.items():
@@ -78,7 +80,7 @@ def _split(snap: dict) -> dict[str, int]:
 _BY_TAG = {
     "Sharded Param": "parameters",
     "Unsharded Param": "parameters",
-    "Buffer": "parameters",
+    "Buffer": "buffers",  # the rotary tables: not in the estimate (a few KiB)
     "All Gather": "parameters",
     "Sharded Grad": "gradients",
     "Unsharded Grad": "gradients",
@@ -96,25 +98,48 @@ def _identity_tracker():
     whatever phase allocated them; the rest keeps the tracker's tag (shardtune.planning.trace compares these
     with the estimate's categories)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
 
     class IdentityTracker(FSDPMemTracker):
         peak_by_identity: dict[str, int] = {}
         _best = -1
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # What FSDP2's foreach_reduce makes (the gradients cast to the reduce dtype and the reduce-scatter
+            # input, before the collective re-tags it) is gradient communication, not a temporary.
+            self.made_in_reduce = WeakIdKeyDictionary()
+            self.in_reduce = False
+            self._alive_at_peak = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.in_reduce and res is not NotImplemented:
+                for t in tree_leaves(res):
+                    if isinstance(t, torch.Tensor):
+                        self.made_in_reduce[t.untyped_storage()] = True
+            if self._alive_at_peak is not None:  # the op that set a new peak has returned: file its outputs too
+                self.peak_by_identity = _file_by_identity(self._alive_at_peak, self._root_mod, self.made_in_reduce)
+                self._alive_at_peak = None
+            return res
+
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
-            if total > self._best:  # a new step peak: file what is alive now (a walk over live storages)
+            if total > self._best:  # a new step peak, inside an op: keep what is alive, file it when it returns
                 self._best = total
-                self.peak_by_identity = _file_by_identity(self._WINFO, self._root_mod)
+                self._alive_at_peak = [(s, w) for s, (w, _) in list(self._WINFO.items())]
 
     return IdentityTracker
 
 
-def _file_by_identity(winfos, model: torch.nn.Module) -> dict[str, int]:
+def _file_by_identity(alive, model: torch.nn.Module, made_in_reduce) -> dict[str, int]:
+    """{category: bytes} of `alive` ([(storage, tracker's record)]), by what each storage is."""
     params, grads = _fsdp_storages(model)
-    out = dict.fromkeys(("parameters", "gradients", "optimizer states", "activations", "temporaries"), 0)
-    for storage, (winfo, _) in list(winfos.items()):
+    grads |= {id(s) for s in made_in_reduce.keys()}
+    out = dict.fromkeys(("parameters", "gradients", "optimizer states", "activations", "temporaries", "buffers"), 0)
+    for storage, winfo in alive:
         key = id(storage)
         tag = str(getattr(winfo.reftype, "value", winfo.reftype))
         category = "parameters" if key in params else "gradients" if key in grads else _BY_TAG.get(tag)
@@ -140,3 +165,25 @@ def _fsdp_storages(model: torch.nn.Module) -> tuple[set[int], set[int]]:
             if unsharded is not None and unsharded.grad is not None:
                 grads.add(id(unsharded.grad.untyped_storage()))
     return params, grads
+
+
+@contextlib.contextmanager
+def _flag_reduce(tracker) -> Iterator[None]:
+    """Set `tracker.in_reduce` while FSDP2 reduces a group's gradients (its foreach_reduce, as the param group
+    module calls it)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    original = group_module.foreach_reduce
+
+    def flagged(*args, **kwargs):
+        tracker.in_reduce = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker.in_reduce = False
+
+    group_module.foreach_reduce = flagged
+    try:
+        yield
+    finally:
+        group_module.foreach_reduce = original
