@@ -102,11 +102,10 @@ def _identity_tracker():
     from torch.utils.weak import WeakIdKeyDictionary
 
     class IdentityTracker(FSDPMemTracker):
-        peak_by_identity: dict[str, int] = {}
-        _best = -1
-
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self.peak_by_identity: dict[str, int] = {}
+            self._best = -1
             # What FSDP2's foreach_reduce makes (the gradients cast to the reduce dtype and the reduce-scatter
             # input, before the collective re-tags it) is gradient communication, not a temporary.
             self.made_in_reduce = WeakIdKeyDictionary()
@@ -137,7 +136,7 @@ def _identity_tracker():
 def _file_by_identity(alive, model: torch.nn.Module, made_in_reduce) -> dict[str, int]:
     """{category: bytes} of `alive` ([(storage, tracker's record)]), by what each storage is."""
     params, grads = _fsdp_storages(model)
-    grads |= {id(s) for s in made_in_reduce.keys()}
+    grads |= {id(s) for s in made_in_reduce}
     out = dict.fromkeys(("parameters", "gradients", "optimizer states", "activations", "temporaries", "buffers"), 0)
     for storage, winfo in alive:
         key = id(storage)
