@@ -407,7 +407,7 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
 # all-gather, loss forward), the blocks' backward (compute, reduce-scatter), the root's backward (with the loss's
 # backward), and the whole step (every phase, the root's reduce-scatter included).
 TRACE_PHASES = {
-    "forward": (phases.FORWARD, phases.BLOCK_FORWARD, phases.LOSS_FORWARD),
+    "forward": (phases.FORWARD, phases.LATER_FORWARD, phases.BLOCK_FORWARD, phases.LOSS_FORWARD),
     "decoder-layer backward": (phases.LAYER, phases.BLOCK_SCATTER),
     "backward": (phases.LOSS, phases.LAYER, phases.BLOCK_SCATTER),
     "step": None,
