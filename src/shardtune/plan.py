@@ -33,7 +33,7 @@ from shardtune.launcher import (
 )
 from shardtune.loss import rows_per_example
 from shardtune.planning import phases
-from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
     base_param_count,
@@ -458,8 +458,20 @@ def format_trace(p: Plan) -> str:
         lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
     lines += ["", "Step peak by category              traced GiB   estimate GiB"]
     lines += [f"  {name:<32}{_gib(a)}     {_gib(b)}" for name, (a, b) in category_comparison(p).items()]
+    if t.allocator:
+        a = t.allocator
+        line = (
+            f"CUDA caching allocator on the tensors alive at the peak: {_gib(a['allocated']).strip()} GiB allocated, "
+            f"{_gib(a['reserved']).strip()} GiB reserved in fresh segments (+{_pct(a['reserved'], a['allocated'])}; "
+            f"the estimate's allocator overhead is +{ALLOCATOR_OVERHEAD:.0%}, not calibrated)"
+        )
+        lines += ["", line]
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{(a - b) / b:.1%}" if b else "0%"
 
 
 def _gib(n: int) -> str:
@@ -599,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                     k: {"traced": a, "estimate": b} for k, (a, b) in category_comparison(plan).items()
                 },
                 "step_by_tracker_tag": plan.trace.by_category("step"),
+                "allocator_at_peak": plan.trace.allocator,
                 "state": plan.trace.state,
                 "device": plan.trace.device,
             }

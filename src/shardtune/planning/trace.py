@@ -50,6 +50,8 @@ class TraceResult:
     # parameter's gathered copy is a parameter and its unsharded .grad a gradient whichever phase made them;
     # the quantization constants are parameters.
     step_by_identity: dict[str, int] = field(default_factory=dict)
+    # The CUDA caching allocator's rounding of the storages alive at the step's peak (planning.allocator)
+    allocator: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -170,6 +172,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     from shardtune import quant
     from shardtune.distributed.fake import track_peak
     from shardtune.distributed.loading import allocate_unread
+    from shardtune.planning.allocator import fresh_segments_overhead
     from shardtune.trainer import build_optimizer
 
     t = cfg.train
@@ -195,6 +198,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
     peaks = track_peak(model, optimizer, tuple(batch.values()), micro)
     by_identity = peaks.pop("step by identity")
+    rounding = fresh_segments_overhead(peaks.pop("sizes at peak"))
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
     # (7x the trainable shard, against 2x states + 1x temporary in a real run).
     _optimizer_step(model, optimizer)
@@ -206,7 +210,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
         snap["Quantization constants"] = constants
         snap["Total"] = snap.get("Total", 0) + constants
     by_identity["parameters"] += constants
-    return TraceResult(peaks, state, info.device.type, by_identity)
+    return TraceResult(peaks, state, info.device.type, by_identity, rounding)
 
 
 def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
