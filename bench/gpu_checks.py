@@ -428,6 +428,14 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     if train_main(argv[1:]) != 0:
         raise RuntimeError("shardtune train failed")
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+    # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
+    # constant comes from"): the device memory in use outside torch's allocator (CUDA context, cuBLAS/NCCL
+    # buffers: CUDA_CONTEXT_BYTES) and this process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
+    free, total = torch.cuda.mem_get_info()
+    outside_allocator = total - free - torch.cuda.memory_reserved()
+    import resource
+
+    host_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         if plan_main([*argv[1:], "--json", "True"]) != 0:
@@ -445,6 +453,10 @@ def check_memory_vs_plan(ctx: dict) -> dict:
         "plan_terms_gib": {k: v / gib for k, v in plan["device"].items()},
         "allocated_over_plan": measured["allocated"] / plan["allocated_bytes"],
         "reserved_over_plan": measured["reserved"] / plan["reserved_bytes"],
+        # 1 + ALLOCATOR_OVERHEAD as this run measures it (a run that is not in docs/plan.md's published table)
+        "reserved_over_allocated": measured["reserved"] / measured["allocated"],
+        "outside_allocator_gib": outside_allocator / gib,
+        "host_peak_rss_gib": host_peak_rss / gib,
         "weights_over_plan": at_first_step[0] / weights,
     }
 

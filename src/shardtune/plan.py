@@ -33,7 +33,7 @@ from shardtune.launcher import (
 )
 from shardtune.loss import rows_per_example
 from shardtune.planning import phases
-from shardtune.planning.estimate import SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SHARDING_STRATEGIES, GiB, MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
     base_param_count,
@@ -407,7 +407,7 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
 # all-gather, loss forward), the blocks' backward (compute, reduce-scatter), the root's backward (with the loss's
 # backward), and the whole step (every phase, the root's reduce-scatter included).
 TRACE_PHASES = {
-    "forward": (phases.FORWARD, phases.BLOCK_FORWARD, phases.LOSS_FORWARD),
+    "forward": (phases.FORWARD, phases.LATER_FORWARD, phases.BLOCK_FORWARD, phases.LOSS_FORWARD),
     "decoder-layer backward": (phases.LAYER, phases.BLOCK_SCATTER),
     "backward": (phases.LOSS, phases.LAYER, phases.BLOCK_SCATTER),
     "step": None,
@@ -424,6 +424,29 @@ def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     return out
 
 
+# The estimate's rows that make each category of the traced step peak (storages filed by what they are,
+# shardtune.distributed.fake). The estimate does not split what a block's recomputation makes (the trace's
+# activations) from what its backward makes (the trace's temporaries): its working-memory term covers both, so the
+# two are compared together.
+ESTIMATE_CATEGORIES = {
+    "parameters": ("frozen base weights", "quantization constants", "trainable weights", "FSDP all-gather buffers"),
+    "gradients": ("gradients", "FSDP reduce-scatter buffers"),
+    "optimizer states": ("optimizer state",),
+    "activations and temporaries": ("activations", "logits and loss"),
+}
+
+
+def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
+    """{category: (traced bytes, estimated bytes)} at the step's peak, rank 0. The traced optimizer states leave
+    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host."""
+    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    got = dict(p.trace.step_by_identity)
+    got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
+    got["activations and temporaries"] = got.pop("activations") + got.pop("temporaries")
+    # not compared: the buffers (the rotary tables, a few KiB), which the estimate leaves out
+    return {c: (got[c], sum(est.device[r] for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+
+
 def format_trace(p: Plan) -> str:
     t = p.trace
     lines = [
@@ -433,10 +456,22 @@ def format_trace(p: Plan) -> str:
     ]
     for name, (traced, est) in trace_comparison(p).items():
         lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
-    lines += ["", "Traced step peak by category       GiB"]
-    lines += [f"  {name:<32}{_gib(b)}" for name, b in t.by_category("step").items()]
+    lines += ["", "Step peak by category              traced GiB   estimate GiB"]
+    lines += [f"  {name:<32}{_gib(a)}     {_gib(b)}" for name, (a, b) in category_comparison(p).items()]
+    if t.allocator:
+        a = t.allocator
+        line = (
+            f"CUDA caching allocator on the tensors alive at the peak: {_gib(a['allocated']).strip()} GiB allocated, "
+            f"{_gib(a['reserved']).strip()} GiB reserved in fresh segments (+{_pct(a['reserved'], a['allocated'])}; "
+            f"the estimate's allocator overhead is +{ALLOCATOR_OVERHEAD:.0%}, not calibrated)"
+        )
+        lines += ["", line]
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{(a - b) / b:.1%}" if b else "0%"
 
 
 def _gib(n: int) -> str:
@@ -572,7 +607,11 @@ def main(argv: list[str] | None = None) -> int:
         if plan.trace is not None:
             out["trace"] = {
                 "peaks": {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(plan).items()},
-                "step_by_category": plan.trace.by_category("step"),
+                "step_by_category": {
+                    k: {"traced": a, "estimate": b} for k, (a, b) in category_comparison(plan).items()
+                },
+                "step_by_tracker_tag": plan.trace.by_category("step"),
+                "allocator_at_peak": plan.trace.allocator,
                 "state": plan.trace.state,
                 "device": plan.trace.device,
             }

@@ -818,3 +818,18 @@ def test_warn_if_too_small():
     assert warn_if_too_small(cfg, 200 * GiB, env=env) is None
     cfg.model.model_name_or_path = os.path.join("/nonexistent", "model")
     assert warn_if_too_small(cfg, 1 * GiB, env=env) is None
+
+
+def test_allocator_rounding_follows_the_caching_allocators_size_rules():
+    """planning.allocator against the rules of c10/cuda/CUDACachingAllocator.cpp, worked by hand: 512-byte blocks;
+    small requests (<= 1 MiB) packed in 2 MiB segments; 1-10 MiB in 20 MiB segments; >= 10 MiB alone, to 2 MiB."""
+    from shardtune.planning.allocator import block_size, fresh_segments_overhead
+
+    MiB = 2**20
+    assert (block_size(1), block_size(512), block_size(513)) == (512, 512, 1024)
+    sizes = [100, 3 * 512 + 1, MiB, 3 * MiB, 9 * MiB, 10 * MiB + 1]
+    got = fresh_segments_overhead(sizes)
+    assert got["requested"] == sum(sizes)
+    assert got["allocated"] == 512 + 4 * 512 + MiB + 3 * MiB + 9 * MiB + (10 * MiB + 512)
+    # small pool: 2560 bytes + 1 MiB -> one 2 MiB segment; mid: 12 MiB -> one 20 MiB segment; large: 12 MiB
+    assert got["reserved"] == 2 * MiB + 20 * MiB + 12 * MiB

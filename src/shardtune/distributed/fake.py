@@ -42,16 +42,18 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
     temporaries, ...): "step" over all calls, "forward" and "backward" of the root module, and "decoder-layer
     backward", the largest while one of the other FSDP modules (the decoder blocks) runs backward; module peaks
     are the largest over the micro-batches. The optimizer's existing states and the inputs count from the start."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModState
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
     from torch.distributed.fsdp import FSDPModule
 
-    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    stack = contextlib.ExitStack()
+    tracker = _identity_tracker()(mod=model, optm=optimizer)
+    stack.enter_context(_flag_reduce(tracker))
     tracker.track_inputs(inputs)
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
     modules["decoder-layer backward"] = (blocks, _FSDPModState.PEAK_BW)
     peaks: dict[str, dict[str, int]] = {name: {} for name in modules}
-    with tracker:
+    with stack, tracker:
         for run in micro_batches:
             run()
             for name, (mods, state) in modules.items():
@@ -61,9 +63,129 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
             # The tracker keeps one forward per module; its global peak survives the reset.
             tracker.reset_mod_stats()
     peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
+    peaks["step by identity"] = dict(tracker.peak_by_identity)
+    peaks["sizes at peak"] = tracker.sizes_at_peak
     return peaks
 
 
 def _split(snap: dict) -> dict[str, int]:
     """{category name: bytes} of a tracker snapshot of one device."""
     return {str(getattr(k, "value", k)): int(v) for k, v in next(iter(snap.values()), {}).items()}
+
+
+# What a storage is, by the tracker's tag, when its identity does not say otherwise. The tracker tags by when a
+# storage was made: whatever forward (or recomputation) allocates is "Activation", whatever backward allocates is
+# "Temp", and it re-tags FSDP's own storages only once the hook that made them returns; a peak reached inside such
+# a hook (the first block's all-gather copy-out, a block's backward before its reduce-scatter) would file a
+# gathered weight as an activation and an unsharded gradient as a temporary.
+_BY_TAG = {
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Buffer": "buffers",  # the rotary tables: not in the estimate (a few KiB)
+    "All Gather": "parameters",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Reduce Scatter": "gradients",
+    "OptState": "optimizer states",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+}
+
+
+def _identity_tracker():
+    """FSDP2's memory tracker, which also files the storages alive at the step's peak by what they are: every
+    FSDP parameter's unsharded storage and all-gather output is a parameter, and their `.grad` a gradient,
+    whatever phase allocated them; the rest keeps the tracker's tag (shardtune.planning.trace compares these
+    with the estimate's categories)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class IdentityTracker(FSDPMemTracker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.peak_by_identity: dict[str, int] = {}
+            self.sizes_at_peak: list[int] = []  # bytes of each storage alive at the step's peak
+            self._best = -1
+            # What FSDP2's foreach_reduce makes (the gradients cast to the reduce dtype and the reduce-scatter
+            # input, before the collective re-tags it) is gradient communication, not a temporary.
+            self.made_in_reduce = WeakIdKeyDictionary()
+            self.in_reduce = False
+            self._alive_at_peak = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.in_reduce and res is not NotImplemented:
+                for t in tree_leaves(res):
+                    if isinstance(t, torch.Tensor):
+                        self.made_in_reduce[t.untyped_storage()] = True
+            if self._alive_at_peak is not None:  # the op that set a new peak has returned: file its outputs too
+                self.peak_by_identity = _file_by_identity(self._alive_at_peak, self._root_mod, self.made_in_reduce)
+                self.sizes_at_peak = [w.size * w.element_size for _, w in self._alive_at_peak]
+                self._alive_at_peak = None
+            return res
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+            if total > self._best:  # a new step peak, inside an op: keep what is alive, file it when it returns
+                self._best = total
+                self._alive_at_peak = [(s, w) for s, (w, _) in list(self._WINFO.items())]
+
+    return IdentityTracker
+
+
+def _file_by_identity(alive, model: torch.nn.Module, made_in_reduce) -> dict[str, int]:
+    """{category: bytes} of `alive` ([(storage, tracker's record)]), by what each storage is."""
+    params, grads = _fsdp_storages(model)
+    grads |= {id(s) for s in made_in_reduce}
+    out = dict.fromkeys(("parameters", "gradients", "optimizer states", "activations", "temporaries", "buffers"), 0)
+    for storage, winfo in alive:
+        key = id(storage)
+        tag = str(getattr(winfo.reftype, "value", winfo.reftype))
+        category = "parameters" if key in params else "gradients" if key in grads else _BY_TAG.get(tag)
+        if category is not None:
+            out[category] += winfo.mem_consumed
+    return out
+
+
+def _fsdp_storages(model: torch.nn.Module) -> tuple[set[int], set[int]]:
+    """ids of the storages of every FSDP parameter's unsharded tensor and all-gather outputs, and of their
+    gradients (FSDP2's FSDPParam keeps both; autograd accumulates into the unsharded parameter's .grad)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params: set[int] = set()
+    grads: set[int] = set()
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fp in group.fsdp_params if group else ():
+            unsharded = getattr(fp, "_unsharded_param", None)
+            for t in [unsharded, *getattr(fp, "all_gather_outputs", ())]:
+                if t is not None:
+                    params.add(id(t.untyped_storage()))
+            if unsharded is not None and unsharded.grad is not None:
+                grads.add(id(unsharded.grad.untyped_storage()))
+    return params, grads
+
+
+@contextlib.contextmanager
+def _flag_reduce(tracker) -> Iterator[None]:
+    """Set `tracker.in_reduce` while FSDP2 reduces a group's gradients (its foreach_reduce, as the param group
+    module calls it)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+    original = group_module.foreach_reduce
+
+    def flagged(*args, **kwargs):
+        tracker.in_reduce = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracker.in_reduce = False
+
+    group_module.foreach_reduce = flagged
+    try:
+        yield
+    finally:
+        group_module.foreach_reduce = original

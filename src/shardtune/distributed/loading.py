@@ -141,7 +141,7 @@ def allocate_unread(model: nn.Module, device: torch.device) -> None:
     model of `ModelSpec(read_weights=False)`, whose step is traced for its memory, not its values."""
     from shardtune.quant import linear4bit_modules, quant_state_tensors
 
-    _allocate(model, device)
+    _allocate(model, params_on=device, buffers_on=device)
     for _, module in linear4bit_modules(model):
         for holder, attr in quant_state_tensors(module.quant_state):
             setattr(holder, attr, torch.empty_like(getattr(holder, attr), device=device))

@@ -510,6 +510,7 @@ def estimate_memory(
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
         forward_working=rows * seq_len * 4 * a * shape.intermediate_size,
+        num_blocks=shape.num_layers,
         **buffers,
     )
     by_phase = phases.step_phases(parts)
@@ -529,6 +530,12 @@ def estimate_memory(
     }
     host = _host(state, tensors, shape, world_size // num_nodes, offload)
     notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint)
+    if shape.num_experts:
+        notes.append(
+            "mixture of experts: the parameters, gradients and optimizer states are exact and the forward phases "
+            "model the experts' all-gathers, but not the routing nor the experts' activations and backward "
+            "working memory (they are taken as one dense MLP of the experts' width); --trace runs the real step."
+        )
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
 

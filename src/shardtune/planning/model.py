@@ -44,6 +44,26 @@ class ModelShape:
     # Parameters the family has beyond the Llama layout below (biases, q/k norms, experts, routers, fused or
     # renamed layers), counted on the real model class: base_param_count is then exact for every family.
     extra_params: int = 0
+    # Mixture-of-experts blocks (Mixtral, Qwen3-MoE, ... as transformers 5 builds them): the MLP is a router
+    # `mlp.gate` (E, h) and fused experts `mlp.experts.gate_up_proj` (E, 2I, h) and `down_proj` (E, h, I), with I
+    # the experts' width; none of them is an nn.Linear, so LoRA's all-linear wraps the attention only.
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+
+    def block_linears(self) -> tuple[str, ...]:
+        """The nn.Linear layers of one block: attention only when the MLP is a mixture of experts."""
+        return ATTN_LINEARS if self.num_experts else BLOCK_LINEARS
+
+    def expert_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one block's router and fused expert tensors (empty for a dense MLP)."""
+        if not self.num_experts:
+            return {}
+        e, h, i = self.num_experts, self.hidden_size, self.expert_intermediate_size
+        return {
+            "mlp.gate.weight": (e, h),
+            "mlp.experts.gate_up_proj": (e, 2 * i, h),
+            "mlp.experts.down_proj": (e, h, i),
+        }
 
     @property
     def q_dim(self) -> int:
@@ -101,6 +121,8 @@ class ModelShape:
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=bool(get("attention_bias", False)),
             mlp_bias=bool(get("mlp_bias", False)),
+            num_experts=int(get("num_local_experts") or get("num_experts") or 0),
+            expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
         )
         real = None if isinstance(config, dict) else _real_param_count(config)
         return shape if real is None else replace(shape, extra_params=real - base_param_count(shape))
@@ -141,7 +163,9 @@ def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> Any
 
 def base_param_count(shape: ModelShape) -> int:
     """Parameters of the base model (decoder blocks, embeddings, final norm, head)."""
-    block = sum(i * o for i, o in shape.linear_dims().values()) + 2 * shape.hidden_size
+    dims = shape.linear_dims()
+    block = sum(i * o for name, (i, o) in dims.items() if name in shape.block_linears()) + 2 * shape.hidden_size
+    block += sum(math.prod(shp) for shp in shape.expert_tensors().values())
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
     llama = shape.num_layers * block + shape.vocab_size * shape.hidden_size + shape.hidden_size + head
     return llama + shape.extra_params
@@ -166,8 +190,8 @@ def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str])
     names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
     names = [n for n in names if n]
     if names == ["all-linear"]:
-        return BLOCK_LINEARS
-    known = BLOCK_LINEARS + ROOT_LINEARS
+        return shape.block_linears()
+    known = shape.block_linears() + ROOT_LINEARS
     targets = tuple(n for n in known if any(t == n or t.endswith("." + n) for t in names))
     if not targets:
         raise ConfigError(
@@ -260,6 +284,8 @@ def model_tensors(
     frozen = not full_finetune
     out: list[Tensor] = []
     for name, (fan_in, fan_out) in shape.linear_dims().items():
+        if name not in shape.block_linears():
+            continue
         has_bias = shape.attention_bias if name in ATTN_LINEARS else shape.mlp_bias
         if use_4bit and frozen:
             out.append(
@@ -288,6 +314,8 @@ def model_tensors(
             out.append(
                 Tensor(f"{name}.bias", (fan_out,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block")
             )
+    for name, shp in shape.expert_tensors().items():  # not quantized: shardtune refuses 4-bit fused experts
+        out.append(Tensor(name, shp, _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out.append(Tensor(f"{norm}.weight", (h,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
     root = [("embed_tokens.weight", (v, h)), ("norm.weight", (h,))]

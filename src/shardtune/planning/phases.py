@@ -8,6 +8,10 @@ traced under fake tensors (shardtune.planning.trace, tests/unit/test_plan_trace.
   group's copy-out ("defer free to allow for overlap of this copy-out with next all-gather", wait_for_unshard),
   so the root's and the first block's gathered parameters exist twice (flat buffer + per-parameter copies)
   when a parameter is split over more than one rank; with one rank there is no flat buffer.
+- forward, at a later block's all-gather: the previous block is resharded, but its flat all-gather output
+  is freed only after this block's copy-out, so (sharded) two blocks' flat outputs and this block's copies exist
+  beside the root's gathered parameters: more than the first block's phase when a block outweighs the root
+  (mixture-of-experts blocks); only with two blocks or more.
 - a block's forward (the last): the stored activations of every block, the block's forward intermediates (the
   MLP holds its gate and up outputs, act(gate) and their product at once: 4 I-wide tensors per token), the root,
   the block and (sharded) its flat all-gather output.
@@ -31,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FORWARD = "forward (first block's all-gather)"
+LATER_FORWARD = "forward (a later block's all-gather)"
 BLOCK_FORWARD = "a block's forward"
 LOSS_FORWARD = "loss forward"
 LOSS = "loss backward"
@@ -65,6 +70,7 @@ class StepParts:
     logits_kept: int
     logits_forward: int
     forward_working: int  # a block's forward intermediates
+    num_blocks: int = 2
 
 
 def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
@@ -138,6 +144,15 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             scatter=p.root_early_grads + p.block_scatter,
         ),
     }
+    if p.num_blocks > 1:
+        phases[LATER_FORWARD] = _rows(
+            p,
+            gradients=early_grads,
+            activations=p.forward_activations,
+            logits=0,
+            gather=p.root_gathered + (2 * copies - 1) * p.block_gathered + p.offload_copies,
+            scatter=0,
+        )
     if p.root_scatter:
         phases[ROOT] = _rows(p, gradients=block_grads, activations=0, logits=0, gather=0, scatter=p.root_scatter)
     return phases

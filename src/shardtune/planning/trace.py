@@ -46,6 +46,12 @@ class TraceResult:
     peaks: dict[str, dict[str, int]]  # {"step", "forward", "backward", "decoder-layer backward": {category: bytes}}
     state: dict[str, int]  # frozen / trainable parameter bytes, optimizer-state bytes, trainable tensors
     device: str
+    # The storages alive at the step's peak filed by what they are (shardtune.distributed.fake): an FSDP
+    # parameter's gathered copy is a parameter and its unsharded .grad a gradient whichever phase made them;
+    # the quantization constants are parameters.
+    step_by_identity: dict[str, int] = field(default_factory=dict)
+    # The CUDA caching allocator's rounding of the storages alive at the step's peak (planning.allocator)
+    allocator: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -76,6 +82,8 @@ class _AllTargetsFakeMode:
 
         class Mode(FakeTensorMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+                    return True  # `if keep.any()`: there are targets (every position is one)
                 if func is aten.index.Tensor and _bool_index(args[1]):
                     x, idx = args
                     mask = next(i for i in idx if i is not None)
@@ -164,6 +172,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     from shardtune import quant
     from shardtune.distributed.fake import track_peak
     from shardtune.distributed.loading import allocate_unread
+    from shardtune.planning.allocator import fresh_segments_overhead
     from shardtune.trainer import build_optimizer
 
     t = cfg.train
@@ -188,6 +197,8 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     micro = [lambda: _forward_backward(model, batch)] * (min(t.gradient_accumulation_steps, 2) - 1)
     micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
     peaks = track_peak(model, optimizer, tuple(batch.values()), micro)
+    by_identity = peaks.pop("step by identity")
+    rounding = fresh_segments_overhead(peaks.pop("sizes at peak"))
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
     # (7x the trainable shard, against 2x states + 1x temporary in a real run).
     _optimizer_step(model, optimizer)
@@ -198,7 +209,8 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     for snap in peaks.values():
         snap["Quantization constants"] = constants
         snap["Total"] = snap.get("Total", 0) + constants
-    return TraceResult(peaks, state, info.device.type)
+    by_identity["parameters"] += constants
+    return TraceResult(peaks, state, info.device.type, by_identity, rounding)
 
 
 def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
