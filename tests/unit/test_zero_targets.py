@@ -57,11 +57,13 @@ def _worker(rank: int, world: int, path: str, port: int, queue) -> None:
     torch.manual_seed(0)
     spec = ModelSpec(model_name_or_path=path, dtype=torch.float32, n_tokens=600, use_peft_lora=False)
     model = build_sharded_model(spec, info)
-    loss, n_targets, _ = train_step(model, [_batch(rank, targets=rank == 0)], info)
+    metrics, totals, _ = train_step(model, [_batch(rank, targets=rank == 0)], info)
+    loss, n_targets = metrics["loss"], totals["targets"]
     # numpy, not tensors: a queue passes tensors as shared memory, gone once this process exits.
     grads = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    loss0, n0, _ = train_step(model, [_batch(rank, targets=False)], info)
+    metrics0, totals0, _ = train_step(model, [_batch(rank, targets=False)], info)
+    loss0, n0 = metrics0["loss"], totals0["targets"]
     all_zero = all(p.grad is not None and not p.grad.full_tensor().any() for p in model.parameters())
     queue.put((rank, {"loss": loss, "n": n_targets, "grads": grads, "loss0": loss0, "n0": n0, "zero": all_zero}))
     shutdown()
