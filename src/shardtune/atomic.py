@@ -16,8 +16,6 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 
 class DiskFullError(OSError):
     """No space left on device while writing `folder`; the message names the folder and the bytes needed."""
@@ -83,6 +81,8 @@ def _gb(n: int | None) -> str:
 
 def tensor_bytes(obj) -> int:
     """Bytes of the tensors in a (nested) state dict: what writing it needs on disk, give or take headers."""
+    import torch
+
     if torch.is_tensor(obj):
         local = obj.to_local() if hasattr(obj, "to_local") else obj
         return local.numel() * local.element_size()
@@ -98,6 +98,8 @@ def tensor_bytes(obj) -> int:
 
 def save_synced(obj, path: Path) -> None:
     """torch.save, then fsync: the data is on disk before its folder is renamed into place."""
+    import torch  # here, not at the top: data preparation's worker processes use this module without torch
+
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
@@ -112,6 +114,7 @@ def write_text_synced(path: Path, text: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync a folder (or a file by its path): its entries, renames included, are on disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

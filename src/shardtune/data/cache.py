@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import fsync_dir
 from .packing import IGNORE_INDEX, best_fit_decreasing_flat
 from .prepare import TaskResult, part_paths
 
@@ -176,7 +177,7 @@ def _concatenate(parts: list[Path], out: Path, total: int, digest) -> None:
     assert pos == total
     dest.flush()
     del dest
-    _fsync(out)
+    fsync_dir(out)
 
 
 def _save_synced(path: Path, arr: np.ndarray) -> None:
@@ -184,14 +185,6 @@ def _save_synced(path: Path, arr: np.ndarray) -> None:
         np.save(f, arr)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def move_into_place(tmp: Path, final: Path) -> Path:
@@ -205,7 +198,7 @@ def move_into_place(tmp: Path, final: Path) -> Path:
         else:  # a damaged folder under the final name (renames only ever put complete ones there): replace it
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
-    _fsync(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
