@@ -106,6 +106,31 @@ def save_synced(obj, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def replaced_file(path: str | Path, mode: str = "wb") -> Iterator:
+    """Write `path` whole or not at all: into a unique hidden sibling, fsynced, then renamed over `path`. A reader
+    never sees half a file, and two processes writing the same file (ranks of one node) never mix their bytes."""
+    import uuid
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def replace_text(path: str | Path, text: str) -> None:
+    """`replaced_file` for a text."""
+    with replaced_file(path, "w") as f:
+        f.write(text)
+
+
 def write_text_synced(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)

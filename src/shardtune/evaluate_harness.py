@@ -13,12 +13,12 @@ card (README.md).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtune.atomic import replace_text
 from shardtune.log import error, print0, setup_logging
 
 RESULTS_JSON = "eval_results.json"
@@ -126,15 +126,6 @@ def run_harness(model, tokenizer, tasks: list[str], tm, args: EvalArguments) -> 
     )
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_results(results: dict, out: Path, *, model_desc: str) -> tuple[Path, str]:
     """eval_results.json, eval_results.md (and eval_samples_<task>.jsonl when samples were logged) in `out`;
     returns the json path and the markdown table."""
@@ -144,14 +135,14 @@ def write_results(results: dict, out: Path, *, model_desc: str) -> tuple[Path, s
     samples = results.pop("samples", None) or {}
     for task, rows in samples.items():
         lines = (json.dumps(r, default=handle_non_serializable) for r in rows)
-        _atomic_write(out / f"eval_samples_{task}.jsonl", "\n".join(lines) + "\n")
+        replace_text(out / f"eval_samples_{task}.jsonl", "\n".join(lines) + "\n")
     record = {"model": model_desc, **results}
     path = out / RESULTS_JSON
-    _atomic_write(path, json.dumps(record, indent=2, default=handle_non_serializable) + "\n")
+    replace_text(path, json.dumps(record, indent=2, default=handle_non_serializable) + "\n")
     table = make_table(results)
     if "groups" in results:
         table += "\n" + make_table(results, "groups")
-    _atomic_write(out / RESULTS_MD, f"# lm-evaluation-harness results\n\n{model_desc}\n\n{table}\n")
+    replace_text(out / RESULTS_MD, f"# lm-evaluation-harness results\n\n{model_desc}\n\n{table}\n")
     return path, table
 
 

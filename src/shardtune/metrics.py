@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -406,10 +405,11 @@ def plot_run(output_dir: str | Path, records: list[dict] | None = None) -> Path:
     ax.set_title(f"{output_dir.resolve().name}" + (" (interrupted)" if interrupted else ""))
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right")
     fig.tight_layout()
+    from shardtune.atomic import replaced_file
+
     path = output_dir / PLOT_FILE
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)  # a viewer open on loss.png never sees half a file
+    with replaced_file(path) as f:  # a viewer open on loss.png never sees half a file
+        fig.savefig(f, dpi=100, format="png")
     return path
 
 

@@ -207,7 +207,6 @@ EVAL_END = "<!-- shardtune eval: end -->"
 def set_eval_section(card_path: str | Path, table: str) -> Path:
     """Put (or replace) the lm-evaluation-harness results table in a model card, between markers so that a later
     `shardtune eval` replaces it instead of adding a second one; the rest of the card is kept as it is."""
-    import os
 
     path = Path(card_path)
     text = path.read_text(encoding="utf-8")
@@ -217,7 +216,7 @@ def set_eval_section(card_path: str | Path, table: str) -> Path:
         text = head + section + rest.split(EVAL_END, 1)[1].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from shardtune.atomic import replace_text
+
+    replace_text(path, text)
     return path

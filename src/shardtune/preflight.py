@@ -593,10 +593,7 @@ def trim_metrics(output_dir: str, step: int) -> int:
             continue
         kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        from shardtune.atomic import replace_text
+
+        replace_text(path, "".join(line + "\n" for line in kept))
     return dropped

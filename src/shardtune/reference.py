@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -108,13 +106,8 @@ def _load(path: Path | None, n_rows: int) -> np.ndarray | None:
 
 
 def _save(path: Path, values: np.ndarray) -> None:
-    """Atomically: a unique temporary file in the same folder, fsynced, then renamed over the final name."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, values)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Atomically (shardtune.atomic.replaced_file): ranks of one node may write the same file."""
+    from shardtune.atomic import replaced_file
+
+    with replaced_file(path) as f:
+        np.save(f, values)

@@ -270,22 +270,12 @@ def _pairs_digest(prepared: PreferenceSplit) -> str:
 
 
 def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
-    """The tokenized pairs as one .npz, written to a unique temporary file, fsynced and renamed over the final name
-    (a reader never sees half a file; ranks of one node may write it at the same time)."""
-    import os
-    import uuid
+    """The tokenized pairs as one .npz, written atomically (ranks of one node may write it at the same time)."""
+    from ..atomic import replaced_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, offsets=prepared.input_ids.offsets, stats=np.array(json.dumps(prepared.stats)), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with replaced_file(path) as f:
+        np.savez(f, offsets=prepared.input_ids.offsets, stats=np.array(json.dumps(prepared.stats)), **arrays)
     prepared.cache_path = str(path)
 
 
