@@ -140,6 +140,8 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
     }
     if cfg.train.objective != "sft":
         build_datasets, kwargs = _preference_data_builder(kwargs)
+        if cfg.train.objective == "kto":  # KL rows: completions rotated within each global micro-batch
+            kwargs["kto_group"] = cfg.train.per_device_train_batch_size * info.world_size
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
@@ -194,7 +196,14 @@ def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     from shardtune.reference import precompute_reference, weights_identity
 
     t, m = cfg.train, cfg.model
-    objective = build_objective(t.objective, beta=t.beta, loss_type=t.loss_type, simpo_gamma=t.simpo_gamma)
+    objective = build_objective(
+        t.objective,
+        beta=t.beta,
+        loss_type=t.loss_type,
+        simpo_gamma=t.simpo_gamma,
+        desirable_weight=t.desirable_weight,
+        undesirable_weight=t.undesirable_weight,
+    )
     if objective.paired and t.disable_dropout:
         disable_dropout(model)
     if not objective.needs_reference:
@@ -770,6 +779,8 @@ def _write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
     if t.objective != "sft":
         hp.update(objective=t.objective, beta=t.beta)
         hp.update({"loss_type": t.loss_type} if t.objective == "dpo" else {})
+        if t.objective == "kto":
+            hp.update(desirable_weight=t.desirable_weight, undesirable_weight=t.undesirable_weight)
     if m.use_peft_lora:
         hp.update(
             lora_r=m.lora_r,
