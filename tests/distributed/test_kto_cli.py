@@ -1,5 +1,6 @@
-"""`shardtune train --objective kto` end to end: 2 FSDP2 ranks with the reference precomputed (KL rows included)
-give the losses, KL estimates and rewards of 1 process whose reference is the base with the adapter disabled."""
+"""`shardtune train --objective kto` with QLoRA end to end: 2 FSDP2 ranks with the reference precomputed (KL rows
+included) give the losses, KL estimates and rewards of 1 process whose reference is the 4-bit base with the adapter
+disabled."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ DESIRABLE_WEIGHT = 1.33
 
 
 def _args(assets, data: Path, out: Path, *, per_device: int, **flags) -> list[str]:
-    """KTO with LoRA on 32 examples: 3 steps of 8 examples (2 micro-batches of 4 over all ranks), a final eval."""
+    """KTO with QLoRA (fp32 compute) on 32 examples: 3 steps of 8 examples (2 micro-batches of 4 over all ranks), a final eval."""
     base = {
         "model_name_or_path": assets["model"],
         "dataset_name": data,
@@ -43,6 +44,12 @@ def _args(assets, data: Path, out: Path, *, per_device: int, **flags) -> list[st
         "lora_r": 4,
         "lora_alpha": 8,
         "lora_target_modules": "all-linear",
+        # QLoRA: the reference (per step with the adapter disabled, or precomputed) runs the 4-bit base
+        "use_4bit_quantization": True,
+        "use_nested_quant": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_quant_storage_dtype": "float32",
+        "bnb_4bit_compute_dtype": "float32",
     }
     return ["train", *(x for k, v in {**base, **flags}.items() for x in (f"--{k}", str(v)))]
 
@@ -71,6 +78,7 @@ def test_two_ranks_with_a_precomputed_reference_give_the_numbers_of_one_process(
     assert (
         "adapter disabled" in one_log and "Reference log-probs of 32 examples (and their KL rows) computed" in two_log
     )
+    assert "4-bit base:" in one_log and "4-bit base:" in two_log
     single, sharded = _by_step(runs["single"]), _by_step(runs["sharded"])
     assert sorted(single) == sorted(sharded) == [1, 2, 3]
     # Step 1: the fresh adapter is the identity, so every log-ratio and the KL estimate are 0 and each example's
