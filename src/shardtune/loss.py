@@ -238,6 +238,23 @@ class KTOObjective(PreferenceObjective):
         return out
 
 
+def kto_weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float):
+    """TRL's advice when desirable and undesirable examples are unbalanced (KTO paper, Eq. 8: λ_D n_D / (λ_U n_U)
+    in [1, 4/3]): None when either weight is in its range, else the line that recommends one (TRL's rounding)."""
+    n_d, n_u = max(n_desirable, 1), max(n_undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_lo, d_hi = round(n_u * undesirable_weight / n_d, 2), round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_lo, u_hi = round(n_d * desirable_weight / n_u / 1.33, 2), round(n_d * desirable_weight / n_u, 2)
+    if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
+        return None
+    return (
+        f"KTO: {n_desirable} desirable and {n_undesirable} undesirable training examples; the weights are outside "
+        f"the range the KTO paper recommends: set EITHER --desirable_weight in [{d_lo}, {d_hi}] OR "
+        f"--undesirable_weight in [{u_lo}, {u_hi}] (not both)."
+    )
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable at both ends (as trl's ORPO)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))

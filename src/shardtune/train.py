@@ -152,8 +152,9 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
     if d.streaming:
         return train, evals
     st = train.stats
-    if "pairs" in st:  # preference pairs: their own log line said the rest
-        print0(f"Data: {st['pairs']} pairs; eval pairs: {len(evals) if evals is not None else 0}.")
+    if "pairs" in st:  # preference pairs (or KTO examples): their own log line said the rest
+        unit = "examples" if "desirable" in st else "pairs"
+        print0(f"Data: {st['pairs']} {unit}; eval {unit}: {len(evals) if evals is not None else 0}.")
         return train, evals
     print0(
         f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
@@ -189,6 +190,13 @@ def _preference_data_builder(kwargs: dict):
     return build_preference_datasets, keep
 
 
+def _kto_advice(train_split, t) -> str | None:
+    from shardtune.loss import kto_weight_advice
+
+    n_desirable = int(train_split.desirable.sum())
+    return kto_weight_advice(n_desirable, len(train_split) - n_desirable, t.desirable_weight, t.undesirable_weight)
+
+
 def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
     log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
@@ -206,6 +214,8 @@ def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     )
     if objective.paired and t.disable_dropout:
         disable_dropout(model)
+    if t.objective == "kto" and (advice := _kto_advice(splits[0], t)):
+        print0(advice)
     if not objective.needs_reference:
         return objective
     if m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs:
@@ -361,7 +371,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         )
     )
     if spe < 1:
-        unit = "rows" if t.objective == "sft" else "pairs"
+        unit = {"sft": "rows", "kto": "examples"}.get(t.objective, "pairs")
         raise ValueError(
             f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
             f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} {unit}. "

@@ -168,3 +168,14 @@ def test_kto_first_step_equals_trl(tiny_assets, tok, kto_dir, tmp_path):
         assert ours[key] == pytest.approx(theirs[key], abs=1e-5), key
     for key in ("logps/chosen", "logps/rejected"):
         assert ours[key] == pytest.approx(theirs[key], abs=2e-5), key
+
+
+def test_unbalanced_labels_get_trls_weight_advice():
+    from shardtune.loss import kto_weight_advice
+
+    # 100 desirable, 300 undesirable: λ_D·100 / (λ_U·300) must lie in [1, 4/3] (TRL rounds 1.33 and 2 decimals):
+    # λ_D in [3.0, 3.99] with λ_U = 1, or λ_U in [1/3/1.33, 1/3] = [0.25, 0.33] with λ_D = 1.
+    advice = kto_weight_advice(100, 300, 1.0, 1.0)
+    assert "--desirable_weight in [3.0, 3.99]" in advice and "--undesirable_weight in [0.25, 0.33]" in advice
+    assert kto_weight_advice(100, 300, 3.5, 1.0) is None and kto_weight_advice(100, 300, 1.0, 0.3) is None
+    assert kto_weight_advice(200, 200, 1.0, 5.0) is None  # balanced: TRL says nothing
