@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,13 +31,12 @@ import torch
 
 from ..log import print0
 from .collate import collate_rows, epoch_order
-from .packing import Document, RaggedRows, build_rows
+from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .templates import validate_messages
 
 PAIR_COLUMNS = ("chosen", "rejected")
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
-CACHE_FORMAT = "preference-2"
 
 
 @dataclass
@@ -54,6 +51,7 @@ class PreferenceSplit:
     from_cache: bool = False
     cache_path: str | None = None
     ref_logps: np.ndarray | None = field(default=None, repr=False)
+    digest: str | None = None  # of the tokenized pairs: equal digests, equal rows (compared across nodes and on resume)
     desirable: np.ndarray | None = None  # KTO: example i's label (True: desirable); None for pairs
 
     def __len__(self) -> int:
@@ -141,19 +139,17 @@ def build_preference_datasets(
             opts["kto_group"] = kto_group
         key = hashlib.sha256(
             json.dumps(
-                [CACHE_FORMAT, dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
+                ["preference-1", dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
                 default=str,
             ).encode()
         ).hexdigest()
         path = Path(cache_dir) / f"pairs-{key[:32]}.npz" if cache_dir else None
-        prepared = _load_split(path) if path is not None else None
+        prepared = _load_pairs(path) if path is not None else None
         if prepared is None:
             tokenize = _tokenize_pairs if kto_group is None else _tokenize_unpaired
             prepared = tokenize(tokenizer, ds, split, opts)
             if path is not None:
-                Path(cache_dir).mkdir(parents=True, exist_ok=True)
-                _save_split(path, prepared)
-                prepared.cache_path = str(path)
+                _save_pairs(path, prepared)
         _log_split(split, prepared)
         out.append(prepared)
     return out[0], out[1]
@@ -219,7 +215,9 @@ def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
             f"split {split!r}: every pair was dropped (prompt alone fills --max_length {max_length}, or a sequence "
             "is longer and --drop_long_samples is set); raise --max_length."
         )
-    return _split_from_docs(docs, len(ds), truncated, dropped, completion)
+    prepared = _split_from_docs(docs, len(ds), truncated, dropped, completion)
+    prepared.digest = _pairs_digest(prepared)
+    return prepared
 
 
 def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
@@ -306,6 +304,7 @@ def _tokenize_unpaired(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit
     split_ = _split_from_docs(docs, len(ds), truncated, dropped, completion)
     split_.desirable = desirable
     split_.stats["desirable"] = int(desirable.sum())
+    split_.digest = _pairs_digest(split_)
     return split_
 
 
@@ -324,41 +323,6 @@ def _split_from_docs(docs: list, rows_in: int, truncated: int, dropped: int, com
         "documents": len(docs) // 2,
     }
     return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
-
-
-def _save_split(path: Path, split: PreferenceSplit) -> None:
-    """The tokenized rows as one .npz, written atomically (a unique temporary file, fsynced, renamed)."""
-    arrays = {
-        "offsets": split.input_ids.offsets,
-        "input_ids": split.input_ids.flat,
-        "labels": split.labels.flat,
-        "position_ids": split.position_ids.flat,
-        "stats": np.array(json.dumps(split.stats)),
-    }
-    if split.desirable is not None:
-        arrays["desirable"] = split.desirable
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _load_split(path: Path) -> PreferenceSplit | None:
-    if not path.exists():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            rows = [RaggedRows(z[k], z["offsets"]) for k in ("input_ids", "labels", "position_ids")]
-            desirable = z["desirable"] if "desirable" in z.files else None
-            stats = json.loads(str(z["stats"]))
-    except (OSError, ValueError, KeyError, AssertionError):
-        return None  # unreadable or of another layout: tokenize again
-    return PreferenceSplit(*rows, stats, True, str(path), desirable=desirable)
 
 
 def _chat_encoder(tokenizer, where: str):
@@ -397,3 +361,59 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+_PAIR_ARRAYS = ("input_ids", "labels", "position_ids")
+
+
+def _pairs_digest(prepared: PreferenceSplit) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in _PAIR_ARRAYS:
+        rows = getattr(prepared, name)
+        h.update(np.ascontiguousarray(rows.offsets).tobytes())
+        h.update(np.ascontiguousarray(rows.flat).tobytes())
+    if prepared.desirable is not None:  # KTO: the labels are part of the data
+        h.update(np.ascontiguousarray(prepared.desirable).tobytes())
+    return h.hexdigest()
+
+
+def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
+    """The tokenized pairs as one .npz, written to a unique temporary file, fsynced and renamed over the final name
+    (a reader never sees half a file; ranks of one node may write it at the same time)."""
+    import os
+    import uuid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
+    if prepared.desirable is not None:
+        arrays["desirable"] = prepared.desirable
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, offsets=prepared.input_ids.offsets, stats=np.array(json.dumps(prepared.stats)), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    prepared.cache_path = str(path)
+
+
+def _load_pairs(path: Path) -> PreferenceSplit | None:
+    """The cached pairs, or None when absent or unreadable (then they are tokenized again)."""
+    import zipfile
+
+    from .packing import RaggedRows
+
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = [RaggedRows(z[name], z["offsets"]) for name in _PAIR_ARRAYS]
+            stats = json.loads(str(z["stats"]))
+            desirable = z["desirable"] if "desirable" in z.files else None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return None
+    prepared = PreferenceSplit(*arrays, stats=stats, from_cache=True, cache_path=str(path), desirable=desirable)
+    prepared.digest = _pairs_digest(prepared)
+    return prepared
