@@ -183,15 +183,18 @@ class TrainArguments:
     # Preference tuning: what is minimised, with TRL's DPOConfig/CPOConfig names for the knobs (docs/preference.md).
     objective: str = _f(
         "sft",
-        "sft: cross-entropy on the text; dpo, simpo, orpo: preference tuning on prompt/chosen/rejected pairs.",
-        choices=["sft", "dpo", "simpo", "orpo"],
+        "sft: cross-entropy on the text; dpo, simpo, orpo: preference tuning on prompt/chosen/rejected pairs; "
+        "kto: on unpaired prompt/completion/label rows.",
+        choices=["sft", "dpo", "simpo", "orpo", "kto"],
     )
-    beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's and ORPO's beta.")
+    beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's, ORPO's and KTO's beta.")
     loss_type: str = _f("sigmoid", "--objective dpo: sigmoid (DPO) or ipo.", choices=["sigmoid", "ipo"])
     simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")
+    desirable_weight: float = _f(1.0, "--objective kto: the weight of the desirable examples' losses (TRL's name).")
+    undesirable_weight: float = _f(1.0, "--objective kto: the weight of the undesirable examples' losses.")
     precompute_ref_log_probs: bool = _f(
         False,
-        "--objective dpo with an adapter: compute the reference log-probs once before training (stored with the "
+        "--objective dpo or kto with an adapter: compute the reference log-probs once before training (stored with the "
         "data cache) instead of a forward with the adapter disabled every step. Always on for full fine-tuning "
         "and with --adapter_path.",
     )
@@ -569,6 +572,8 @@ ADAPTER_FLAGS = (
 )
 # (flag, lowest, highest, lowest allowed itself, highest allowed itself); None: unbounded on that side.
 _RANGES = (
+    ("train", "desirable_weight", 0, None, False, False),
+    ("train", "undesirable_weight", 0, None, False, False),
     ("train", "learning_rate", 0, None, False, True),
     ("train", "weight_decay", 0, None, True, True),
     ("train", "adam_beta1", 0, 1, True, False),
@@ -613,18 +618,21 @@ def _range_problems(cfg: RunConfig) -> list[str]:
 
 def _preference_problems(cfg: RunConfig) -> list[str]:
     d, t = cfg.data, cfg.train
-    if t.objective == "sft":
-        changed = [f"--{n}" for n in ("loss_type", "precompute_ref_log_probs") if getattr(t, n) != _DEFAULTS[n]]
-        return (
-            [f"{', '.join(changed)} only apply to --objective dpo; remove them or set --objective dpo."]
-            if changed
-            else []
-        )
     p = []
+    by_objective = {"dpo": ("loss_type",), "kto": ("desirable_weight", "undesirable_weight")}
+    for objective, flags in by_objective.items():
+        changed = [f"--{n}" for n in flags if getattr(t, n) != _DEFAULTS[n]]
+        if changed and t.objective != objective:
+            p.append(f"{', '.join(changed)} only apply to --objective {objective}; remove them or set it.")
+    if t.objective not in ("dpo", "kto") and t.precompute_ref_log_probs:
+        p.append(
+            "--precompute_ref_log_probs only applies to --objective dpo or kto (the others need no reference); "
+            "remove it."
+        )
+    if t.objective == "sft":
+        return p
     if t.beta <= 0:
         p.append(f"--beta must be > 0 (got {t.beta}).")
-    if t.loss_type != "sigmoid" and t.objective != "dpo":
-        p.append(f"--loss_type {t.loss_type} applies to --objective dpo only; remove it for --objective {t.objective}.")
     if d.streaming:
         p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
     for flag in ("packing", "assistant_only_loss", "append_concat_token"):

@@ -15,6 +15,7 @@ SFT is the chunked cross-entropy summed over target tokens / the global target c
 trl.experimental, formula for formula, and log TRL's metric names (rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/chosen, logps/rejected). A batch of B pairs holds the B chosen rows,
 then the B rejected rows (shardtune.data.preference); `pair_index` -1 marks a filler pair, which counts nowhere.
+KTO (trl 1.16's KTOTrainer, loss_type kto) takes unpaired examples: B prompt+completion rows, then their B KL rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PAIR_METRICS = (
     "rewards/chosen",
@@ -163,6 +164,97 @@ class PreferenceObjective(Objective):
         }
 
 
+class KTOObjective(PreferenceObjective):
+    """KTO on unpaired examples, as trl 1.16's KTOTrainer (loss_type kto) computes it per micro-batch:
+
+      z  = max(0, mean over the micro-batch's KL rows of (log π − log ref)), detached: the KL estimate from the
+           prompts paired with mismatched completions; the mean runs over the micro-batch of every rank (TRL
+           gathers it across processes), so N ranks give the numbers of one process;
+      desirable:   λ_D (1 − σ(β(log π − log ref − z)));   undesirable:  λ_U (1 − σ(β(z − (log π − log ref))));
+      loss = mean of these over the examples; rewards β(log π − log ref).
+    The micro-batch holds B completion rows, then their B KL rows (shardtune.data.preference)."""
+
+    def __init__(self, *, beta: float, desirable_weight: float = 1.0, undesirable_weight: float = 1.0):
+        super().__init__("kto", beta=beta)
+        self.needs_reference = True
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
+        valid = batch["pair_index"] >= 0
+        desirable = int((batch["desirable"] & valid).sum())
+        # micro_batches: one per rank and micro-batch, to average the per-micro-batch KL estimate in report()
+        return {"examples": int(valid.sum()), "desirable": desirable, "micro_batches": 1}
+
+    def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
+        from shardtune.distributed.mesh import all_reduce_sum
+
+        ref = self._reference(model, batch)  # [2B]: completions, then KL rows
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+        n = len(batch["pair_index"])
+        with torch.no_grad():  # the KL term is detached (TRL): its rows need no graph
+            kl_logps, _ = model(**{k: v[n:] for k, v in inputs.items()}, per_sequence=True)
+        logps, _ = model(**{k: v[:n] for k, v in inputs.items()}, per_sequence=True)
+        valid = (batch["pair_index"] >= 0).to(logps.dtype)
+        ref = ref.to(logps.dtype)
+        kl_sum, kl_count = all_reduce_sum(
+            [float(((kl_logps - ref[n:]) * valid).sum()), float(valid.sum())], logps.device
+        )
+        kl = max(kl_sum / max(kl_count, 1), 0.0)
+        desirable = batch["desirable"].to(logps.dtype) * valid
+        undesirable = (1 - batch["desirable"].to(logps.dtype)) * valid
+        loss, rewards = self.losses(logps, ref[:n], desirable.bool(), kl)
+        total = (loss * valid).sum() / max(totals["examples"], 1)
+        with torch.no_grad():
+            sums = {
+                "loss": total.detach().double(),
+                "kl": torch.tensor(kl, dtype=torch.float64, device=logps.device),
+                "rewards/chosen": (rewards * desirable).sum().double(),
+                "rewards/rejected": (rewards * undesirable).sum().double(),
+                "logps/chosen": (logps * desirable).sum().double(),
+                "logps/rejected": (logps * undesirable).sum().double(),
+            }
+        return total * grad_scale, sums
+
+    def losses(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: float):
+        """Per example: the weighted KTO loss and the reward, given the (detached) KL estimate."""
+        ratio = logps - ref_logps
+        chosen = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratio - kl)))
+        rejected = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratio)))
+        return torch.where(desirable, chosen, rejected), self.beta * ratio.detach()
+
+    def report(self, sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
+        """TRL's KTO metrics: chosen/rejected means over the desirable/undesirable examples, each only when
+        there are some; margins when there are both; kl the mean of the micro-batches' estimates."""
+        n_chosen = totals["desirable"]
+        n_rejected = totals["examples"] - n_chosen
+        # every rank adds the same global KL of each micro-batch: divide by ranks × micro-batches
+        out = {"loss": sums["loss"], "kl": sums["kl"] / max(totals["micro_batches"], 1)}
+        for side, count in (("chosen", n_chosen), ("rejected", n_rejected)):
+            if count:
+                out[f"rewards/{side}"] = sums[f"rewards/{side}"] / count
+                out[f"logps/{side}"] = sums[f"logps/{side}"] / count
+        if n_chosen and n_rejected:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def kto_weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float):
+    """TRL's advice when desirable and undesirable examples are unbalanced (KTO paper, Eq. 8: λ_D n_D / (λ_U n_U)
+    in [1, 4/3]): None when either weight is in its range, else the line that recommends one (TRL's rounding)."""
+    n_d, n_u = max(n_desirable, 1), max(n_undesirable, 1)
+    if n_d == n_u:
+        return None
+    d_lo, d_hi = round(n_u * undesirable_weight / n_d, 2), round(n_u * undesirable_weight / n_d * 1.33, 2)
+    u_lo, u_hi = round(n_d * desirable_weight / n_u / 1.33, 2), round(n_d * desirable_weight / n_u, 2)
+    if d_lo <= desirable_weight <= d_hi or u_lo <= undesirable_weight <= u_hi:
+        return None
+    return (
+        f"KTO: {n_desirable} desirable and {n_undesirable} undesirable training examples; the weights are outside "
+        f"the range the KTO paper recommends: set EITHER --desirable_weight in [{d_lo}, {d_hi}] OR "
+        f"--undesirable_weight in [{u_lo}, {u_hi}] (not both)."
+    )
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable at both ends (as trl's ORPO)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -177,14 +269,25 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def rows_per_example(objective: str) -> int:
-    """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)."""
+    """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)
+    and for a KTO example (its completion and its KL row)."""
     return 1 if objective == "sft" else 2
 
 
-def build_objective(objective: str, *, beta: float, loss_type: str, simpo_gamma: float) -> Objective:
+def build_objective(
+    objective: str,
+    *,
+    beta: float,
+    loss_type: str,
+    simpo_gamma: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> Objective:
     """The objective named by --objective (sft: the chunked cross-entropy)."""
     if objective == "sft":
         return Objective()
     if objective not in OBJECTIVES:
         raise ValueError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}.")
+    if objective == "kto":
+        return KTOObjective(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     return PreferenceObjective(objective, beta=beta, loss_type=loss_type, simpo_gamma=simpo_gamma)

@@ -196,8 +196,13 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
 
 def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None, precompute: bool) -> str:
     """What the preference objective adds beyond its two rows per pair (counted in the activations above)."""
-    head = f"--objective {objective}: each micro-batch holds a chosen and a rejected row per pair (counted above)"
-    if objective != "dpo":
+    rows = (
+        "its completion and a mismatched KL row per example"
+        if objective == "kto"
+        else "a chosen and a rejected row per pair"
+    )
+    head = f"--objective {objective}: each micro-batch holds {rows} (counted above)"
+    if objective not in ("dpo", "kto"):
         return head + "; no reference model."
     if use_peft_lora and not adapter_path and not precompute:
         return (

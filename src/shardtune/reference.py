@@ -1,5 +1,6 @@
-"""The reference model's log-probs of every preference sequence, computed once before the first optimizer step and
-stored beside the tokenized data (shardtune.data cache), so that full fine-tuning needs no second model copy.
+"""The reference model's log-probs of every preference sequence (for KTO also of its KL rows), computed once before
+the first optimizer step and stored beside the tokenized data (shardtune.data cache), so that full fine-tuning
+needs no second model copy.
 
 The pass runs on the sharded model as it is built, before a checkpoint is loaded: its weights are then exactly
 the starting point of the run, also when the run resumes. Each rank computes the pairs of its share of each global
@@ -40,7 +41,8 @@ def precompute_reference(
     values = _forward_pass(model, split, batch_size=batch_size, info=info, pad_id=pad_id, disable=disable_adapter)
     if info.is_main and path is not None:
         _save(path, values)
-    print0(f"Reference log-probs of {len(split)} pairs computed" + (f" and stored in {path}." if path else "."))
+    what = f"{len(split)} {'pairs' if getattr(split, 'desirable', None) is None else 'examples (and their KL rows)'}"
+    print0(f"Reference log-probs of {what} computed" + (f" and stored in {path}." if path else "."))
     split.ref_logps = values
     return values
 

@@ -140,6 +140,8 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
     }
     if cfg.train.objective != "sft":
         build_datasets, kwargs = _preference_data_builder(kwargs)
+        if cfg.train.objective == "kto":  # KL rows: completions rotated within each global micro-batch
+            kwargs["kto_group"] = cfg.train.per_device_train_batch_size * info.world_size
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
@@ -150,8 +152,9 @@ def _prepare_data(cfg: RunConfig, tokenizer, info):
     if d.streaming:
         return train, evals
     st = train.stats
-    if "pairs" in st:  # preference pairs: their own log line said the rest
-        print0(f"Data: {st['pairs']} pairs; eval pairs: {len(evals) if evals is not None else 0}.")
+    if "pairs" in st:  # preference pairs (or KTO examples): their own log line said the rest
+        unit = "examples" if "desirable" in st else "pairs"
+        print0(f"Data: {st['pairs']} {unit}; eval {unit}: {len(evals) if evals is not None else 0}.")
         return train, evals
     print0(
         f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
@@ -186,6 +189,13 @@ def _preference_data_builder(kwargs: dict):
     return build_preference_datasets, keep
 
 
+def _kto_advice(train_split, t) -> str | None:
+    from shardtune.loss import kto_weight_advice
+
+    n_desirable = int(train_split.desirable.sum())
+    return kto_weight_advice(n_desirable, len(train_split) - n_desirable, t.desirable_weight, t.undesirable_weight)
+
+
 def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
     log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
@@ -193,9 +203,18 @@ def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     from shardtune.reference import precompute_reference, weights_identity
 
     t, m = cfg.train, cfg.model
-    objective = build_objective(t.objective, beta=t.beta, loss_type=t.loss_type, simpo_gamma=t.simpo_gamma)
+    objective = build_objective(
+        t.objective,
+        beta=t.beta,
+        loss_type=t.loss_type,
+        simpo_gamma=t.simpo_gamma,
+        desirable_weight=t.desirable_weight,
+        undesirable_weight=t.undesirable_weight,
+    )
     if objective.paired and t.disable_dropout:
         disable_dropout(model)
+    if t.objective == "kto" and (advice := _kto_advice(splits[0], t)):
+        print0(advice)
     if not objective.needs_reference:
         return objective
     if m.use_peft_lora and not m.adapter_path and not t.precompute_ref_log_probs:
@@ -353,7 +372,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         )
     )
     if spe < 1:
-        unit = "rows" if t.objective == "sft" else "pairs"
+        unit = {"sft": "rows", "kto": "examples"}.get(t.objective, "pairs")
         raise ValueError(
             f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
             f"of {t.per_device_train_batch_size}×{info.world_size}×{t.gradient_accumulation_steps} {unit}. "
@@ -809,6 +828,8 @@ def _write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
     if t.objective != "sft":
         hp.update(objective=t.objective, beta=t.beta)
         hp.update({"loss_type": t.loss_type} if t.objective == "dpo" else {})
+        if t.objective == "kto":
+            hp.update(desirable_weight=t.desirable_weight, undesirable_weight=t.undesirable_weight)
     if m.use_peft_lora:
         hp.update(
             lora_r=m.lora_r,

@@ -269,10 +269,19 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
         )
     text = str(e.value)
     assert "--packing does not apply to --objective orpo" in text and "set --packing False" in text
-    assert "--loss_type ipo applies to --objective dpo only" in text and "--beta must be > 0" in text
+    assert "--loss_type only apply to --objective dpo" in text and "--beta must be > 0" in text
     with pytest.raises(ConfigError, match="--loss_type only apply to --objective dpo"):
         load_run_config([*base, "--loss_type", "ipo"], env={})
     assert load_run_config([*base, "--objective", "dpo", "--loss_type", "ipo"], env={}).train.loss_type == "ipo"
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*base, "--objective", "dpo", "--undesirable_weight", "0", "--desirable_weight", "2"], env={})
+    text = str(e.value)
+    assert "--undesirable_weight must be > 0 (got 0.0)" in text
+    assert "--desirable_weight, --undesirable_weight only apply to --objective kto" in text
+    with pytest.raises(ConfigError, match="--precompute_ref_log_probs only applies to --objective dpo or kto"):
+        load_run_config([*base, "--objective", "simpo", "--precompute_ref_log_probs", "True"], env={})
+    cfg = load_run_config([*base, "--objective", "kto", "--desirable_weight", "1.33"], env={})
+    assert (cfg.train.desirable_weight, cfg.train.undesirable_weight) == (1.33, 1.0)
 
 
 def test_tensorboard_tags_are_trls(tmp_path):

@@ -1,5 +1,6 @@
 """Preference data: prompt/chosen/rejected pairs (plain text or TRL's conversational format), tokenized as TRL's
-DPOTrainer does, stored as two rows per pair and batched so that a pair never splits across ranks or steps.
+DPOTrainer does, stored as two rows per pair and batched so that a pair never splits across ranks or steps; and
+KTO's unpaired prompt/completion/label rows, tokenized as trl 1.16's KTOTrainer does.
 
 Tokenization follows trl 1.16 (`DPOTrainer._prepare_dataset` and `DataCollatorForPreference`), so that the same
 rows give the same tokens: plain-text completions get the EOS text appended; the prompt and prompt+completion are
@@ -10,7 +11,12 @@ sequence over --max_length is dropped instead of truncated. Conversations withou
 as the turns chosen and rejected share (TRL's `extract_prompt`).
 
 Row 2i is pair i's chosen sequence, row 2i+1 its rejected one; labels are shifted (labels[t] is the target of
-position t) and -100 on the prompt, so prompt tokens never count.
+position t) and -100 on the prompt, so prompt tokens never count. For KTO, row 2i is example i's prompt+completion
+and row 2i+1 its KL row: its prompt with a mismatched completion, which estimates the KL term. TRL builds the
+mismatched completions by rotating the completions by one within each consecutive group of a micro-batch's
+examples in the dataset's order, (x_1, y_n), (x_2, y_1), ..., (x_n, y_{n-1}); shardtune does the same with the
+group size of the global micro-batch (per-device batch × ranks), so N ranks see the rows of one process with N
+times the batch, and the KL rows are fixed data whose reference log-probs can be precomputed like the others.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .templates import validate_messages
 
 PAIR_COLUMNS = ("chosen", "rejected")
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 
 
 @dataclass
@@ -45,6 +52,7 @@ class PreferenceSplit:
     cache_path: str | None = None
     ref_logps: np.ndarray | None = field(default=None, repr=False)
     digest: str | None = None  # of the tokenized pairs: equal digests, equal rows (compared across nodes and on resume)
+    desirable: np.ndarray | None = None  # KTO: example i's label (True: desirable); None for pairs
 
     def __len__(self) -> int:
         return len(self.input_ids) // 2
@@ -76,6 +84,8 @@ class PreferenceSplit:
         rejected = collate_rows(self, 2 * pairs + 1, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id)
         batch = {k: torch.cat([chosen[k], rejected[k]]) for k in chosen}
         batch["pair_index"] = torch.from_numpy(index)
+        if self.desirable is not None:
+            batch["desirable"] = torch.from_numpy(np.concatenate([self.desirable[pairs], np.zeros(len(filler), bool)]))
         if self.ref_logps is not None:
             ref = np.zeros(2 * batch_size, dtype=np.float64)
             ref[: len(pairs)] = self.ref_logps[rows[: len(pairs)]]
@@ -95,10 +105,19 @@ def build_preference_datasets(
     cache_dir: str | None,
     max_train_samples: int | None = None,
     max_eval_samples: int | None = None,
+    kto_group: int | None = None,
 ) -> tuple[PreferenceSplit, PreferenceSplit | None]:
-    """Load and tokenize the pairs of the train split and the optional eval split named by --splits."""
+    """Load and tokenize the pairs of the train split and the optional eval split named by --splits.
+
+    kto_group: unpaired KTO rows instead of pairs, their KL completions rotated within groups of this many
+    consecutive examples (the global micro-batch)."""
     from . import _tokenizer_fingerprint
 
+    if kto_group is not None and kto_group < 2:
+        raise ValueError(
+            "--objective kto estimates its KL term from other examples of the same micro-batch: it needs "
+            "--per_device_train_batch_size × ranks >= 2 (TRL: a batch size > 1); raise --per_device_train_batch_size."
+        )
     request = parse_splits(splits)
     out = []
     for split, limit, flag in (
@@ -114,8 +133,10 @@ def build_preference_datasets(
             if limit < 1:
                 raise ValueError(f"{flag} must be >= 1 (got {limit}).")
             ds = ds.select(range(min(len(ds), limit)))
-        _check_columns(ds.column_names, dataset_name, split)
+        _check_columns(ds.column_names, dataset_name, split, unpaired=kto_group is not None)
         opts = {"max_length": max_length, "add_special_tokens": add_special_tokens, "drop_long": drop_long_samples}
+        if kto_group is not None:
+            opts["kto_group"] = kto_group
         key = hashlib.sha256(
             json.dumps(
                 ["preference-1", dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
@@ -125,29 +146,50 @@ def build_preference_datasets(
         path = Path(cache_dir) / f"pairs-{key[:32]}.npz" if cache_dir else None
         prepared = _load_pairs(path) if path is not None else None
         if prepared is None:
-            prepared = _tokenize_pairs(tokenizer, ds, split, opts)
+            tokenize = _tokenize_pairs if kto_group is None else _tokenize_unpaired
+            prepared = tokenize(tokenizer, ds, split, opts)
             if path is not None:
                 _save_pairs(path, prepared)
-        s = prepared.stats
-        print0(
-            f"data: split {split!r}{' (from cache)' if prepared.from_cache else ''}: {s['pairs']} pairs "
-            f"({s['truncated']} truncated, {s['dropped']} dropped) of {s['rows_in']} rows, "
-            f"{s['completion_tokens']} completion tokens"
-        )
+        _log_split(split, prepared)
         out.append(prepared)
     return out[0], out[1]
 
 
-def _check_columns(columns: list[str], dataset_name: str, split: str) -> None:
+def _log_split(split: str, prepared: PreferenceSplit) -> None:
+    s = prepared.stats
+    what = f"{s['pairs']} pairs"
+    if prepared.desirable is not None:
+        what = f"{s['pairs']} examples ({s['desirable']} desirable, {s['pairs'] - s['desirable']} undesirable)"
+    print0(
+        f"data: split {split!r}{' (from cache)' if prepared.from_cache else ''}: {what} "
+        f"({s['truncated']} truncated, {s['dropped']} dropped) of {s['rows_in']} rows, "
+        f"{s['completion_tokens']} completion tokens"
+    )
+
+
+def _check_columns(columns: list[str], dataset_name: str, split: str, *, unpaired: bool) -> None:
+    where = f"--dataset_name {dataset_name!r}, split {split!r}"
+    if unpaired:
+        if all(c in columns for c in UNPAIRED_COLUMNS):
+            return
+        hint = (
+            " These are prompt/chosen/rejected pairs: train them with --objective dpo, simpo or orpo."
+            if all(c in columns for c in PAIR_COLUMNS)
+            else ""
+        )
+        raise ValueError(
+            f"{where}: --objective kto needs `prompt`, `completion` and `label` (true: desirable) columns, as plain "
+            f"text or as conversations; found {', '.join(columns)}.{hint}"
+        )
     if all(c in columns for c in PAIR_COLUMNS):
         return
     hint = (
-        " Unpaired prompt/completion/label rows are KTO's format, which shardtune does not train yet."
+        " Unpaired prompt/completion/label rows are KTO's format: train them with --objective kto."
         if "label" in columns and "completion" in columns
         else ""
     )
     raise ValueError(
-        f"--dataset_name {dataset_name!r}, split {split!r}: preference objectives need `chosen` and `rejected` "
+        f"{where}: preference objectives need `chosen` and `rejected` "
         f"columns (and optionally `prompt`), as plain text or as conversations; found {', '.join(columns)}.{hint}"
     )
 
@@ -173,9 +215,103 @@ def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
             f"split {split!r}: every pair was dropped (prompt alone fills --max_length {max_length}, or a sequence "
             "is longer and --drop_long_samples is set); raise --max_length."
         )
+    prepared = _split_from_docs(docs, len(ds), truncated, dropped, completion)
+    prepared.digest = _pairs_digest(prepared)
+    return prepared
+
+
+def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
+    """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it."""
+    prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
+    where = f"split {split!r}, row {row}"
+    if isinstance(chosen, list) and prompt is None:
+        prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
+    prompt_ids, (chosen_ids, rejected_ids) = _tokenize_completions(
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens
+    )
+    return prompt_ids, chosen_ids, rejected_ids
+
+
+def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
+    """(prompt_ids, completion_ids, desirable) of one KTO row, as trl 1.16's KTOTrainer tokenizes it."""
+    label = example["label"]
+    if not isinstance(label, bool | np.bool_):  # a data mistake: ValueError, which the CLI reports with exit 2
+        bad = f"split {split!r}, row {row}: `label` must be true or false (desirable or not), got {label!r}."
+        raise ValueError(bad)  # noqa: TRY004
+    if example.get("prompt") is None:
+        raise ValueError(f"split {split!r}, row {row}: `prompt` is missing; KTO rows need a prompt.")
+    prompt_ids, (completion_ids,) = _tokenize_completions(
+        tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens
+    )
+    return prompt_ids, completion_ids, bool(label)
+
+
+def _tokenize_completions(tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool):
+    """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
+    prompt+completion stop agreeing (for all completions of the row), as in TRL."""
+    where = f"split {split!r}, row {row}"
+    if any(isinstance(c, list) for c in completions.values()):
+        for part in (prompt, *completions.values()):
+            validate_messages(part, split=split, row=row)
+        encode = _chat_encoder(tokenizer, where)
+        prompt_ids = encode(prompt, add_generation_prompt=True)
+        full = [encode(prompt + c) for c in completions.values()]
+    else:
+        for name, value in (("prompt", prompt), *completions.items()):
+            if not isinstance(value, str) or (name != "prompt" and not value):
+                raise ValueError(f"{where}: `{name}` must be a non-empty string (or all columns conversations).")
+        eos = tokenizer.eos_token or ""
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+        prompt_ids = encode(prompt)
+        full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in completions.values()]
+    n = min(_common_prefix(prompt_ids, f) for f in full)
+    return prompt_ids[:n], [f[n:] for f in full]
+
+
+def _tokenize_unpaired(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
+    """KTO rows: each example's prompt+completion, then its KL row (see the module docstring)."""
+    max_length, group = opts["max_length"], opts["kto_group"]
+    kept, dropped = [], 0
+    for row, example in enumerate(ds):
+        prompt_ids, completion_ids, desirable = tokenize_unpaired(
+            tokenizer, example, split, row, opts["add_special_tokens"]
+        )
+        too_long = len(prompt_ids) + len(completion_ids) > max_length
+        if len(prompt_ids) >= max_length or (too_long and opts["drop_long"]):
+            dropped += 1  # TRL drops an example whose prompt alone fills max_length
+            continue
+        kept.append((prompt_ids, completion_ids, desirable))
+    if not kept:
+        raise ValueError(
+            f"split {split!r}: every example was dropped (prompt alone fills --max_length {max_length}, or a "
+            "sequence is longer and --drop_long_samples is set); raise --max_length."
+        )
+    docs, truncated, completion = [], 0, 0
+    for start in range(0, len(kept), group):
+        chunk = kept[start : start + group]
+        for j, (prompt_ids, completion_ids, _) in enumerate(chunk):
+            mismatched = chunk[j - 1][1]  # j = 0 takes the group's last completion
+            for k, ids in enumerate((prompt_ids + completion_ids, prompt_ids + mismatched)):
+                truncated += k == 0 and len(ids) > max_length
+                ids = np.asarray(ids[:max_length], dtype=np.int32)
+                targets = np.arange(len(ids)) >= len(prompt_ids)
+                completion += int(targets.sum()) if k == 0 else 0
+                docs.append(Document(ids, targets))
+    desirable = np.array([d for _, _, d in kept], dtype=bool)
+    split_ = _split_from_docs(docs, len(ds), truncated, dropped, completion)
+    split_.desirable = desirable
+    split_.stats["desirable"] = int(desirable.sum())
+    split_.digest = _pairs_digest(split_)
+    return split_
+
+
+def _split_from_docs(docs: list, rows_in: int, truncated: int, dropped: int, completion: int) -> PreferenceSplit:
     rows = build_rows(docs, [[i] for i in range(len(docs))], row_length=None, pad_id=0)
     stats = {
-        "rows_in": len(ds),
+        "rows_in": rows_in,
         "pairs": len(docs) // 2,
         "rows": len(docs),
         "tokens": int(sum(len(d.ids) for d in docs)),
@@ -186,37 +322,7 @@ def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
         "dropped": dropped,
         "documents": len(docs) // 2,
     }
-    prepared = PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
-    prepared.digest = _pairs_digest(prepared)
-    return prepared
-
-
-def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
-    """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it."""
-    prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
-    conversational = isinstance(chosen, list)
-    where = f"split {split!r}, row {row}"
-    if conversational:
-        if prompt is None:
-            prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
-        for part in (prompt, chosen, rejected):
-            validate_messages(part, split=split, row=row)
-        encode = _chat_encoder(tokenizer, where)
-        prompt_ids = encode(prompt, add_generation_prompt=True)
-        full = [encode(prompt + chosen), encode(prompt + rejected)]
-    else:
-        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-            if not isinstance(value, str) or (name != "prompt" and not value):
-                raise ValueError(f"{where}: `{name}` must be a non-empty string (or all columns conversations).")
-        eos = tokenizer.eos_token or ""
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-        prompt_ids = encode(prompt)
-        full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in (chosen, rejected)]
-    n = min(_common_prefix(prompt_ids, full[0]), _common_prefix(prompt_ids, full[1]))
-    return prompt_ids[:n], full[0][n:], full[1][n:]
+    return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
 
 
 def _chat_encoder(tokenizer, where: str):
@@ -266,6 +372,8 @@ def _pairs_digest(prepared: PreferenceSplit) -> str:
         rows = getattr(prepared, name)
         h.update(np.ascontiguousarray(rows.offsets).tobytes())
         h.update(np.ascontiguousarray(rows.flat).tobytes())
+    if prepared.desirable is not None:  # KTO: the labels are part of the data
+        h.update(np.ascontiguousarray(prepared.desirable).tobytes())
     return h.hexdigest()
 
 
@@ -274,6 +382,8 @@ def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
     from ..atomic import replaced_file
 
     arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
+    if prepared.desirable is not None:
+        arrays["desirable"] = prepared.desirable
     with replaced_file(path) as f:
         np.savez(f, offsets=prepared.input_ids.offsets, stats=np.array(json.dumps(prepared.stats)), **arrays)
     prepared.cache_path = str(path)
@@ -291,8 +401,9 @@ def _load_pairs(path: Path) -> PreferenceSplit | None:
         with np.load(path, allow_pickle=False) as z:
             arrays = [RaggedRows(z[name], z["offsets"]) for name in _PAIR_ARRAYS]
             stats = json.loads(str(z["stats"]))
+            desirable = z["desirable"] if "desirable" in z.files else None
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
-    prepared = PreferenceSplit(*arrays, stats=stats, from_cache=True, cache_path=str(path))
+    prepared = PreferenceSplit(*arrays, stats=stats, from_cache=True, cache_path=str(path), desirable=desirable)
     prepared.digest = _pairs_digest(prepared)
     return prepared
