@@ -92,11 +92,20 @@ def _chunk_texts(tokenizer, values: list, split: str, column: str, first_row: in
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer, ds, split: str, column: str, opts: dict, folder: str) -> None:
+def _worker_state(tokenizer, ds, split: str, column: str, opts: dict, folder: str) -> dict:
+    ds = ds.select_columns([column])  # read only the column that is tokenized
+    return {"tokenizer": tokenizer, "ds": ds, "split": split, "column": column, "opts": opts, "folder": Path(folder)}
+
+
+def _init_worker(*initargs) -> None:
+    """A pool worker's state, set once per process (the pool pickles the tokenizer and dataset once, not per task)."""
     # One process per core already: the tokenizer's own thread pool would oversubscribe the CPUs.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    ds = ds.select_columns([column])  # read only the column that is tokenized
-    _WORKER.update(tokenizer=tokenizer, ds=ds, split=split, column=column, opts=opts, folder=Path(folder))
+    _WORKER.update(_worker_state(*initargs))
+
+
+def _run_pool_task(index: int, start: int, stop: int) -> TaskResult:
+    return _run_task(_WORKER, index, start, stop)
 
 
 def part_paths(folder: Path, index: int) -> tuple[Path, Path, Path]:
@@ -105,8 +114,7 @@ def part_paths(folder: Path, index: int) -> tuple[Path, Path, Path]:
     return stem.with_suffix(".ids"), stem.with_suffix(".labels"), stem.with_suffix(".lengths")
 
 
-def _run_task(index: int, start: int, stop: int) -> TaskResult:
-    w = _WORKER
+def _run_task(w: dict, index: int, start: int, stop: int) -> TaskResult:
     ds, opts = w["ds"], w["opts"]
     result = TaskResult(index, 0, 0, 0, 0, 0)
     ids_path, labels_path, lengths_path = part_paths(w["folder"], index)
@@ -137,19 +145,16 @@ def tokenize_to_parts(
     tasks = [(i, a, min(a + _TASK_ROWS, n)) for i, a in enumerate(range(0, n, _TASK_ROWS))]
     procs = min(default_num_proc() if num_proc is None else num_proc, len(tasks))
     initargs = (tokenizer, ds, split, column, opts, str(folder))
-    if procs <= 1:
-        _init_worker(*initargs)
-        try:
-            return [_run_task(*t) for t in tasks]
-        finally:
-            _WORKER.clear()
+    if procs <= 1:  # in this process, with its own state: several builds may run at once (threads of a test)
+        state = _worker_state(*initargs)
+        return [_run_task(state, *t) for t in tasks]
     # spawn, not fork: the parent may hold threads (the tokenizer's pool, the process group's) that fork would copy
     # in a locked state. The workers receive the tokenizer and the (memory-mapped) dataset by pickling, once each.
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
         procs, mp_context=ctx, initializer=_init_worker, initargs=initargs
     ) as ex:
-        futures = [ex.submit(_run_task, *t) for t in tasks]
+        futures = [ex.submit(_run_pool_task, *t) for t in tasks]
         return [f.result() for f in futures]
 
 
