@@ -22,13 +22,12 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from ..atomic import fsync_dir
-from .packing import IGNORE_INDEX, best_fit_decreasing_flat
+from .packing import IGNORE_INDEX, RowSequence, best_fit_decreasing_flat
 from .prepare import TaskResult, part_paths
 
 CACHE_FORMAT = 2  # 1: one .npz of packed rows (read whole into memory); 2: this folder of memory maps
@@ -75,8 +74,9 @@ class PackedStore:
         return np.concatenate(parts).astype(np.int32, copy=False)
 
 
-class LazyRows(Sequence):
-    """One field (input_ids, labels or position_ids) of a PackedStore's rows; `rows[i]` is a list of ints."""
+class LazyRows(RowSequence):
+    """One field (input_ids, labels or position_ids) of a PackedStore's rows, built from the memory-mapped arrays
+    when asked for."""
 
     def __init__(self, store: PackedStore, kind: str):
         self.store, self.kind = store, kind
@@ -84,19 +84,8 @@ class LazyRows(Sequence):
     def __len__(self) -> int:
         return len(self.store)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return self.array(i).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (self[i] for i in range(len(self)))
-
-    def array(self, i: int) -> np.ndarray:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
-        return self.store.row(i % n, self.kind)
+    def _row(self, i: int) -> np.ndarray:
+        return self.store.row(i, self.kind)
 
     def lengths(self) -> np.ndarray:
         return self.store.row_lengths()

@@ -23,8 +23,30 @@ class Document:
     targets: np.ndarray  # bool, True where the token may be predicted
 
 
-class RaggedRows(Sequence):
-    """Rows of varying length stored as one flat int32 array plus row offsets; `rows[i]` is a list of ints."""
+class RowSequence(Sequence):
+    """Rows of token ids of varying length: `rows[i]` is a list of ints, `rows.array(i)` a numpy array. Subclasses
+    say where row i lives (`_row`), how many there are and their lengths."""
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.array(i).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[i] for i in range(len(self)))
+
+    def array(self, i: int) -> np.ndarray:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        return self._row(i % n)
+
+    def _row(self, i: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class RaggedRows(RowSequence):
+    """Rows stored as one flat int32 array plus row offsets (in memory)."""
 
     def __init__(self, flat: np.ndarray, offsets: np.ndarray):
         assert offsets.ndim == 1 and offsets[0] == 0 and offsets[-1] == len(flat)
@@ -41,21 +63,8 @@ class RaggedRows(Sequence):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return self.array(i).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (self[i] for i in range(len(self)))
-
-    def array(self, i: int) -> np.ndarray:
-        """Row i as a numpy view (no copy)."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
-        i %= n
-        return self.flat[self.offsets[i] : self.offsets[i + 1]]
+    def _row(self, i: int) -> np.ndarray:
+        return self.flat[self.offsets[i] : self.offsets[i + 1]]  # a view, no copy
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
