@@ -15,7 +15,7 @@ from shardtune.data import setup_tokenizer
 from shardtune.data.preference import build_preference_datasets, tokenize_unpaired
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import build_objective
-from shardtune.modeling import CausalLMForTraining
+from tests.trl_parity import shardtune_first_step, trl_first_step
 
 GROUP = 6  # examples per micro-batch: the KL rows rotate completions within groups of this many
 
@@ -119,7 +119,6 @@ def test_kto_data_mistakes_name_the_fix(tok, kto_dir, tmp_path):
 
 def test_kto_first_step_equals_trl(tiny_assets, tok, kto_dir, tmp_path):
     trl = pytest.importorskip("trl")
-    from datasets import load_dataset
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
@@ -132,35 +131,12 @@ def test_kto_first_step_equals_trl(tiny_assets, tok, kto_dir, tmp_path):
     weights = {"desirable_weight": 1.0, "undesirable_weight": 1.5}
 
     train, _ = build(tok, kto_dir, splits="train")
-    kw = {"rank": 0, "world_size": 1, "epoch": 0, "seed": 0, "shuffle": False, "pad_id": tok.pad_token_id}
-    batch = next(iter(train.iterate(batch_size=GROUP, **kw)))
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
-    with torch.no_grad():
-        batch["ref_logps"] = CausalLMForTraining(ref, chunk_size=16)(**inputs, per_sequence=True)[0]
     objective = build_objective("kto", beta=0.1, loss_type="sigmoid", simpo_gamma=0.5, **weights)
-    totals = objective.counts(batch)
-    loss, sums = objective.step(CausalLMForTraining(policy, chunk_size=16), batch, totals, grad_scale=1.0)
-    loss.backward()
-    ours = objective.report({k: float(v) for k, v in sums.items()}, totals)
-
-    ds = load_dataset("json", data_files=str(kto_dir / "train.jsonl"), split="train")
-    args = trl.KTOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=GROUP,
-        max_length=64,
-        beta=0.1,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        learning_rate=0.0,
-        save_strategy="no",
-        **weights,
-    )
-    trainer = trl.KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok)
-    trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(GROUP)])
-    trainer.model.train()
-    theirs = {"loss": float(trainer.compute_loss(trainer.model, trl_batch))}
-    theirs.update({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    ours = shardtune_first_step(objective, policy, ref, train, batch_size=GROUP, pad_id=tok.pad_token_id)
+    theirs = trl_first_step(
+        trl.KTOTrainer, trl.KTOConfig, policy=policy, ref=ref, data=kto_dir / "train.jsonl", tok=tok,
+        batch_size=GROUP, out=tmp_path, beta=0.1, **weights,
+    )  # fmt: skip
     assert theirs["kl"] > 0.01 and theirs["rewards/margins"] != 0  # the batch exercises the KL term
     # Sums of ~20 fp32 token log-probs (a few ulp of ~8 each, ~1e-6) differ by ~1e-5 at most; rewards and the KL
     # are beta (0.1) times (means of) differences of them, the loss a smooth function of those.

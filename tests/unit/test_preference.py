@@ -15,6 +15,7 @@ from shardtune.data.preference import build_preference_datasets, tokenize_pair
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import PreferenceObjective, build_objective
 from shardtune.modeling import CausalLMForTraining
+from tests.trl_parity import shardtune_first_step, trl_first_step
 
 N_PAIRS = 6  # one batch: every pair of the parity set
 
@@ -118,52 +119,17 @@ def _policy_and_reference(model_dir):
     return policy, ref
 
 
-def _shardtune_metrics(policy, ref, tok, train, objective):
-    batch = next(
-        iter(
-            train.iterate(
-                batch_size=N_PAIRS, rank=0, world_size=1, epoch=0, seed=0, shuffle=False, pad_id=tok.pad_token_id
-            )
-        )
-    )
-    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
-    with torch.no_grad():
-        batch["ref_logps"] = CausalLMForTraining(ref, chunk_size=16)(**inputs, per_sequence=True)[0]
-    model = CausalLMForTraining(policy, chunk_size=16)  # several chunks per batch
-    totals = objective.counts(batch)
-    loss, sums = objective.step(model, batch, totals, grad_scale=1.0)
-    loss.backward()  # the gradient path runs (checkpointed chunks)
-    return objective.report({k: float(v) for k, v in sums.items()}, totals)
-
-
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_dpo_first_step_equals_trl(tiny_assets, tok, pairs_dir, tmp_path, loss_type):
     trl = pytest.importorskip("trl")
-    from datasets import load_dataset
-
     policy, ref = _policy_and_reference(tiny_assets["model"])
     train, _ = build(tok, pairs_dir)
-    ours = _shardtune_metrics(
-        policy, ref, tok, train, build_objective("dpo", beta=0.1, loss_type=loss_type, simpo_gamma=0.5)
-    )
-    ds = load_dataset("json", data_files=str(pairs_dir / "train.jsonl"), split="train")
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=N_PAIRS,
-        max_length=64,
-        beta=0.1,
-        loss_type=[loss_type],
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        learning_rate=0.0,
-        save_strategy="no",
-    )
-    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok)
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(N_PAIRS)])
-    trainer.model.train()
-    theirs = {"loss": float(trainer.compute_loss(trainer.model, batch))}
-    theirs.update({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    objective = build_objective("dpo", beta=0.1, loss_type=loss_type, simpo_gamma=0.5)
+    ours = shardtune_first_step(objective, policy, ref, train, batch_size=N_PAIRS, pad_id=tok.pad_token_id)
+    theirs = trl_first_step(
+        trl.DPOTrainer, trl.DPOConfig, policy=policy, ref=ref, data=pairs_dir / "train.jsonl", tok=tok,
+        batch_size=N_PAIRS, out=tmp_path, beta=0.1, loss_type=[loss_type],
+    )  # fmt: skip
     assert theirs["rewards/margins"] != 0 and 0 < theirs["rewards/accuracies"] < 1  # a batch that tells apart
     # fp32 sums of about 20 token log-probs (|log p| < 8, each off by a few ulp of the logits, ~1e-6) differ by
     # ~1e-5 at most in the logps; rewards are beta (0.1) times differences of them, the loss a smooth function.
