@@ -1,0 +1,102 @@
+"""How the ranks divide the work: the sharding strategies and the parallel dimensions.
+
+Everything that means "the data-parallel size" or "this rank's data-parallel index" reads `ParallelDims`, not the
+world size: the two differ once a context- or tensor-parallel axis is added (their sizes are here, 1 today).
+Nothing here imports torch.distributed; shardtune.distributed.mesh builds the device mesh from these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """An FSDP1 sharding strategy (the names accelerate's YAML uses) in FSDP2 terms."""
+
+    name: str
+    reshard_after_forward: bool  # whether a block's parameters are freed after forward (False: ZeRO-2)
+    hybrid: bool  # shard within a machine, replicate across machines
+    sharded: bool  # False for NO_SHARD: every rank holds everything (DDP)
+
+
+# In accelerate's order: its YAML may give the strategy as the number 1..5.
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("FULL_SHARD", True, False, True),
+        Strategy("SHARD_GRAD_OP", False, False, True),
+        Strategy("NO_SHARD", False, False, False),
+        Strategy("HYBRID_SHARD", True, True, True),
+        Strategy("HYBRID_SHARD_ZERO2", False, True, True),
+    )
+}
+STRATEGY_BY_NUMBER = {str(i + 1): name for i, name in enumerate(STRATEGIES)}
+# FSDP2's reshard_after_forward=False applied to a strategy that reshards: the ZeRO-2 variant of it.
+ZERO2_OF = {"FULL_SHARD": "SHARD_GRAD_OP", "HYBRID_SHARD": "HYBRID_SHARD_ZERO2"}
+
+
+def strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"sharding strategy {name!r}: use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The mesh's axes and this rank's place on them.
+
+    Data parallelism has two axes: `dp_replicate` (full replicas: across machines with HYBRID_SHARD, every rank with
+    NO_SHARD) and `dp_shard` (the FSDP shard group). Their product is the number of distinct batches per step.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    dp_replicate_rank: int = 0
+    dp_shard_rank: int = 0
+    cp: int = 1  # context parallel (not implemented yet: always 1)
+    tp: int = 1  # tensor parallel (not implemented yet: always 1)
+    replicate_axis: bool = False  # whether the mesh has a "replicate" dimension
+
+    @property
+    def dp_size(self) -> int:
+        """How many different batches one step sees: the divisor of the global token count."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: which batch of the step it takes."""
+        return self.dp_replicate_rank * self.dp_shard + self.dp_shard_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.cp * self.tp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """2-D (replicate, shard) when there is a replicate axis; NO_SHARD keeps one even on one rank, since
+        FSDP2 replicates along a mesh's first dimension."""
+        return (self.dp_replicate, self.dp_shard) if self.replicate_axis else (self.dp_shard,)
+
+    @classmethod
+    def build(cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str) -> ParallelDims:
+        """NO_SHARD replicates on every rank; HYBRID shards within a machine and replicates across machines
+        (on one machine it is FULL_SHARD); the others shard across all ranks."""
+        s = strategy(sharding_strategy)
+        replicate_axis = True
+        if not s.sharded:
+            replicate, shard = world_size, 1
+        elif s.hybrid and world_size > local_world_size:
+            if world_size % local_world_size:
+                raise ValueError(
+                    f"{sharding_strategy} needs the same number of processes on every node ({world_size} processes, "
+                    f"{local_world_size} on this node)."
+                )
+            replicate, shard = world_size // local_world_size, local_world_size
+        else:
+            replicate, shard, replicate_axis = 1, world_size, False
+        return cls(replicate, shard, rank // shard, rank % shard, replicate_axis=replicate_axis)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
