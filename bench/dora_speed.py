@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def _spec(model_dir: str, *, use_dora: bool, dropout: float, rank: int, dora_dropout: str = "lora_path"):
-    from shardtune.distributed.setup import ModelSpec
+    from shardtune.builder import ModelSpec
 
     return ModelSpec(
         model_name_or_path=model_dir,

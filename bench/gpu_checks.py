@@ -328,7 +328,8 @@ def check_qlora(ctx: dict) -> dict:
 
     from shardtune import modeling, quant
     from shardtune.distributed.mesh import init_distributed
-    from shardtune.distributed.setup import ModelSpec, build_sharded_model
+    from shardtune.builder import ModelSpec
+    from shardtune.distributed.setup import build_sharded_model
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))  # fmt: skip

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
+from shardtune.precision import Precision, resolve_precision
+
 
 def _f(default: Any, help: str, aliases: list[str] | None = None, choices: list[str] | None = None):
     meta: dict[str, Any] = {"help": help}
@@ -243,6 +245,14 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: dataclasses.asdict(getattr(self, k)) for k in ("model", "data", "train", "fsdp")}
+
+    @property
+    def precision(self) -> Precision:
+        """Compute, storage and export dtypes: --bf16/--fp16 or the YAML's mixed_precision, decided here only."""
+        t = self.train
+        return resolve_precision(
+            bf16=t.bf16, fp16=t.fp16, mixed_precision=self.fsdp.mixed_precision, peft=self.model.use_peft_lora
+        )
 
 
 ARG_CLASSES = (ModelArguments, DataArguments, TrainArguments)

@@ -240,56 +240,6 @@ def _setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     return objective
 
 
-def _model_spec(cfg: RunConfig, info, n_tokens: int, new_ids: list[int]):
-    from shardtune.distributed.setup import ModelSpec
-
-    m, t, f = cfg.model, cfg.train, cfg.fsdp
-    bf16 = t.bf16 or f.mixed_precision == "bf16"
-    fp16 = t.fp16 or f.mixed_precision == "fp16"
-    cdt = modeling.compute_dtype(bf16, fp16)
-    # A frozen base is stored in the compute dtype; full fine-tuning keeps fp32 masters and computes in cdt.
-    storage = cdt if m.use_peft_lora else torch.float32
-    qcfg = modeling.bnb_config(
-        use_4bit=m.use_4bit_quantization,
-        use_8bit=m.use_8bit_quantization,
-        quant_type=m.bnb_4bit_quant_type,
-        compute_dtype_name=m.bnb_4bit_compute_dtype,
-        nested=m.use_nested_quant,
-        storage_dtype_name=m.bnb_4bit_quant_storage_dtype,
-    )
-    return ModelSpec(
-        model_name_or_path=m.model_name_or_path,
-        dtype=storage,
-        param_dtype=cdt if cdt != torch.float32 else None,
-        attn_impl=modeling.attn_implementation(m.use_flash_attn, info.device.type),
-        trust_remote_code=m.trust_remote_code,
-        n_tokens=n_tokens,
-        new_token_ids=new_ids,
-        use_peft_lora=m.use_peft_lora,
-        lora_r=m.lora_r,
-        lora_alpha=m.lora_alpha,
-        lora_dropout=m.lora_dropout,
-        lora_target_modules=m.lora_target_modules,
-        use_dora=m.use_dora,
-        modules_to_save=m.modules_to_save,
-        adapter_name=m.adapter_name,
-        adapter_path=m.adapter_path,
-        quantization_config=qcfg,
-        gradient_checkpointing=t.gradient_checkpointing or f.activation_checkpointing,
-        use_reentrant=m.use_reentrant,
-        checkpoint_every=t.checkpoint_every_n_layers,
-        dora_dropout=m.dora_dropout,
-        sharding_strategy=f.sharding_strategy,
-        offload=f.offload_params,
-        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
-        forward_prefetch=f.forward_prefetch,
-        backward_prefetch=f.backward_prefetch,
-        transformer_cls_to_wrap=f.transformer_cls_to_wrap,
-        reshard_after_forward=f.reshard_after_forward,
-        torch_compile=t.torch_compile,
-    )
-
-
 def _total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
@@ -337,6 +287,7 @@ def _open_trackers(cfg: RunConfig, info) -> list:
 def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     from transformers import get_scheduler
 
+    from shardtune.builder import model_spec
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.metrics import RunLogger
     from shardtune.trainer import (
@@ -380,7 +331,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         )
     total = _total_steps(cfg, spe)
     _seed_everything(t.seed)
-    model = build_sharded_model(_model_spec(cfg, info, len(tokenizer), new_ids), info)
+    model = build_sharded_model(model_spec(cfg, info.device.type, len(tokenizer), new_ids), info)
     optimizer = build_optimizer(
         [(n, p) for n, p in model.named_parameters() if p.requires_grad],
         optim=t.optim,

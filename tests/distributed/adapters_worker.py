@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from shardtune import adapters, modeling
 from shardtune.distributed.fsdp import assert_sharded, shard_model
 from shardtune.distributed.mesh import init_distributed, shutdown
-from shardtune.distributed.setup import ModelSpec, build_sharded_model
+from shardtune.builder import ModelSpec
+from shardtune.distributed.setup import build_sharded_model
 
 VOCAB, SEQ = 600, 12
 

@@ -36,7 +36,7 @@ def _qconfig():
 
 
 def _spec(model_dir: str):
-    from shardtune.distributed.setup import ModelSpec
+    from shardtune.builder import ModelSpec
 
     return ModelSpec(
         model_name_or_path=model_dir,

@@ -21,7 +21,7 @@ SEQ = 16
 
 
 def _spec(model_dir: str, *, offload: bool, quantized: bool):
-    from shardtune.distributed.setup import ModelSpec
+    from shardtune.builder import ModelSpec
     from shardtune.modeling import bnb_config
 
     qconfig = None

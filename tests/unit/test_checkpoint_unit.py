@@ -34,11 +34,12 @@ def group():
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardtune.distributed.mesh import DistInfo
+    from shardtune.parallel import ParallelDims
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
-    yield DistInfo(0, 1, 0, 1, torch.device("cpu"), mesh)
+    yield DistInfo(0, 1, 0, 1, torch.device("cpu"), mesh, ParallelDims(dp_replicate=1, dp_shard=1))
     dist.destroy_process_group()
 
 

@@ -175,7 +175,7 @@ def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
     from shardtune.distributed.fsdp import local_state_bytes
     from shardtune.distributed.mesh import init_distributed, shutdown
     from shardtune.distributed.setup import build_sharded_model
-    from shardtune.train import _model_spec
+    from shardtune.builder import model_spec
     from shardtune.trainer import build_optimizer
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -183,7 +183,7 @@ def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
         monkeypatch.setenv(k, v)
     info = init_distributed()
     try:
-        model = build_sharded_model(_model_spec(cfg, info, n_tokens, []), info)
+        model = build_sharded_model(model_spec(cfg, info.device.type, n_tokens, []), info)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = build_optimizer(named, optim="adamw_torch", lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
         ids = torch.randint(0, n_tokens, (2, 16))

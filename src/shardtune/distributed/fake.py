@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.distributed.mesh import DistInfo, build_mesh
+from shardtune.parallel import ParallelDims
 
 
 @contextlib.contextmanager
@@ -30,8 +31,10 @@ def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         local = world_size // num_nodes
-        mesh = build_mesh(device, world_size, local, sharding_strategy)
-        yield DistInfo(0, world_size, 0, local, torch.device(device), mesh)
+        dims = ParallelDims.build(
+            world_size=world_size, local_world_size=local, rank=0, sharding_strategy=sharding_strategy
+        )
+        yield DistInfo(0, world_size, 0, local, torch.device(device), build_mesh(device, dims), dims)
     finally:
         dist.destroy_process_group()
 

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardtune.parallel import ParallelDims
+
 
 @dataclass
 class DistInfo:
@@ -20,6 +22,7 @@ class DistInfo:
     local_world_size: int
     device: torch.device
     mesh: DeviceMesh
+    dims: ParallelDims  # data-parallel sizes and ranks: use these wherever the data-parallel size is meant
 
     @property
     def is_main(self) -> bool:
@@ -71,23 +74,16 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
             timeout=timedelta(seconds=timeout_s),
             device_id=device if use_cuda else None,
         )
-    mesh = build_mesh(device.type, world, local_world, sharding_strategy)
-    return DistInfo(rank, world, local_rank, local_world, device, mesh)
+    dims = ParallelDims.build(
+        world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy
+    )
+    return DistInfo(rank, world, local_rank, local_world, device, build_mesh(device.type, dims), dims)
 
 
-def build_mesh(device_type: str, world: int, local_world: int, sharding_strategy: str) -> DeviceMesh:
-    """HYBRID_SHARD shards within a node and replicates across nodes; the others use a 1-D mesh."""
-    if sharding_strategy == "NO_SHARD":
-        # Shards of one rank each: full replicas whose gradients are all-reduced across the replicate dim.
-        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
-    if sharding_strategy.startswith("HYBRID") and world > local_world:
-        if world % local_world:
-            raise ValueError(
-                f"HYBRID_SHARD needs the same number of processes on every node ({world} processes, "
-                f"{local_world} on this node)."
-            )
-        return init_device_mesh(device_type, (world // local_world, local_world), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+def build_mesh(device_type: str, dims: ParallelDims) -> DeviceMesh:
+    """HYBRID_SHARD shards within a node and replicates across nodes (2-D); NO_SHARD is shards of one rank each,
+    full replicas whose gradients are all-reduced across the replicate dimension; the others use a 1-D mesh."""
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
 
 
 def barrier() -> None:

@@ -16,12 +16,11 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from shardtune import modeling, quant
+from shardtune.builder import ModelSpec
 from shardtune.distributed.fsdp import assert_sharded, shard_model
 from shardtune.distributed.loading import (
     broadcast_quant_states,
@@ -32,46 +31,6 @@ from shardtune.distributed.loading import (
 )
 from shardtune.distributed.mesh import DistInfo, all_gather_objects
 from shardtune.log import print0
-
-
-@dataclass
-class ModelSpec:
-    """Everything needed to build the model, as flat values (no config objects). The defaults are a LoRA run of
-    the guide's shape: all-linear LoRA, FULL_SHARD, every rank loading, no checkpointing."""
-
-    model_name_or_path: str
-    dtype: torch.dtype  # storage dtype of the frozen base
-    n_tokens: int  # rows of the embeddings after new tokens
-    param_dtype: torch.dtype | None = None  # FSDP compute dtype (None: as stored)
-    attn_impl: str = "sdpa"
-    trust_remote_code: bool = False
-    new_token_ids: list[int] = field(default_factory=list)
-    use_peft_lora: bool = True
-    lora_r: int = 8
-    lora_alpha: float = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"
-    use_dora: bool = False
-    dora_dropout: str = "lora_path"  # lora_path or peft (adapters.use_fast_dora)
-    modules_to_save: str | None = None
-    adapter_name: str = "default"
-    adapter_path: str | None = None
-    quantization_config: object | None = None
-    gradient_checkpointing: bool = False
-    use_reentrant: bool = False
-    checkpoint_every: int = 1
-    sharding_strategy: str = "FULL_SHARD"
-    offload: bool = False
-    cpu_ram_efficient_loading: bool = False
-    forward_prefetch: bool = False
-    backward_prefetch: str = "BACKWARD_PRE"
-    transformer_cls_to_wrap: str | None = None
-    reshard_after_forward: bool | None = None
-    torch_compile: bool = False
-    loss_chunk_size: int = 1024
-    # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
-    # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
-    read_weights: bool = True
 
 
 def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMForTraining:

@@ -128,7 +128,7 @@ def trace_step(
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks."""
     from shardtune.distributed.fake import fake_process_group
     from shardtune.distributed.setup import build_sharded_model
-    from shardtune.train import _model_spec
+    from shardtune.builder import model_spec
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -136,7 +136,7 @@ def trace_step(
     ):
         model_args = dataclasses.replace(cfg.model, model_name_or_path=_config_folder(config, tmp))
         cfg = dataclasses.replace(cfg, model=model_args)
-        spec = _model_spec(cfg, info, n_tokens, new_ids)
+        spec = model_spec(cfg, info.device.type, n_tokens, new_ids)
         spec.read_weights = False
         spec.loss_chunk_size = loss_chunk_tokens
         # Built and sharded on meta (nothing allocated); fake tensors only from allocation on, since
