@@ -1,17 +1,22 @@
-"""What the model builder is given: `ModelSpec`, and the one place that reads it off a run's configuration.
-
-`shardtune.distributed.setup.build_sharded_model(spec, info)` builds from it; `shardtune train` and
-`shardtune plan --trace` both get their spec from `model_spec`, so the traced step is the trained one.
+"""The model builder: `ModelSpec` (what it is given), `model_spec` (the one place that reads it off a run's
+configuration) and `build_training_module` (load or skeleton, resize, adapter, fast paths, 4-bit preparation,
+activation checkpointing: steps 2-4 of docs/architecture.md's setup order). Nothing here knows about ranks:
+`shardtune.distributed.setup.build_sharded_model(spec, info)` decides which ranks read weights, then shards.
+`shardtune train` and `shardtune plan --trace` both get their spec from `model_spec`, so the traced step is the
+trained one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
-from shardtune import modeling
+from shardtune import modeling, quant
 from shardtune.config import RunConfig
+from shardtune.log import print0
 
 
 @dataclass
@@ -97,3 +102,108 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
     )
+
+
+def build_training_module(
+    spec: ModelSpec, *, on_meta: bool, quantize_device: torch.device | None
+) -> tuple[modeling.CausalLMForTraining, list[nn.Module]]:
+    """The unsharded training module and its decoder blocks (the units FSDP shards and checkpointing recomputes).
+
+    on_meta: build a skeleton on the meta device (no weights read); quantize_device: where 4-bit weights are
+    quantized while they are read (CUDA), or None."""
+    # Step 2: real weights, or a skeleton on meta.
+    base = modeling.load_base_model(
+        spec.model_name_or_path,
+        dtype=spec.dtype,
+        attn_impl=spec.attn_impl,
+        trust_remote_code=spec.trust_remote_code,
+        quantization_config=spec.quantization_config,
+        on_meta=on_meta,
+        quantize_device=quantize_device,
+    )
+    # Step 3: resize for new tokens, attach the adapter, freeze the base.
+    old_rows = base.get_input_embeddings().weight.shape[0]
+    new_rows = modeling.resize_embeddings(base, spec.n_tokens)
+    # Train and save every row the base checkpoint lacks (new tokens and the padding to a multiple of 8, whose
+    # output logits still enter the softmax), so the adapter reproduces the trained model after reload.
+    spec.new_token_ids = sorted(set(spec.new_token_ids) | set(range(old_rows, new_rows)))
+    # On meta ranks, whatever PEFT allocates stays on meta (DoRA deep-copies a 4-bit layer to dequantize it).
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = _attach(base, spec)
+    _use_fast_paths(model, spec)
+    if spec.quantization_config is not None:
+        quant.prepare_for_fsdp(model, spec.param_dtype)
+    # Step 4: activation checkpointing inside each decoder block.
+    if spec.gradient_checkpointing:
+        _enable_checkpointing(model, spec)
+    train_module = modeling.CausalLMForTraining(
+        model, chunk_size=spec.loss_chunk_size, per_document_attention=not spec.torch_compile
+    )
+    block_types = modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap)
+    blocks = [m for m in train_module.modules() if isinstance(m, block_types)]
+    if spec.torch_compile:
+        for b in blocks:
+            b.compile()
+    return train_module, blocks
+
+
+def _use_fast_paths(model: nn.Module, spec: ModelSpec) -> None:
+    """Same outputs and gradients as peft's forward, with fewer passes (docs/adapters.md, fastpath.py)."""
+    if not spec.use_peft_lora:
+        return
+    from shardtune.adapters import use_fast_dora
+    from shardtune.fastpath import use_fast_dropout, use_fast_lora
+
+    if spec.use_dora:
+        use_fast_dora(model, peft_dropout=spec.dora_dropout == "peft")
+    use_fast_dropout(model)  # the same dropout, about 3x faster on CPU
+    use_fast_lora(model)  # peft's LoRA forward as one addmm per layer
+
+
+def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
+    if not spec.use_peft_lora:
+        for p in base.parameters():
+            p.requires_grad_(True)
+        return base
+    model = modeling.attach_adapter(
+        base,
+        lora_r=spec.lora_r,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.lora_target_modules,
+        use_dora=spec.use_dora,
+        modules_to_save=spec.modules_to_save,
+        new_token_ids=spec.new_token_ids,
+        adapter_name=spec.adapter_name,
+        adapter_path=spec.adapter_path,
+    )
+    # Trainable weights (adapter, saved modules, new token rows) are kept in fp32: the optimizer updates fp32
+    # masters; FSDP's mixed precision casts them to the compute dtype for forward and backward.
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return model
+
+
+def _enable_checkpointing(model: nn.Module, spec: ModelSpec) -> None:
+    """Checkpoint every k-th decoder block (k = 1: all); the others keep their activations."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    every = max(1, spec.checkpoint_every)
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": spec.use_reentrant}, every_n_layers=every
+        )
+    else:
+        # transformers < 5.24 has only gradient_checkpointing_enable (every block); then keep every `every`-th
+        # block's flag, as 5.24's every_n_layers does (counting GradientCheckpointingLayer modules in order).
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": spec.use_reentrant})
+        blocks = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i % every == 0
+    if spec.use_reentrant:
+        # Reentrant checkpointing only backpropagates into blocks whose inputs require grad.
+        base.enable_input_require_grads()
+    flags = [m.gradient_checkpointing for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+    print0(f"Activation checkpointing: {sum(flags)} of {len(flags)} decoder blocks recompute their activations.")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shardtune import atomic
-from shardtune.checkpoint import fault_point
+from shardtune import hooks
 
 # Files replaced last so that a crash in between leaves an older, complete adapter rather than a mixed one.
 _LAST = ("adapter_model.safetensors", "model.safetensors.index.json", "model.safetensors")
@@ -54,7 +54,7 @@ def _staged(output_dir: str | Path, name: str, what: str, state_dict: dict, step
         tmp_dir_for(out, name), what=what, final=out, needed=atomic.tensor_bytes(state_dict)
     ) as tmp:
         yield tmp
-        fault_point("export", step, 0)
+        hooks.at("export", step=step, rank=0)
         move_into_place(tmp, out)
 
 

@@ -200,7 +200,9 @@ def _bnb_problems(optim: str) -> Callable[[torch.device], list[str]]:
                 "use --optim adamw_torch."
             ]
         if optim == "paged_adamw_8bit" and device.type != "cuda":
-            print0(f"--optim paged_adamw_8bit: paging needs CUDA; on {device.type} the 8-bit states are ordinary tensors.")
+            print0(
+                f"--optim paged_adamw_8bit: paging needs CUDA; on {device.type} the 8-bit states are ordinary tensors."
+            )
         return []
 
     return problems

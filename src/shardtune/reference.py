@@ -54,7 +54,8 @@ def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int
     was_training = model.training
     model.eval()
     local: list[tuple[int, float, float]] = []
-    kw = {"batch_size": batch_size, "rank": info.rank, "world_size": info.world_size, "epoch": 0, "seed": 0}
+    dims = info.dims  # data-parallel rank and size: which rows this rank takes
+    kw = {"batch_size": batch_size, "rank": dims.dp_rank, "world_size": dims.dp_size, "epoch": 0, "seed": 0}
     with disabled_adapter(model) if disable else contextlib.nullcontext():
         for batch in split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False):
             b = {k: batch[k].to(info.device) for k in ("input_ids", "position_ids", "labels")}

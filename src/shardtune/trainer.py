@@ -7,19 +7,17 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from shardtune.checkpoint import fault_point
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0
 from shardtune.loss import Objective
 
-BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 # A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
 STREAMING_STEPS_PER_EPOCH = 2**62
 
@@ -61,112 +59,6 @@ class LoopSettings:
 
 class NonFiniteError(RuntimeError):
     pass
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor itself otherwise), without autograd tracking."""
-    with torch.no_grad():
-        return t.to_local() if hasattr(t, "to_local") else t
-
-
-class LocalShards:
-    """Lets a bitsandbytes optimizer step FSDP2 parameters.
-
-    bitsandbytes' update kernels have no DTensor sharding rule ("Operator bitsandbytes.optimizer_update_32bit
-    does not have a sharding strategy registered"), so the optimizer is given plain tensors that alias each
-    rank's local shard. Before each step they are re-pointed at the current local shard and gradient (FSDP2
-    may reallocate a shard at lazy init); after it their gradients are dropped. The optimizer state is
-    therefore per rank shard, and is saved and restored per rank by shardtune.checkpoint.
-    """
-
-    def __init__(self, named: list[tuple[str, nn.Parameter]]):
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.proxies = [nn.Parameter(_local(p).detach()) for p in self.params]
-
-    def shapes(self) -> list[list[int]]:
-        return [list(x.shape) for x in self.proxies]
-
-    def pre_step(self, optimizer, args, kwargs) -> None:
-        for p, x in zip(self.params, self.proxies, strict=True):
-            local = _local(p)
-            # bitsandbytes replaces a non-contiguous p.data with a copy, which would stop updating the shard.
-            assert local.is_contiguous(), "an FSDP2 local shard is not contiguous"
-            x.data = local
-            # Empty shards (a rank holding none of a small tensor's rows) are left out of the step.
-            x.grad = _local(p.grad) if p.grad is not None and x.numel() else None
-
-    def post_step(self, optimizer, args, kwargs) -> None:
-        for x in self.proxies:
-            x.grad = None
-
-
-def _param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms, biases or 1-D scales)."""
-    groups = [
-        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]]
-
-
-def build_optimizer(
-    named_params: list[tuple[str, nn.Parameter]],
-    *,
-    optim: str,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-):
-    """AdamW over the trainable parameters: torch's (foreach or fused) or bitsandbytes' 8-bit one.
-
-    A bitsandbytes optimizer gets a `local_shards` attribute (LocalShards), which checkpoints use.
-    """
-    if optim in BNB_OPTIMIZERS:
-        import bitsandbytes as bnb
-
-        shards = LocalShards(named_params)
-        cls = bnb.optim.PagedAdamW8bit if optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-        opt = cls(_param_groups(list(zip(shards.names, shards.proxies)), weight_decay), lr=lr, betas=betas, eps=eps)
-        opt.register_step_pre_hook(shards.pre_step)
-        opt.register_step_post_hook(shards.post_step)
-        opt.local_shards = shards
-        return opt
-    fused = optim == "adamw_torch_fused"
-    groups = _param_groups(named_params, weight_decay)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True)
-
-
-def optimizer_problems(optim: str, device: torch.device) -> list[str]:
-    """Why --optim cannot run on this device (empty when it can); checked before data and model loading."""
-    if optim == "adamw_torch_fused":
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-        if device.type not in _get_fused_kernels_supported_devices():
-            return [f"--optim adamw_torch_fused: torch has no fused AdamW for {device.type}; use --optim adamw_torch."]
-        return []
-    if optim not in BNB_OPTIMIZERS:
-        return []
-    from shardtune.quant import bitsandbytes_missing
-
-    missing = bitsandbytes_missing(f"--optim {optim}")
-    if missing:
-        return [f"{missing[:-1]}, or use --optim adamw_torch."]
-    import bitsandbytes as bnb
-
-    # One real 8-bit step on a small tensor: the surest test that this bitsandbytes build supports the device.
-    try:
-        p = nn.Parameter(torch.zeros(4096, device=device))
-        p.grad = torch.ones_like(p)
-        bnb.optim.AdamW8bit([p], lr=1e-3).step()
-    except (RuntimeError, NotImplementedError, AttributeError) as e:
-        return [
-            f"--optim {optim}: bitsandbytes cannot run its 8-bit optimizer on {device.type} ({e}); use --optim adamw_torch."
-        ]
-    if optim == "paged_adamw_8bit" and device.type != "cuda":
-        print0(f"--optim paged_adamw_8bit: paging needs CUDA; on {device.type} the 8-bit states are ordinary tensors.")
-    return []
 
 
 class StopFlag:
@@ -211,7 +103,11 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
     """This rank's micro-batches from the current data position onwards, across epochs."""
     if isinstance(split, StreamingSplit):
         stream = split.batches(
-            batch_size=s.batch_size, rank=info.rank, world_size=info.world_size, seed=s.seed, position=state.stream
+            batch_size=s.batch_size,
+            rank=info.dims.dp_rank,
+            world_size=info.dims.dp_size,
+            seed=s.seed,
+            position=state.stream,
         )
         for batch, position in stream:
             state.stream = position  # set before the batch is used: a checkpoint after it resumes past it
@@ -221,8 +117,8 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
     while True:
         it = (split.iterate if hasattr(split, "iterate") else functools.partial(iterate_batches, split))(
             batch_size=s.batch_size,
-            rank=info.rank,
-            world_size=info.world_size,
+            rank=info.dims.dp_rank,
+            world_size=info.dims.dp_size,
             epoch=epoch,
             seed=s.seed,
             shuffle=True,
@@ -241,7 +137,7 @@ def train_step(model: nn.Module, batches: list[dict], info: DistInfo, objective:
 
     The objective normalises by its counts over the whole global batch (all micro-batches, all ranks: target
     tokens for SFT, pairs for preference objectives), so N ranks with batch B compute the same gradient as one
-    process with batch N·B. FSDP averages gradients over ranks, hence the factor world_size.
+    process with batch N·B. FSDP averages gradients over the data-parallel ranks, hence the factor dp_size.
     """
     return _run_objective(model, batches, info, objective or Objective(), backward=True)
 
@@ -255,7 +151,7 @@ def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, object
     sums: dict[str, torch.Tensor] = {}
     for b in batches:
         b = {k: v.to(info.device, non_blocking=True) for k, v in b.items()}
-        loss, parts = objective.step(model, b, totals, info.world_size)
+        loss, parts = objective.step(model, b, totals, info.dims.dp_size)
         if backward:
             loss.backward()
         for k, v in parts.items():
@@ -271,7 +167,8 @@ def evaluate_objective(model: nn.Module, split, objective: Objective, *, batch_s
 
     All pairs form one global batch, cut into micro-batches: the metrics are means over the whole split."""
     model.eval()
-    kw = {"batch_size": batch_size, "rank": info.rank, "world_size": info.world_size, "epoch": 0, "seed": 0}
+    dims = info.dims
+    kw = {"batch_size": batch_size, "rank": dims.dp_rank, "world_size": dims.dp_size, "epoch": 0, "seed": 0}
     batches = list(split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False))
     metrics, _, _ = _run_objective(model, batches, info, objective, backward=False)
     model.train()
@@ -291,46 +188,31 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: DistInfo, pad_id: int) -> dict:
-    """Eval loss over every row of the split; every rank runs the same number of forwards (FSDP gathers)."""
+    """Eval loss over every row of the split, batched as training batches them (data.collate) without shuffling;
+    the last global batch is filled with rows without targets, so every rank runs the same number of forwards
+    (FSDP gathers) and the loss, a sum over targets, is unchanged."""
     model.eval()
-    n_rows = len(split.input_ids)
-    global_batch = batch_size * info.world_size
+    dims = info.dims
+    batches = iterate_batches(
+        split,
+        batch_size=batch_size,
+        rank=dims.dp_rank,
+        world_size=dims.dp_size,
+        epoch=0,
+        seed=0,
+        shuffle=False,
+        pad_id=pad_id,
+        drop_last=False,
+    )
     loss_sum, n_targets = 0.0, 0
-    for start in range(0, n_rows, global_batch):
-        rows = list(range(start, min(start + global_batch, n_rows)))[info.rank :: info.world_size]
-        batch = _pad_rows(split, rows, pad_id) if rows else _dummy_batch(pad_id)
-        batch = {k: v.to(info.device) for k, v in batch.items()}
-        loss, n = model(**batch)
+    for batch in batches:
+        loss, n = model(**{k: v.to(info.device) for k, v in batch.items()})
         loss_sum += float(loss)
         n_targets += int(n)
     total, count = all_reduce_sum([loss_sum, n_targets], info.device)
     model.train()
     eval_loss = total / max(count, 1)
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)}
-
-
-def _pad_rows(split: PreparedSplit, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    length = max(len(split.input_ids[r]) for r in rows)
-    out = {
-        "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
-        "labels": torch.full((len(rows), length), -100, dtype=torch.long),
-        "position_ids": torch.arange(length).repeat(len(rows), 1),
-    }
-    for i, r in enumerate(rows):
-        n = len(split.input_ids[r])
-        out["input_ids"][i, :n] = torch.as_tensor(split.input_ids[r])
-        out["labels"][i, :n] = torch.as_tensor(split.labels[r])
-        out["position_ids"][i, :n] = torch.as_tensor(split.position_ids[r])
-        out["position_ids"][i, n:] = torch.arange(length - n)
-    return out
-
-
-def _dummy_batch(pad_id: int) -> dict[str, torch.Tensor]:
-    return {
-        "input_ids": torch.full((1, 8), pad_id, dtype=torch.long),
-        "labels": torch.full((1, 8), -100, dtype=torch.long),
-        "position_ids": torch.arange(8)[None],
-    }
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -361,8 +243,12 @@ def train(
     save_fn: Callable[[LoopState], None] | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
     objective: Objective | None = None,
+    callbacks: Sequence[Callable[[LoopState, int], None]] = (),
 ) -> LoopState:
-    """Run optimizer steps until s.total_steps, minimising `objective` (default: SFT); returns the final state."""
+    """Run optimizer steps until s.total_steps, minimising `objective` (default: SFT); returns the final state.
+
+    `callbacks` run after each step's logging and evaluation, before the stop decision: fn(state, rank)
+    (shardtune.hooks.step_callbacks for tests' fault injection)."""
     objective = objective or Objective()
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _micro_batches(train_split, s, info, state)
@@ -389,7 +275,8 @@ def train(
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
         if eval_split is not None and _due(state.step, s.eval_steps, s.eval_strategy, end_of_epoch):
             logger.log_eval(state.step, evaluate_split(model, eval_split, objective, s, info))
-        fault_point("step", state.step, info.rank)
+        for callback in callbacks:
+            callback(state, info.rank)
         # One collective per step, so that every rank takes the same decision.
         stop = stop_requested()
         # A scheduled save waits for a finite step: the weights that just gave a non-finite loss are not a

@@ -15,15 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune import checkpoint, hub
+from shardtune import hooks, hub
+from shardtune.distributed import checkpoint
+from shardtune.optimizers import LocalShards, build_optimizer, optimizer_problems
 from shardtune.trainer import (
-    LocalShards,
     LoopSettings,
     LoopState,
     NonFiniteError,
     StopFlag,
-    build_optimizer,
-    optimizer_problems,
     train,
 )
 
@@ -281,22 +280,43 @@ def test_optimizer_problems_when_bitsandbytes_lacks_the_device(monkeypatch):
     )
 
 
-def test_fault_point(monkeypatch):
+def test_fault_hook(monkeypatch):
+    """SHARDTUNE_FAULT fires at its point, step and rank only, and a malformed value names the variable."""
     got = []
     old = signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
     try:
-        monkeypatch.setenv(checkpoint.FAULT_ENV, "save:4:0:USR1")
-        checkpoint.fault_point("save", 3, 0)
-        checkpoint.fault_point("save", 4, 1)
-        checkpoint.fault_point("step", 4, 0)
+        monkeypatch.setenv(hooks.FAULT_ENV, "save:4:0:USR1")
+        hooks.at("save", step=3, rank=0)
+        hooks.at("save", step=4, rank=1)
+        hooks.at("step", step=4, rank=0)
         assert got == []
-        checkpoint.fault_point("save", 4, 0)
+        hooks.at("save", step=4, rank=0)
         assert got == [signal.SIGUSR1]
-        monkeypatch.setenv(checkpoint.FAULT_ENV, "mid:4")
-        with pytest.raises(ValueError, match="expected <step|save>"):
-            checkpoint.fault_point("save", 4, 0)
+        # The loop reaches the `step` point through its callbacks, without knowing about faults.
+        monkeypatch.setenv(hooks.FAULT_ENV, "step:2:0:USR1")
+        (callback,) = hooks.step_callbacks()
+        callback(LoopState(step=1), 0)
+        callback(LoopState(step=2), 1)
+        assert got == [signal.SIGUSR1]
+        callback(LoopState(step=2), 0)
+        assert got == [signal.SIGUSR1, signal.SIGUSR1]
+        monkeypatch.setenv(hooks.FAULT_ENV, "mid:4")
+        with pytest.raises(ValueError, match=r"SHARDTUNE_FAULT='mid:4': expected <step\|save\|export>"):
+            hooks.at("save", step=4, rank=0)
     finally:
         signal.signal(signal.SIGUSR1, old)
+        monkeypatch.delenv(hooks.FAULT_ENV)
+        hooks.clear()
+
+
+def test_load_log_hook(monkeypatch, tmp_path):
+    monkeypatch.setenv(hooks.LOAD_LOG_ENV, str(tmp_path / "log"))
+    try:
+        hooks.at("checkpoint_read", rank=3)
+        assert [p.name for p in (tmp_path / "log").iterdir()] == ["loaded-rank3"]
+    finally:
+        monkeypatch.delenv(hooks.LOAD_LOG_ENV)
+        hooks.clear()
 
 
 def test_stop_flag_turns_a_signal_into_a_stop_request(group):

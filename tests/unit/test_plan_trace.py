@@ -176,7 +176,7 @@ def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
     from shardtune.distributed.mesh import init_distributed, shutdown
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.builder import model_spec
-    from shardtune.trainer import build_optimizer
+    from shardtune.optimizers import build_optimizer
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(_free_port())}.items():

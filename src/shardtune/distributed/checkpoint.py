@@ -15,14 +15,10 @@ checkpoints beyond --save_total_limit are pruned: a process killed mid-save leav
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import random
 import re
 import shutil
-import signal
-import sys
 import time
 import zipfile
 from pathlib import Path
@@ -41,11 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune import atomic
+from shardtune import atomic, hooks
+from shardtune.distributed.mesh import broadcast_object
 from shardtune.log import print0, warn0
 
 FORMAT_VERSION = 1
-FAULT_ENV = "SHARDTUNE_FAULT"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -129,26 +125,6 @@ def _dcp_damage(folder: Path) -> str | None:
     return None
 
 
-def fault_point(point: str, step: int, rank: int) -> None:
-    """Failure injection for tests: SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>] (KILL by
-    default) makes that rank send itself the signal, or raise "No space left on device" (ENOSPC), at that point:
-    `step` (after optimizer step `step` and its log line), `save` (mid-save: this rank's files of
-    checkpoint-<step> written, the folder not yet renamed) or `export` (the final adapter or model files written
-    to their temporary folder, not yet moved into place; `step` is the last step)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("step", "save", "export"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save|export>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>].")
-    if parts[0] == point and int(parts[1]) == step and int(parts[2]) == rank:
-        what = parts[3] if len(parts) == 4 else "KILL"
-        print(f"{FAULT_ENV}: rank {rank} injects {what} at {point} {step}.", file=sys.stderr, flush=True)
-        if what == "ENOSPC":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.kill(os.getpid(), getattr(signal, "SIG" + what))
-
-
 # --------------------------------------------------------------------------------------------------- saving
 
 
@@ -186,10 +162,10 @@ def save(
             tmp.mkdir()
         except OSError as e:
             problem = _describe(e, root, needed)
-    if _broadcast_object(problem) is None:  # the folder exists: every rank writes its part
+    if broadcast_object(problem) is None:  # the folder exists: every rank writes its part
         try:
             _write_rank_files(tmp, state, full, optimizer, shards, rank)
-            fault_point("save", step, rank)
+            hooks.at("save", step=step, rank=rank)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
             problem = _describe(e, root, needed)
     problems = [None] * world
@@ -201,7 +177,7 @@ def save(
             _prune(output_dir, save_total_limit)
         except Exception as e:  # noqa: BLE001
             problems[0] = _describe(e, root, needed)
-    problems = _broadcast_object(problems)
+    problems = broadcast_object(problems)
     if any(problems):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -481,7 +457,7 @@ def _load_full(path: Path, model: nn.Module, optimizer, rank: int) -> None:
     if rank == 0:
         full = _read(path / "full_state.pt")
         problem = _key_problem(template, full)
-    problem = _broadcast_object(problem)
+    problem = broadcast_object(problem)
     if problem:
         raise ValueError(
             f"{path / 'full_state.pt'} does not fit this model: {problem}. Resume with the model, adapter and "
@@ -518,16 +494,10 @@ def _from_full(template: dict, full: dict | None) -> dict:
             )
             out[key] = distribute_tensor(data, t.device_mesh, t.placements, src_data_rank=0)
         elif torch.is_tensor(t):  # small replicated tensors (an optimizer's step count), possibly on CPU under NCCL
-            out[key] = _broadcast_object(src).to(t.device, t.dtype)
+            out[key] = broadcast_object(src).to(t.device, t.dtype)
         else:
-            out[key] = _broadcast_object(src)
+            out[key] = broadcast_object(src)
     return out
-
-
-def _broadcast_object(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _load_local_optimizer(path: Path, optimizer, shards, rank: int) -> None:

@@ -1,0 +1,99 @@
+"""Testing hooks: named points where tests inject faults or observe shardtune from outside, through the
+environment, without the training loop or the writers knowing what a test does there.
+
+A component announces a point with `at(point, **where)`; nothing happens unless a hook is registered for it.
+Hooks come from the environment the first time a point is reached (so torchrun's workers need no setup):
+
+- `SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>]` (KILL by default): that rank sends itself the
+  signal, or raises "No space left on device" (ENOSPC), at the point. Points: `step` (after optimizer step `step`
+  and its log line; reached through the loop's step callbacks, `step_callbacks`), `save` (mid-save: this rank's
+  files of checkpoint-<step> written, the folder not yet renamed), `export` (the final adapter or model files
+  written to their temporary folder, not yet moved into place; `step` is the last step).
+- `SHARDTUNE_LOAD_LOG=<dir>`: a rank that reads the model's checkpoint files touches `<dir>/loaded-rank<r>`
+  (point `checkpoint_read`), so that tests can see which ranks read the weights.
+
+Tests may also `register` a hook directly in-process. docs/testing.md lists the points.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+FAULT_ENV = "SHARDTUNE_FAULT"
+LOAD_LOG_ENV = "SHARDTUNE_LOAD_LOG"
+POINTS = ("step", "save", "export", "checkpoint_read")
+
+_hooks: dict[str, list[Callable[..., None]]] = {}
+_from_env: tuple[str | None, str | None] | None = None
+
+
+def register(point: str, fn: Callable[..., None]) -> None:
+    if point not in POINTS:
+        raise ValueError(f"unknown hook point {point!r}: one of {', '.join(POINTS)}")
+    _hooks.setdefault(point, []).append(fn)
+
+
+def clear() -> None:
+    """Forget every hook, those read from the environment included (they are read again at the next point)."""
+    global _from_env
+    _hooks.clear()
+    _from_env = None
+
+
+def at(point: str, **where) -> None:
+    """Announce that this process reached `point` (keywords such as step= and rank=)."""
+    _install_from_env()
+    for fn in _hooks.get(point, ()):
+        fn(**where)
+
+
+def step_callbacks() -> list[Callable]:
+    """The training loop's end-of-step callbacks that reach the `step` point: fn(state, rank)."""
+    return [lambda state, rank: at("step", step=state.step, rank=rank)]
+
+
+def _install_from_env() -> None:
+    """(Re)read the environment when it changed since the last point: tests set it per run."""
+    global _from_env
+    env = (os.environ.get(FAULT_ENV), os.environ.get(LOAD_LOG_ENV))
+    if env == _from_env:
+        return
+    for point in POINTS:
+        _hooks[point] = [fn for fn in _hooks.get(point, ()) if not getattr(fn, "from_env", False)]
+    _from_env = env
+    fault, load_log = env
+    if fault:
+        point, fn = _fault(fault)
+        fn.from_env = True
+        _hooks.setdefault(point, []).append(fn)
+    if load_log:
+
+        def touch(rank: int, **_) -> None:
+            Path(load_log).mkdir(parents=True, exist_ok=True)
+            (Path(load_log) / f"loaded-rank{rank}").touch()
+
+        touch.from_env = True
+        _hooks.setdefault("checkpoint_read", []).append(touch)
+
+
+def _fault(spec: str) -> tuple[str, Callable[..., None]]:
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in ("step", "save", "export"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save|export>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>].")
+    point, at_step, at_rank = parts[0], int(parts[1]), int(parts[2])
+    what = parts[3] if len(parts) == 4 else "KILL"
+
+    def inject(step: int, rank: int, **_) -> None:
+        if step != at_step or rank != at_rank:
+            return
+        print(f"{FAULT_ENV}: rank {rank} injects {what} at {point} {step}.", file=sys.stderr, flush=True)
+        if what == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.kill(os.getpid(), getattr(signal, "SIG" + what))
+
+    return point, inject

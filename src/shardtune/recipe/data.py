@@ -1,0 +1,116 @@
+"""A run's data: the training and eval splits built in rank order, checked equal on every rank, and the number
+of optimizer steps they give."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from shardtune.config import RunConfig
+from shardtune.log import print0
+
+
+def prepare_data(cfg: RunConfig, tokenizer, info):
+    """Rank 0 prepares the cache first; then each other node's local rank 0 reads it (a shared file system) or
+    prepares its own (node-local disks); then the remaining ranks read their node's cache. Every rank then checks
+    that it holds the same rows as rank 0."""
+    from shardtune.data import build_datasets
+    from shardtune.distributed.mesh import barrier
+
+    d = cfg.data
+    cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
+    kwargs = {
+        "tokenizer": tokenizer,
+        "dataset_name": d.dataset_name,
+        "splits": d.splits,
+        "dataset_text_field": d.dataset_text_field,
+        "max_length": d.max_length,
+        "packing": d.packing,
+        "append_concat_token": d.append_concat_token,
+        "add_special_tokens": d.add_special_tokens,
+        "assistant_only_loss": d.assistant_only_loss,
+        "drop_long_samples": d.drop_long_samples,
+        "cache_dir": cache,
+        "seed": cfg.train.seed,
+        "max_train_samples": d.max_train_samples,
+        "max_eval_samples": d.max_eval_samples,
+        "chat_template_format": cfg.model.chat_template_format,
+        "num_proc": d.dataset_num_proc,
+        "streaming": d.streaming,
+        "packing_window": d.packing_window,
+    }
+    if cfg.train.objective != "sft":
+        build_datasets, kwargs = _preference_data_builder(kwargs)
+        if cfg.train.objective == "kto":  # KL rows: completions rotated within each global micro-batch
+            kwargs["kto_group"] = cfg.train.per_device_train_batch_size * info.dims.dp_size
+    result = None
+    for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
+        if turn:
+            result = build_datasets(**kwargs)
+        barrier()
+    train, evals = result
+    _check_same_rows(train, evals, d.dataset_name)
+    if d.streaming:
+        return train, evals
+    st = train.stats
+    if "pairs" in st:  # preference pairs (or KTO examples): their own log line said the rest
+        unit = "examples" if "desirable" in st else "pairs"
+        print0(f"Data: {st['pairs']} {unit}; eval {unit}: {len(evals) if evals is not None else 0}.")
+        return train, evals
+    print0(
+        f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
+        f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
+        f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
+    )
+    return train, evals
+
+
+def _check_same_rows(train, evals, dataset_name: str) -> None:
+    """Nodes without a shared file system prepare their caches from their own copies of the data: compare the
+    caches' content digests, so that a node with other files stops the run instead of training on other rows."""
+    from shardtune.distributed.mesh import all_gather_objects
+
+    mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]  # None for a streamed split: not compared
+    digests = all_gather_objects(mine)
+    differ = [r for r, x in enumerate(digests) if x != digests[0]]
+    if differ:
+        raise ValueError(
+            f"rank(s) {differ} prepared other training or evaluation rows than rank 0 from --dataset_name "
+            f"{dataset_name}: each node tokenizes its own copy of the data into its own --dataset_cache_dir. Give "
+            "every node identical data files and tokenizer."
+        )
+
+
+def _preference_data_builder(kwargs: dict):
+    """build_preference_datasets and the subset of the SFT data arguments that applies to pairs."""
+    from shardtune.data.preference import build_preference_datasets
+
+    names = ("tokenizer", "dataset_name", "splits", "max_length", "add_special_tokens", "drop_long_samples")
+    keep = {k: kwargs[k] for k in (*names, "cache_dir", "max_train_samples", "max_eval_samples")}
+    return build_preference_datasets, keep
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.num_train_epochs * steps_per_epoch))
+
+
+def steps_per_epoch_for(cfg: RunConfig, train_split, info) -> int:
+    """Optimizer steps in one epoch of the split at this run's global batch; a stream's length is unknown."""
+    from shardtune.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
+
+    t, dp = cfg.train, info.dims.dp_size
+    if cfg.data.streaming:
+        return STREAMING_STEPS_PER_EPOCH
+    spe = steps_per_epoch(
+        train_split, batch_size=t.per_device_train_batch_size, world_size=dp, grad_accum=t.gradient_accumulation_steps
+    )
+    if spe < 1:
+        unit = {"sft": "rows", "kto": "examples"}.get(t.objective, "pairs")
+        raise ValueError(
+            f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
+            f"of {t.per_device_train_batch_size}×{dp}×{t.gradient_accumulation_steps} {unit}. "
+            "Lower --per_device_train_batch_size or --gradient_accumulation_steps, or add data."
+        )
+    return spe
