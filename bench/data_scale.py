@@ -36,11 +36,10 @@ from shardtune.data import build_datasets, setup_tokenizer
 tok = AutoTokenizer.from_pretrained(args["tokenizer"])
 setup_tokenizer(tok, "chatml")
 t0 = time.time()
-train, _ = build_datasets(
-    tokenizer=tok, dataset_name=args["data"], splits="train", dataset_text_field="text", max_length=1024,
-    packing=True, append_concat_token=False, add_special_tokens=False, assistant_only_loss=False,
-    drop_long_samples=False, cache_dir=args["cache"], seed=0, chat_template_format="chatml", num_proc=args["num_proc"],
-)
+from shardtune.config import DataArguments
+data = DataArguments(dataset_name=args["data"], splits="train", max_length=1024, packing=True,
+                     dataset_num_proc=args["num_proc"])
+train, _ = build_datasets(data, tokenizer=tok, seed=0, cache_dir=args["cache"], chat_template_format="chatml")
 print(json.dumps({"seconds": time.time() - t0, **train.stats}))
 """
 

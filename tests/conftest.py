@@ -32,8 +32,10 @@ def run_cli(
     cwd: Path | None = None,
     timeout: int = 600,
     check: bool = True,
+    plugin: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `shardtune <args>` in a subprocess (under torchrun when nproc > 1), one thread per process."""
+    """Run `shardtune <args>` in a subprocess (under torchrun when nproc > 1), one thread per process. `plugin`:
+    a script run instead of `-m shardtune` (one process), which registers its parts and then calls shardtune's CLI."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(k, None)
@@ -51,7 +53,7 @@ def run_cli(
             *args,
         ]
     else:
-        cmd = [sys.executable, "-m", "shardtune", *args]
+        cmd = [sys.executable, *([str(plugin)] if plugin else ["-m", "shardtune"]), *args]
     proc = subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -95,7 +97,8 @@ def packed_eval_split(assets: dict[str, Path], tokenizer_dir: Path, cache_dir: P
 
     from shardtune.data import build_datasets
 
-    _, ev = build_datasets(
+    _, ev = build_data(
+        build_datasets,
         tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
         dataset_name=str(assets["data"]),
         splits="train,test",
@@ -110,3 +113,18 @@ def packed_eval_split(assets: dict[str, Path], tokenizer_dir: Path, cache_dir: P
         seed=seed,
     )
     return ev
+
+
+# The keywords data builders take beside the DataArguments (the rest are DataArguments fields, and num_proc is
+# --dataset_num_proc): lets tests write one flat dict of what a run would set.
+_BUILD_KEYWORDS = ("tokenizer", "seed", "cache_dir", "chat_template_format", "kto_group")
+
+
+def build_data(builder, **flat):
+    """Call shardtune.data.build_datasets or build_preference_datasets with DataArguments made from `flat`."""
+    from shardtune.config import DataArguments
+
+    call = {k: flat.pop(k) for k in _BUILD_KEYWORDS if k in flat}
+    if "num_proc" in flat:
+        flat["dataset_num_proc"] = flat.pop("num_proc")
+    return builder(DataArguments(**flat), **call)

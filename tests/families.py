@@ -256,9 +256,10 @@ def eval_rows_file(data: Path, out: Path, workdir: Path, name: str) -> Path:
     from transformers import AutoTokenizer
 
     from shardtune.data import build_datasets
+    from tests.conftest import build_data
 
-    _, ev = build_datasets(
-        tokenizer=AutoTokenizer.from_pretrained(out), dataset_name=str(data), splits="train,test",
+    _, ev = build_data(
+        build_datasets, tokenizer=AutoTokenizer.from_pretrained(out), dataset_name=str(data), splits="train,test",
         dataset_text_field="text", max_length=96, packing=True, append_concat_token=False,
         add_special_tokens=False, assistant_only_loss=False, drop_long_samples=False,
         cache_dir=str(workdir / "cache"), seed=5,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,5 +91,16 @@ def save_full_model(
     hf_model.config.use_cache = True
     with _staged(output_dir, "model", "the model", state_dict, step) as tmp:
         hf_model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True, max_shard_size="5GB")
+        if dtype is not None:
+            _name_dtype(tmp / "config.json", dtype)
         tokenizer.save_pretrained(str(tmp))
     return Path(output_dir)
+
+
+def _name_dtype(config_file: Path, dtype: torch.dtype) -> None:
+    """config.json names the dtype the weights are written in. transformers' save_pretrained writes the model's
+    own (the fp32 masters a full fine-tune trains), so that from_pretrained(dtype="auto") would upcast them."""
+    config = json.loads(config_file.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)  # the older name of the same key
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

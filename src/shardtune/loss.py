@@ -20,13 +20,13 @@ KTO (trl 1.16's KTOTrainer, loss_type kto) takes unpaired examples: B prompt+com
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PAIR_METRICS = (
     "rewards/chosen",
@@ -268,26 +268,66 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """An --objective: how to build it from the knobs (beta, loss_type, simpo_gamma, desirable_weight,
+    undesirable_weight; each objective takes those it uses), and the data it trains on."""
+
+    name: str
+    build: Callable[..., Objective]
+    data: str = "rows"  # "rows": token rows (SFT data); "pairs": prompt/chosen/rejected; "kto": prompt/completion/label
+    help: str = ""
+
+    @property
+    def rows_per_example(self) -> int:
+        """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)
+        and for a KTO example (its completion and its KL row)."""
+        return 1 if self.data == "rows" else 2
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {}
+
+
+def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
+    """Make `spec.name` a valid --objective: the trainer, the planner and the data preparation read it from here."""
+    OBJECTIVES[spec.name] = spec
+    return spec
+
+
+def objective_spec(name: str) -> ObjectiveSpec:
+    if name not in OBJECTIVES:
+        raise ValueError(f"--objective {name!r} is not one of {', '.join(OBJECTIVES)}.")
+    return OBJECTIVES[name]
+
+
 def rows_per_example(objective: str) -> int:
-    """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)
-    and for a KTO example (its completion and its KL row)."""
-    return 1 if objective == "sft" else 2
+    return objective_spec(objective).rows_per_example
 
 
-def build_objective(
-    objective: str,
-    *,
-    beta: float,
-    loss_type: str,
-    simpo_gamma: float,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> Objective:
-    """The objective named by --objective (sft: the chunked cross-entropy)."""
-    if objective == "sft":
-        return Objective()
-    if objective not in OBJECTIVES:
-        raise ValueError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}.")
-    if objective == "kto":
-        return KTOObjective(beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    return PreferenceObjective(objective, beta=beta, loss_type=loss_type, simpo_gamma=simpo_gamma)
+def build_objective(objective: str, **knobs) -> Objective:
+    """The objective named by --objective, given the knobs (sft: the chunked cross-entropy)."""
+    return objective_spec(objective).build(**knobs)
+
+
+register_objective(ObjectiveSpec("sft", lambda **_: Objective(), help="cross-entropy on the text"))
+for _name in ("dpo", "simpo", "orpo"):
+    register_objective(
+        ObjectiveSpec(
+            _name,
+            lambda _n=_name, *, beta, loss_type="sigmoid", simpo_gamma=0.5, **_: PreferenceObjective(
+                _n, beta=beta, loss_type=loss_type, simpo_gamma=simpo_gamma
+            ),
+            data="pairs",
+            help="preference tuning on prompt/chosen/rejected pairs",
+        )
+    )
+register_objective(
+    ObjectiveSpec(
+        "kto",
+        lambda *, beta, desirable_weight=1.0, undesirable_weight=1.0, **_: KTOObjective(
+            beta=beta, desirable_weight=desirable_weight, undesirable_weight=undesirable_weight
+        ),
+        data="kto",
+        help="unpaired prompt/completion/label rows",
+    )
+)

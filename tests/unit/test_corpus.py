@@ -17,6 +17,7 @@ from shardtune.config import ConfigError, load_run_config
 from shardtune.data import build_datasets, iterate_batches, setup_tokenizer
 from shardtune.data.packing import best_fit_decreasing, build_rows, fit_documents
 from shardtune.demo import build_tokenizer, write_chat_dataset
+from tests.conftest import build_data
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def build(tok, root, **kw):
         "cache_dir": None,
         "seed": 3,
     }
-    return build_datasets(**{**args, **kw})
+    return build_data(build_datasets, **{**args, **kw})
 
 
 def in_memory_rows(tok, root, *, max_length, packing, drop_long, assistant_only, seed=3):

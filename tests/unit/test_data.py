@@ -14,6 +14,7 @@ import shardtune.data.prepare as prepare_mod
 from shardtune.data import IGNORE_INDEX, build_datasets, setup_tokenizer
 from shardtune.data.sources import load_split
 from shardtune.demo import build_tokenizer, write_chat_dataset
+from tests.conftest import build_data
 from tests.tolerance import decoder_chain, tol
 
 TEXTS = [
@@ -60,7 +61,7 @@ def build(tok, name, **kw):
         "cache_dir": None,
         "seed": 0,
     }
-    return build_datasets(**{**args, **kw})
+    return build_data(build_datasets, **{**args, **kw})
 
 
 def write_jsonl(path, rows):

@@ -15,6 +15,7 @@ from shardtune.data import setup_tokenizer
 from shardtune.data.preference import build_preference_datasets, tokenize_unpaired
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import build_objective
+from tests.conftest import build_data
 from tests.trl_parity import shardtune_first_step, trl_first_step
 
 GROUP = 6  # examples per micro-batch: the KL rows rotate completions within groups of this many
@@ -61,7 +62,7 @@ def build(tok, data, **kw):
         "cache_dir": None,
         "kto_group": GROUP,
     }
-    return build_preference_datasets(**{**args, **kw})
+    return build_data(build_preference_datasets, **{**args, **kw})
 
 
 def test_kl_rows_pair_each_prompt_with_the_previous_completion_of_its_group(tok, kto_dir, tmp_path):

@@ -14,8 +14,8 @@ NO_BNB = "import sys; sys.modules['bitsandbytes'] = None; sys.argv[0] = 'shardtu
 
 
 def test_problems_name_the_extra(monkeypatch):
-    from shardtune.quant import quantization_problems
     from shardtune.optimizers import optimizer_problems
+    from shardtune.quant import quantization_problems
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     flags = {"use_8bit": False, "quant_storage_dtype": "bfloat16", "bf16": True, "fp16": False, "fsdp_enabled": True}

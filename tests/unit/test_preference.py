@@ -15,6 +15,7 @@ from shardtune.data.preference import build_preference_datasets, tokenize_pair
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import PreferenceObjective, build_objective
 from shardtune.modeling import CausalLMForTraining
+from tests.conftest import build_data
 from tests.trl_parity import shardtune_first_step, trl_first_step
 
 N_PAIRS = 6  # one batch: every pair of the parity set
@@ -42,7 +43,7 @@ def build(tok, data, **kw):
         "drop_long_samples": False,
         "cache_dir": None,
     }
-    return build_preference_datasets(**{**args, **kw})
+    return build_data(build_preference_datasets, **{**args, **kw})
 
 
 def test_pairs_mask_the_prompt_and_keep_chosen_and_rejected_together(tok, pairs_dir):

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..log import print0
 from .cache import CACHE_FORMAT, LazyRows, PackedStore, move_into_place, new_tmp_folder, open_cache, write_cache
@@ -24,6 +25,21 @@ from .prepare import tokenize_to_parts
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .stream import StreamingSplit
 from .templates import CHAT_FORMATS, padded_vocab_size, setup_tokenizer
+
+if TYPE_CHECKING:
+    from shardtune.config import DataArguments
+
+# The DataArguments fields that shape the tokenized rows (with the seed and the chat template format).
+TOKENIZE_FLAGS = (
+    "dataset_name",
+    "dataset_text_field",
+    "max_length",
+    "packing",
+    "append_concat_token",
+    "add_special_tokens",
+    "assistant_only_loss",
+    "drop_long_samples",
+)
 
 __all__ = [
     "CHAT_FORMATS",
@@ -59,50 +75,31 @@ class PreparedSplit:
 
 
 def build_datasets(
+    data: DataArguments,
     *,
     tokenizer,
-    dataset_name: str,
-    splits: str,
-    dataset_text_field: str,
-    max_length: int,
-    packing: bool,
-    append_concat_token: bool,
-    add_special_tokens: bool,
-    assistant_only_loss: bool,
-    drop_long_samples: bool,
-    cache_dir: str | None,
     seed: int,
-    max_train_samples: int | None = None,
-    max_eval_samples: int | None = None,
+    cache_dir: str | None = None,
     chat_template_format: str | None = None,
-    num_proc: int | None = None,
-    streaming: bool = False,
-    packing_window: int = 10_000,
 ) -> tuple[PreparedSplit | StreamingSplit, PreparedSplit | None]:
-    """Load, tokenize and (with packing) pack the train split and the optional eval split named by --splits.
+    """Load, tokenize and (with packing) pack the train split and the optional eval split named by data.splits.
 
     Rows with a `messages` column are rendered with the tokenizer's chat template, other rows use
     `dataset_text_field`; chat_template_format="none" always uses the text field, as the reference does.
-    Splits are tokenized by num_proc processes (None: one per CPU) into memory-mapped caches; with streaming, the
-    training split is a StreamingSplit packed packing_window rows at a time while training reads it.
+    Splits are tokenized by data.dataset_num_proc processes (None: one per CPU) into memory-mapped caches in
+    `cache_dir`; with data.streaming, the training split is a StreamingSplit packed data.packing_window rows at a
+    time while training reads it.
     """
+    max_length, splits, num_proc = data.max_length, data.splits, data.dataset_num_proc
+    max_train_samples, max_eval_samples = data.max_train_samples, data.max_eval_samples
     if max_length < 2:
         raise ValueError(f"--max_length must be >= 2 (got {max_length}).")
     request = parse_splits(splits)
-    options = {
-        "dataset_name": dataset_name,
-        "dataset_text_field": dataset_text_field,
-        "max_length": max_length,
-        "packing": packing,
-        "append_concat_token": append_concat_token,
-        "add_special_tokens": add_special_tokens,
-        "assistant_only_loss": assistant_only_loss,
-        "drop_long_samples": drop_long_samples,
-        "seed": seed,
-        "chat_template_format": chat_template_format,
-    }
-    if streaming:
-        train = _stream_split(tokenizer, request.train, max_train_samples, packing_window, options)
+    # What decides the tokenized rows (and so the cache key): the data flags that shape them, the seed, the template.
+    options = {name: getattr(data, name) for name in TOKENIZE_FLAGS}
+    options.update(seed=seed, chat_template_format=chat_template_format)
+    if data.streaming:
+        train = _stream_split(tokenizer, request.train, max_train_samples, data.packing_window, options)
     else:
         train = _prepare_split(
             tokenizer, request.train, True, max_train_samples, "--max_train_samples", cache_dir, options, num_proc

@@ -25,6 +25,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .templates import validate_messages
+
+if TYPE_CHECKING:
+    from shardtune.config import DataArguments
 
 PAIR_COLUMNS = ("chosen", "rejected")
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
@@ -95,16 +99,10 @@ class PreferenceSplit:
 
 
 def build_preference_datasets(
+    data: DataArguments,
     *,
     tokenizer,
-    dataset_name: str,
-    splits: str,
-    max_length: int,
-    add_special_tokens: bool,
-    drop_long_samples: bool,
-    cache_dir: str | None,
-    max_train_samples: int | None = None,
-    max_eval_samples: int | None = None,
+    cache_dir: str | None = None,
     kto_group: int | None = None,
 ) -> tuple[PreferenceSplit, PreferenceSplit | None]:
     """Load and tokenize the pairs of the train split and the optional eval split named by --splits.
@@ -113,16 +111,19 @@ def build_preference_datasets(
     consecutive examples (the global micro-batch)."""
     from . import _tokenizer_fingerprint
 
+    dataset_name, max_length = data.dataset_name, data.max_length
+    add_special_tokens, drop_long_samples = data.add_special_tokens, data.drop_long_samples
+
     if kto_group is not None and kto_group < 2:
         raise ValueError(
             "--objective kto estimates its KL term from other examples of the same micro-batch: it needs "
             "--per_device_train_batch_size × ranks >= 2 (TRL: a batch size > 1); raise --per_device_train_batch_size."
         )
-    request = parse_splits(splits)
+    request = parse_splits(data.splits)
     out = []
     for split, limit, flag in (
-        (request.train, max_train_samples, "--max_train_samples"),
-        (request.eval, max_eval_samples, "--max_eval_samples"),
+        (request.train, data.max_train_samples, "--max_train_samples"),
+        (request.eval, data.max_eval_samples, "--max_eval_samples"),
     ):
         if split is None:
             out.append(None)

@@ -10,14 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-# FSDP1 strategies expressed in FSDP2 terms: whether a block's parameters are freed after forward.
-_RESHARD_AFTER_FORWARD = {
-    "FULL_SHARD": True,
-    "SHARD_GRAD_OP": False,
-    "NO_SHARD": False,
-    "HYBRID_SHARD": True,
-    "HYBRID_SHARD_ZERO2": False,
-}
+from shardtune.parallel import strategy
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -42,11 +35,8 @@ def shard_model(
 ) -> nn.Module:
     """`fully_shard` each decoder block, then the root (setup order step 5). With `offload`, FSDP2's
     CPUOffloadPolicy keeps the shards in host RAM (pinned when `pin_memory`, which needs CUDA)."""
-    if sharding_strategy not in _RESHARD_AFTER_FORWARD:
-        raise ValueError(
-            f"fsdp_sharding_strategy {sharding_strategy!r} is not one of {sorted(_RESHARD_AFTER_FORWARD)}."
-        )
-    raf = _RESHARD_AFTER_FORWARD[sharding_strategy] if reshard_after_forward is None else reshard_after_forward
+    if reshard_after_forward is None:
+        reshard_after_forward = strategy(sharding_strategy).reshard_after_forward
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     mp = mixed_precision_policy(param_dtype)
     # Reshard after forward follows the YAML's strategy: freeing each block's gathered weights after its forward is
@@ -55,7 +45,11 @@ def shard_model(
     for i, block in enumerate(blocks):
         # the last block is all-gathered again as soon as backward starts: keeping it unsharded saves a gather;
         fully_shard(
-            block, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=raf and i < len(blocks) - 1
+            block,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=policy,
+            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
         )
     # the root (embeddings, final norm, head) runs last in forward and first in backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False)
@@ -77,14 +71,15 @@ def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None
             b.set_modules_to_backward_prefetch([])
 
 
-def assert_sharded(model: nn.Module, world_size: int) -> None:
-    """Setup order step 7: nothing left on meta, and each sharded tensor holds about 1/N of its rows here."""
+def assert_sharded(model: nn.Module, shard_size: int) -> None:
+    """Setup order step 7: nothing left on meta, and each sharded tensor holds about 1/N of its rows here
+    (N = shard_size, the ranks of the shard group)."""
     for name, p in model.named_parameters():
         assert not p.is_meta, f"parameter {name} is still on the meta device after loading"
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and world_size > 1:
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and shard_size > 1:
             rows = p.shape[0] if p.dim() else 1
             local = p.to_local().shape[0] if p.dim() else 1
-            assert local <= -(-rows // world_size), f"{name}: {local} of {rows} rows on one rank"
+            assert local <= -(-rows // shard_size), f"{name}: {local} of {rows} rows on one rank"
     for name, b in model.named_buffers():
         assert not b.is_meta, f"buffer {name} is still on the meta device after loading"
 

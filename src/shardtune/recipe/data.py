@@ -8,45 +8,42 @@ from pathlib import Path
 
 from shardtune.config import RunConfig
 from shardtune.log import print0
+from shardtune.loss import objective_spec
 
 
 def prepare_data(cfg: RunConfig, tokenizer, info):
     """Rank 0 prepares the cache first; then each other node's local rank 0 reads it (a shared file system) or
     prepares its own (node-local disks); then the remaining ranks read their node's cache. Every rank then checks
     that it holds the same rows as rank 0."""
-    from shardtune.data import build_datasets
     from shardtune.distributed.mesh import barrier
 
     d = cfg.data
     cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
-    kwargs = {
-        "tokenizer": tokenizer,
-        "dataset_name": d.dataset_name,
-        "splits": d.splits,
-        "dataset_text_field": d.dataset_text_field,
-        "max_length": d.max_length,
-        "packing": d.packing,
-        "append_concat_token": d.append_concat_token,
-        "add_special_tokens": d.add_special_tokens,
-        "assistant_only_loss": d.assistant_only_loss,
-        "drop_long_samples": d.drop_long_samples,
-        "cache_dir": cache,
-        "seed": cfg.train.seed,
-        "max_train_samples": d.max_train_samples,
-        "max_eval_samples": d.max_eval_samples,
-        "chat_template_format": cfg.model.chat_template_format,
-        "num_proc": d.dataset_num_proc,
-        "streaming": d.streaming,
-        "packing_window": d.packing_window,
-    }
-    if cfg.train.objective != "sft":
-        build_datasets, kwargs = _preference_data_builder(kwargs)
-        if cfg.train.objective == "kto":  # KL rows: completions rotated within each global micro-batch
-            kwargs["kto_group"] = cfg.train.per_device_train_batch_size * info.dims.dp_size
+    kind = objective_spec(cfg.train.objective).data
+    if kind == "rows":
+        from shardtune.data import build_datasets
+
+        def build():
+            return build_datasets(
+                d,
+                tokenizer=tokenizer,
+                seed=cfg.train.seed,
+                cache_dir=cache,
+                chat_template_format=cfg.model.chat_template_format,
+            )
+    else:
+        from shardtune.data.preference import build_preference_datasets
+
+        # KTO's KL rows: completions rotated within each global micro-batch.
+        group = cfg.train.per_device_train_batch_size * info.dims.dp_size if kind == "kto" else None
+
+        def build():
+            return build_preference_datasets(d, tokenizer=tokenizer, cache_dir=cache, kto_group=group)
+
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
-            result = build_datasets(**kwargs)
+            result = build()
         barrier()
     train, evals = result
     _check_same_rows(train, evals, d.dataset_name)
@@ -81,15 +78,6 @@ def _check_same_rows(train, evals, dataset_name: str) -> None:
         )
 
 
-def _preference_data_builder(kwargs: dict):
-    """build_preference_datasets and the subset of the SFT data arguments that applies to pairs."""
-    from shardtune.data.preference import build_preference_datasets
-
-    names = ("tokenizer", "dataset_name", "splits", "max_length", "add_special_tokens", "drop_long_samples")
-    keep = {k: kwargs[k] for k in (*names, "cache_dir", "max_train_samples", "max_eval_samples")}
-    return build_preference_datasets, keep
-
-
 def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
@@ -107,7 +95,7 @@ def steps_per_epoch_for(cfg: RunConfig, train_split, info) -> int:
         train_split, batch_size=t.per_device_train_batch_size, world_size=dp, grad_accum=t.gradient_accumulation_steps
     )
     if spe < 1:
-        unit = {"sft": "rows", "kto": "examples"}.get(t.objective, "pairs")
+        unit = {"rows": "rows", "kto": "examples"}.get(objective_spec(t.objective).data, "pairs")
         raise ValueError(
             f"the training split gives {len(train_split)} {unit}: fewer than one optimizer step "
             f"of {t.per_device_train_batch_size}×{dp}×{t.gradient_accumulation_steps} {unit}. "
