@@ -327,8 +327,8 @@ def check_qlora(ctx: dict) -> dict:
     import torch
 
     from shardtune import modeling, quant
-    from shardtune.distributed.mesh import init_distributed
     from shardtune.builder import ModelSpec
+    from shardtune.distributed.mesh import init_distributed
     from shardtune.distributed.setup import build_sharded_model
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtune import atomic
-from shardtune import hooks
+from shardtune import atomic, hooks
 
 # Files replaced last so that a crash in between leaves an older, complete adapter rather than a mixed one.
 _LAST = ("adapter_model.safetensors", "model.safetensors.index.json", "model.safetensors")

@@ -195,10 +195,8 @@ def _bnb_problems(optim: str) -> Callable[[torch.device], list[str]]:
             p.grad = torch.ones_like(p)
             bnb.optim.AdamW8bit([p], lr=1e-3).step()
         except (RuntimeError, NotImplementedError, AttributeError) as e:
-            return [
-                f"--optim {optim}: bitsandbytes cannot run its 8-bit optimizer on {device.type} ({e}); "
-                "use --optim adamw_torch."
-            ]
+            why = f"--optim {optim}: bitsandbytes cannot run its 8-bit optimizer on {device.type} ({e})"
+            return [f"{why}; use --optim adamw_torch."]
         if optim == "paged_adamw_8bit" and device.type != "cuda":
             print0(
                 f"--optim paged_adamw_8bit: paging needs CUDA; on {device.type} the 8-bit states are ordinary tensors."
@@ -217,6 +215,6 @@ for _name, _paged in (("adamw_8bit", False), ("paged_adamw_8bit", True)):
             _bnb_problems(_name),
             per_rank_state=True,
             traceable=False,  # bitsandbytes' kernels cannot run on fake tensors
-            help="bitsandbytes' " + ("paged " if _paged else "") + "8-bit AdamW (extra: qlora)",
+            help=f"bitsandbytes' {'paged ' if _paged else ''}8-bit AdamW (extra: qlora)",
         )
     )

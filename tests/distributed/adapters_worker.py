@@ -14,9 +14,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from shardtune import adapters, modeling
+from shardtune.builder import ModelSpec
 from shardtune.distributed.fsdp import assert_sharded, shard_model
 from shardtune.distributed.mesh import init_distributed, shutdown
-from shardtune.builder import ModelSpec
 from shardtune.distributed.setup import build_sharded_model
 
 VOCAB, SEQ = 600, 12

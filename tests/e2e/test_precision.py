@@ -24,7 +24,7 @@ def _dtypes(folder) -> set[str]:
     out = set()
     for f in files:
         with safe_open(str(f), "pt") as st:
-            out |= {str(st.get_slice(k).get_dtype()) for k in st.keys()}
+            out |= {str(st.get_slice(k).get_dtype()) for k in st.keys()}  # noqa: SIM118 - safe_open has no __iter__
     return out
 
 
