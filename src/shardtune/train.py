@@ -8,6 +8,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from shardtune import hooks, modeling
 from shardtune.config import ConfigError, RunConfig, load_run_config
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
+from shardtune.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
 
 EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
 
@@ -128,10 +130,51 @@ def run(cfg: RunConfig) -> int:
 
 
 def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
-    """Data, model, optimizer, objective and loop state, then the loop and the export."""
+    """Build, train, export."""
+    run = _build(cfg, info)
+    logger = _logger(cfg, info, run.model, run.settings.total_steps, trackers)
+    start = time.perf_counter()
+    try:
+        loop_state = _train_loop(cfg, info, run, logger, repo_id)
+    except NonFiniteError as e:
+        error(str(e))
+        logger.close()
+        return EXIT_FAILED
+    except OSError as e:
+        return _output_not_written(logger, e, info)
+    if loop_state.step < run.settings.total_steps:
+        return _interrupted(cfg, logger, loop_state.step, run.settings.total_steps)
+    try:
+        out = output.export(cfg, run.model, run.tokenizer, info, loop_state.step)
+    except OSError as e:
+        return _output_not_written(logger, e, info)
+    runtime = time.perf_counter() - start
+    summary = output.finish(
+        logger, cfg, run.model, run.eval_split, info, run.settings, loop_state, runtime, out, run.objective
+    )
+    _publish(cfg, info, logger, out, summary, repo_id, loop_state.step)
+    return 0
+
+
+@dataclass
+class _Built:
+    """What a run trains: its data, its sharded model, optimizer and schedule, objective and starting point."""
+
+    tokenizer: object
+    train_split: object
+    eval_split: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    objective: object
+    settings: LoopSettings
+    loop_state: LoopState
+
+
+def _build(cfg: RunConfig, info) -> _Built:
+    """Data first (a bad dataset fails before the model loads), then the model, optimizer, objective and state."""
     from shardtune.builder import model_spec
     from shardtune.distributed.setup import build_sharded_model
-    from shardtune.trainer import LoopState
 
     t = cfg.train
     _seed_everything(t.seed)
@@ -149,60 +192,41 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     goal = objective.setup_objective(cfg, model, [train_split, evaluated], info, tokenizer.pad_token_id)
     loop_state = state.resume(cfg, model, optimizer, scheduler, info) if t.resume_from_checkpoint else LoopState()
     settings = _loop_settings(cfg, total, spe, tokenizer.pad_token_id)
-    logger = _logger(cfg, info, model, total, trackers)
     global_batch = t.per_device_train_batch_size * info.dims.dp_size * t.gradient_accumulation_steps
     print0(f"Training {total} steps ({spe} per epoch), global batch {global_batch} rows.")
+    return _Built(tokenizer, train_split, eval_split, model, optimizer, scheduler, goal, settings, loop_state)
 
+
+def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) -> LoopState:
     def save(s: LoopState) -> None:
-        digest = getattr(train_split, "digest", None)
         state.save_checkpoint(
             cfg,
             s,
-            data_digest=digest,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            tokenizer=tokenizer,
+            data_digest=getattr(run.train_split, "digest", None),
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            tokenizer=run.tokenizer,
             info=info,
             repo_id=repo_id,
         )
 
-    from shardtune.trainer import NonFiniteError, StopFlag, train
-
-    start = time.perf_counter()
-    try:
-        loop_state = train(
-            model,
-            optimizer,
-            scheduler,
-            train_split=train_split,
-            eval_split=eval_split,
-            info=info,
-            s=settings,
-            state=loop_state,
-            logger=logger,
-            objective=goal,
-            # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
-            save_fn=save,
-            stop_requested=StopFlag(info.device),
-            callbacks=hooks.step_callbacks(),
-        )
-    except NonFiniteError as e:
-        error(str(e))
-        logger.close()
-        return EXIT_FAILED
-    except OSError as e:
-        return _output_not_written(logger, e, info)
-    if loop_state.step < total:
-        return _interrupted(cfg, logger, loop_state.step, total)
-    try:
-        out = output.export(cfg, model, tokenizer, info, loop_state.step)
-    except OSError as e:
-        return _output_not_written(logger, e, info)
-    runtime = time.perf_counter() - start
-    summary = output.finish(logger, cfg, model, eval_split, info, settings, loop_state, runtime, out, goal)
-    _publish(cfg, info, logger, out, summary, repo_id, loop_state.step)
-    return 0
+    return train(
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        train_split=run.train_split,
+        eval_split=run.eval_split,
+        info=info,
+        s=run.settings,
+        state=run.loop_state,
+        logger=logger,
+        objective=run.objective,
+        # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
+        save_fn=save,
+        stop_requested=StopFlag(info.device),
+        callbacks=hooks.step_callbacks(),
+    )
 
 
 def _load_tokenizer(cfg: RunConfig):
@@ -234,9 +258,7 @@ def _optimizer_and_scheduler(cfg: RunConfig, model, total: int):
     return optimizer, scheduler
 
 
-def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int):
-    from shardtune.trainer import LoopSettings
-
+def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int) -> LoopSettings:
     t = cfg.train
     return LoopSettings(
         batch_size=t.per_device_train_batch_size,
