@@ -52,6 +52,14 @@ def _required_problems(cfg: RunConfig) -> list[str]:
         p.append("--use_4bit_quantization and --use_8bit_quantization are both set; choose one.")
     if t.bf16 and t.fp16:
         p.append("--bf16 and --fp16 are both set; choose one.")
+    mp = cfg.fsdp.mixed_precision
+    if (t.bf16 and mp == "fp16") or (t.fp16 and mp == "bf16"):
+        # resolve_precision would let bf16 win: a setting silently ignored.
+        flag = "--bf16" if t.bf16 else "--fp16"
+        p.append(
+            f"{flag} True and the accelerate config's mixed_precision: {mp} disagree; set one of them "
+            "(or make them the same)."
+        )
     return p
 
 
