@@ -107,10 +107,8 @@ def test_a_precision_flag_that_contradicts_the_yaml_is_refused(flag, mixed_preci
     env = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": mixed_precision}
     with pytest.raises(ConfigError) as e:
         load_run_config([*HUB_ARGS, flag, "True"], env=env)
-    assert e.value.problems == [
-        f"{flag} True and the accelerate config's mixed_precision: {mixed_precision} disagree; set one of them "
-        "(or make them the same)."
-    ]
+    want = f"{flag} True and the accelerate config's mixed_precision: {mixed_precision} disagree; set one of them"
+    assert e.value.problems == [f"{want} (or make them the same)."]
 
 
 # ---------------------------------------------------------------- optimizer names
