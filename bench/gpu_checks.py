@@ -93,8 +93,8 @@ def _free_port() -> int:
 
 def _yaml(ctx: dict, world: int, path: str | None = None) -> dict:
     """The accelerate config of a run: the given file (num_processes set to `world`) or the guide's LoRA one."""
+    from shardtune.accelerate_config import read_accelerate_yaml
     from shardtune.demo import DEMO_FSDP_YAML
-    from shardtune.launcher import read_accelerate_yaml
 
     cfg = read_accelerate_yaml(REPO / path) if path else {**DEMO_FSDP_YAML}
     return {**cfg, "num_processes": world, "use_cpu": ctx["device"] == "cpu", "mixed_precision": "bf16"}
@@ -118,7 +118,7 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
           expect_ok: bool = True, **flags) -> subprocess.CompletedProcess:  # fmt: skip
     """Run `shardtune train` with the FSDP settings of `yaml` as accelerate would: one rank in this process (it has
     imported everything already), 2 ranks under torchrun, a run that is to be killed in a process of its own."""
-    from shardtune.launcher import accelerate_env
+    from shardtune.accelerate_config import accelerate_env
 
     cfg = _yaml(ctx, world, yaml)
     if "per_device_train_batch_size" not in flags:
@@ -408,7 +408,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
     from shardtune import trainer
-    from shardtune.launcher import accelerate_env
+    from shardtune.accelerate_config import accelerate_env
     from shardtune.plan import main as plan_main
     from shardtune.train import main as train_main
 

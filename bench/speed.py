@@ -452,8 +452,8 @@ def _env(c: Contender, s: Settings) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (c.src, env.get("PYTHONPATH")) if p)
     if c.kind == "shardtune_fsdp":
+        from shardtune.accelerate_config import accelerate_env
         from shardtune.demo import DEMO_FSDP_YAML
-        from shardtune.launcher import accelerate_env
 
         yaml_cfg = {**DEMO_FSDP_YAML, "num_processes": c.world, "mixed_precision": "bf16" if s.bf16 else "no"}
         yaml_cfg["fsdp_config"] = {**yaml_cfg["fsdp_config"], **c.fsdp}

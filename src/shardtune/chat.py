@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from shardtune.hub import is_hub_id
 from shardtune.log import print0, setup_logging, warn0
 
 # End-of-turn markers of common chat formats (chatml, Llama-3, Phi-3): generation stops at them as at EOS.
@@ -50,10 +51,6 @@ class ChatArguments:
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code from the hub repository."})
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-
-
 def _check_model(name: str, flag: str = "--model_name_or_path") -> None:
     path = Path(name).expanduser()
     if path.exists():
@@ -62,7 +59,7 @@ def _check_model(name: str, flag: str = "--model_name_or_path") -> None:
                 f"{flag} {name}: no config.json there; give a model folder (a merged model or the "
                 "base model) or a hub id."
             )
-    elif _looks_like_path(name):
+    elif not is_hub_id(name):
         raise ValueError(f"{flag} {name}: no such folder.")
 
 
@@ -98,11 +95,15 @@ def resolve_paths(model_name_or_path: str | None, adapter: str | None) -> tuple[
 
 
 def _device_and_dtype():
+    """bf16 on a GPU that has it, fp16 on other GPUs, fp32 on the CPU; the dtype is the one a frozen base is held in
+    when training with that precision (shardtune.precision)."""
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda", torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return "cpu", torch.float32
+    from shardtune.precision import resolve_precision
+
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    return ("cuda" if cuda else "cpu"), resolve_precision(bf16=bf16, fp16=cuda and not bf16, peft=True).storage
 
 
 def _adapter_vocab_rows(model, adapter: str) -> int | None:
@@ -365,9 +366,9 @@ def parse_chat_args(argv: list[str]) -> ChatArguments:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(ChatArguments, prog="shardtune chat", allow_abbrev=False)
-    from shardtune.config import _join_negative_values
+    from shardtune.config import join_negative_values
 
-    (args,) = parser.parse_args_into_dataclasses(args=_join_negative_values(argv))
+    (args,) = parser.parse_args_into_dataclasses(args=join_negative_values(argv))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1 (got {args.max_new_tokens}).")
     if args.temperature < 0:

@@ -7,7 +7,7 @@ import sys
 
 COMMANDS = {
     "train": ("shardtune.train", "main", "Fine-tune a model (LoRA, QLoRA, DoRA or full) on FSDP2."),
-    "launch": ("shardtune.launcher", "main", "Start `shardtune train` on N processes from an accelerate YAML."),
+    "launch": ("shardtune.launch", "main", "Start `shardtune train` on N processes from an accelerate YAML."),
     "plan": ("shardtune.plan", "main", "Estimate per-GPU memory of a run from the model's config alone."),
     "merge": ("shardtune.merge", "main", "Merge a LoRA/DoRA adapter into its base, one shard at a time."),
     "chat": ("shardtune.chat", "main", "Chat with a base model + adapter, or a merged model."),

@@ -409,7 +409,7 @@ def _launch_train(cmd: list[str], root: Path, nproc: int) -> int:
 
     import yaml
 
-    from shardtune.launcher import accelerate_env, read_accelerate_yaml
+    from shardtune.accelerate_config import accelerate_env, read_accelerate_yaml
 
     yaml_path = root / "fsdp_config_cpu.yaml"
     yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": nproc}, sort_keys=False))

@@ -1,13 +1,37 @@
-"""Uploads to the Hugging Face Hub, checked when the run starts so that a run fails in seconds, not hours."""
+"""The Hugging Face Hub: whether a name is a hub id or a path on this machine (`is_hub_id`, the one rule every
+command uses), and uploads, checked when the run starts so that a run fails in seconds, not hours."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 HUB_TIMEOUT_S = 30.0
 # Files of an output folder that are never uploaded at the end of a run: checkpoints (pushed by --hub_strategy),
 # the merged model (a full copy of the base, not an adapter's content) and temporary or hidden files.
 END_IGNORE = ["checkpoints/*", "merged/*", ".*", "*/.*", "*.tmp-*"]
+
+
+def is_hub_id(ref: str | None, *, file_suffixes: Collection[str] = ()) -> bool:
+    """Whether `ref` names a hub repository (`name` or `org/name`) rather than a path on this machine.
+
+    A path is anything that exists here (a folder named like a hub id included: transformers and datasets load
+    the local copy first), starts with `.`, `/` or `~`, or is no valid repository id by the hub's own rule
+    (huggingface_hub's validate_repo_id: `a/b/c`, a backslash, spaces, `--`, ...). `file_suffixes`: names ending
+    in one of these (case-insensitive) are files, e.g. a data set's `.jsonl` that is missing, not a repository.
+    Everything that is not a hub id is a local path (`not is_hub_id(ref)`).
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not ref or ref.startswith((".", "/", "~")) or Path(ref).expanduser().exists():
+        return False
+    if file_suffixes and Path(ref).suffix.lower() in file_suffixes:
+        return False
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
 
 
 def preflight(
@@ -87,7 +111,7 @@ def _hub_call(fn, what: str, endpoint: str, timeout_s: float):
             403: "the token is not allowed to do this: it needs write access to the repository's namespace.",
         }.get(status, "see the message above.")
         raise ValueError(f"--push_to_hub: the Hugging Face Hub refused to {what} (HTTP {status}: {e}); {hint}") from e
-    if isinstance(e, (OSError, ConnectionError, TimeoutError)) or _is_transport_error(e):
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)) or is_transport_error(e):
         raise ValueError(
             f"--push_to_hub: cannot reach the Hugging Face Hub at {endpoint} to {what} ({type(e).__name__}: {e}). "
             "Check the network, HF_ENDPOINT and any proxy, or drop --push_to_hub."
@@ -95,7 +119,7 @@ def _hub_call(fn, what: str, endpoint: str, timeout_s: float):
     raise e
 
 
-def _is_transport_error(e: BaseException) -> bool:
+def is_transport_error(e: BaseException) -> bool:
     """Connection, DNS, TLS and proxy failures of huggingface_hub's HTTP client: httpx2 (huggingface_hub 2.x) or
     httpx (1.x), whose errors are not OSErrors (requests', in older releases, are)."""
     import importlib
@@ -137,7 +161,7 @@ def upload(
             ignore_patterns=list(ignore) if ignore else None,  # upload_folder appends to the list it is given
         )
     except Exception as e:
-        if not (isinstance(e, OSError) or _is_transport_error(e)):
+        if not (isinstance(e, OSError) or is_transport_error(e)):
             raise
         target = f" {path_in_repo}" if path_in_repo else ""
         raise ValueError(
@@ -215,7 +239,7 @@ def _push(fn, repo_id: str, folder: Path) -> str:
     try:
         result = fn()
     except Exception as e:
-        if not (isinstance(e, (OSError, HfHubHTTPError)) or _is_transport_error(e)):
+        if not (isinstance(e, (OSError, HfHubHTTPError)) or is_transport_error(e)):
             raise
         raise ValueError(
             f"upload of {folder} to https://huggingface.co/{repo_id} failed ({type(e).__name__}: {e}); the files "

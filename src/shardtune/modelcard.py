@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardtune.hub import is_hub_id
+
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "dora": "DoRA", "full": "full"}
 LIBRARIES = ("peft", "transformers")
 
@@ -68,8 +70,8 @@ def write_model_card(
     name = model_name or out.resolve().name
     data = [datasets] if isinstance(datasets, str) else list(datasets or [])
     metrics = _with_perplexity(metrics)
-    base_id = base_model if _is_hub_id(base_model) else None
-    hub_data = [d for d in data if _is_hub_id(d)]
+    base_id = base_model if is_hub_id(base_model) else None
+    hub_data = [d for d in data if is_hub_id(d)]
     card_data = ModelCardData(
         base_model=base_id,
         base_model_relation=("adapter" if library_name == "peft" else "finetune") if base_id else None,
@@ -95,19 +97,6 @@ def write_model_card(
     path = out / "README.md"
     card.save(path)
     return path
-
-
-def _is_hub_id(ref: str) -> bool:
-    """A repository id such as `org/name` or `name`, and not a path on this machine."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not ref or Path(ref).expanduser().exists() or ref.startswith((".", "/", "~")):
-        return False
-    try:
-        validate_repo_id(ref)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _with_perplexity(metrics: Mapping[str, float | None]) -> dict[str, float | None]:
@@ -147,7 +136,7 @@ def _eval_results(cls: Any, metrics: Mapping[str, float | None], data: list[str]
 
 
 def _link(ref: str, kind: str = "") -> str:
-    return f"[{ref}](https://huggingface.co/{kind}{ref})" if _is_hub_id(ref) else f"`{ref}`"
+    return f"[{ref}](https://huggingface.co/{kind}{ref})" if is_hub_id(ref) else f"`{ref}`"
 
 
 def _summary(method: str, base_model: str, base_id: str | None, data: list[str], library: str) -> str:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The values of accelerate's `mixed_precision` (YAML key, ACCELERATE_MIXED_PRECISION) that shardtune runs; accelerate's
+# fp8 is refused.
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
 
 @dataclass(frozen=True)
 class Precision:

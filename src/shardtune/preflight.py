@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from shardtune.config import _looks_local
+from shardtune.hub import is_hub_id, is_transport_error
 from shardtune.log import warn0
 
 # One HEAD request, no retries: huggingface_hub retries a refused or unresolved connection five times over
@@ -103,9 +103,7 @@ def hub_problem(
             follow_redirects=True,
         )
     except Exception as e:  # connection, DNS, TLS, proxy or timeout: all mean "unreachable"
-        from shardtune.hub import _is_transport_error
-
-        if not (isinstance(e, OSError) or _is_transport_error(e)):
+        if not (isinstance(e, OSError) or is_transport_error(e)):
             raise
         fix = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "give a local model folder"
         return (
@@ -138,7 +136,7 @@ def load_model_config(name: str, *, flag: str = "--model_name_or_path", trust_re
     from transformers import AutoConfig
 
     path = Path(name).expanduser()
-    if _looks_local(name):
+    if not is_hub_id(name):
         if not path.is_dir():
             return None, f"{flag} {name}: no such folder; give a model folder or a hub id."
         cfg_file = path / "config.json"
@@ -191,7 +189,7 @@ def _weights_problem(folder: Path, flag: str, name: str) -> str | None:
 def tokenizer_problem(name: str, flag: str) -> str | None:
     """A tokenizer folder that does not exist or holds no tokenizer files, or a hub id that cannot be read."""
     path = Path(name).expanduser()
-    if not _looks_local(name):
+    if is_hub_id(name):
         return hub_problem(name, flag, filename="tokenizer_config.json")
     if not path.is_dir():
         return f"{flag} {name}: no such folder; give a tokenizer (or model) folder or a hub id."
@@ -413,7 +411,7 @@ def model_input_problems(cfg) -> list[str]:
     problems = []
     if m.tokenizer_name_or_path:
         problems.append(tokenizer_problem(m.tokenizer_name_or_path, "--tokenizer_name_or_path"))
-    elif _looks_local(m.model_name_or_path):
+    elif not is_hub_id(m.model_name_or_path):
         problems.append(tokenizer_problem(m.model_name_or_path, "--model_name_or_path"))
     problems.append(max_length_problem(d.max_length, config, m.model_name_or_path))
     if m.use_4bit_quantization:

@@ -18,7 +18,7 @@ def test_eval_section_is_added_once_and_replaced(tmp_path):
 
 
 def test_eval_harness_flags_are_checked(tmp_path):
-    from shardtune.config import _eval_harness_problems
+    from shardtune.validation import _eval_harness_problems
 
     assert _eval_harness_problems(None, str(tmp_path)) == ["--eval_harness_include_path needs --eval_harness_tasks."]
     missing = tmp_path / "none"

@@ -7,7 +7,7 @@
 3. an existing folder holding `state.json` (a saved Dataset): a single (training) split;
 4. an existing folder with one `save_to_disk` folder per split (`<dir>/<split>/`) or one data file per split
    (`<dir>/<split>.jsonl|json|parquet|csv`);
-5. otherwise, unless it looks like a local path, a hub id: `datasets.load_dataset(name, split=split)`.
+5. otherwise, if it is a hub id (shardtune.hub.is_hub_id), that hub dataset: `datasets.load_dataset(name, split=split)`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import hashlib
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+
+from ..hub import is_hub_id
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -58,7 +60,7 @@ def _load(dataset_name: str, split: str, is_train: bool, streaming: bool):
         return _load_single(path, split, is_train, file_loader)
     if path.is_dir():
         return _load_from_dir(path, split, is_train, file_loader)
-    if _looks_local(dataset_name):
+    if not is_hub_id(dataset_name, file_suffixes=FILE_BUILDERS):  # a data file's name is never a hub id
         raise ValueError(
             f"--dataset_name {dataset_name!r}: no such file or folder. Give an existing .jsonl/.json/.parquet/.csv "
             "file, a folder saved with save_to_disk, a folder of <split>.<ext> files, or a hub dataset id."
@@ -84,11 +86,6 @@ def check_not_empty(dataset, dataset_name: str, split: str) -> None:
 
 def _empty(where: str, split: str):
     raise ValueError(f"--dataset_name {where!r}: split {split!r} is empty; give a split with rows.")
-
-
-def _looks_local(name: str) -> bool:
-    # A hub id is "name" or "org/name"; anything else path-like is a local path that does not exist.
-    return name.startswith(("/", ".", "~")) or Path(name).suffix.lower() in FILE_BUILDERS or name.count("/") > 1
 
 
 def _load_file(path: Path, split: str, streaming: bool = False):

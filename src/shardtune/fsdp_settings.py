@@ -1,0 +1,141 @@
+"""The FSDP settings of a run (what accelerate's `fsdp_config` says) and how `shardtune train` reads them from the
+FSDP_*/ACCELERATE_* environment that `accelerate launch` or `shardtune launch` sets.
+
+Reading the accelerate YAML itself is shardtune.accelerate_config; starting the processes is shardtune.launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
+
+
+@dataclass
+class FSDPSettings:
+    """What accelerate's YAML (fsdp_config) says, read from the FSDP_*/ACCELERATE_* environment or the file."""
+
+    enabled: bool = False
+    sharding_strategy: str = "FULL_SHARD"
+    offload_params: bool = False
+    cpu_ram_efficient_loading: bool = False
+    sync_module_states: bool = True
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    backward_prefetch: str = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    transformer_cls_to_wrap: str | None = None
+    use_orig_params: bool | None = None
+    activation_checkpointing: bool = False
+    reshard_after_forward: bool | None = None
+    mixed_precision: str = "no"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Values as accelerate writes them
+
+
+def env_bool(v: str | None, default: bool) -> bool:
+    """An environment value ("true", "1", "yes", ...) as a bool; unset or empty: `default`."""
+    if v is None or v == "":
+        return default
+    return v.strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def as_bool(v: Any) -> bool:
+    """A YAML value (bool, or a string such as accelerate's own defaults) as a bool."""
+    return v if isinstance(v, bool) else env_bool(str(v), False)
+
+
+def strategy_name(v: Any) -> str | None:
+    """FULL_SHARD, ... or accelerate's numbers 1..5 as a strategy name (shardtune.parallel); None if v is not one."""
+    s = str(v).strip().upper()
+    s = STRATEGY_BY_NUMBER.get(s, s)
+    return s if s in STRATEGIES else None
+
+
+def mixed_precision_value(v: Any) -> str:
+    """The YAML's mixed_precision as accelerate passes it on (lower case); an unquoted `no` is YAML's False."""
+    return "no" if v is None or v is False else str(v).lower()
+
+
+def reshard_setting(value: str, version: str) -> tuple[str | None, bool | None]:
+    """FSDP_RESHARD_AFTER_FORWARD → (sharding strategy it names, reshard_after_forward).
+
+    `accelerate config` writes the FSDP1 strategy under fsdp_reshard_after_forward (it deprecates
+    fsdp_sharding_strategy), so a strategy name there wins. A boolean counts only under FSDP_VERSION 2: under
+    FSDP1 the launcher always sets "true" next to the strategy, which alone decides.
+    """
+    strategy = strategy_name(value)
+    if strategy is not None:
+        return strategy, None
+    return None, (env_bool(value, True) if version.strip() == "2" else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Environment → settings
+
+
+def fsdp_settings_from_env(env: Mapping[str, str]) -> FSDPSettings:
+    """Read the variables that `accelerate launch` (or `shardtune launch`) sets from an FSDP config."""
+    s = FSDPSettings()
+    s.enabled = env_bool(env.get("ACCELERATE_USE_FSDP"), False)
+    strategy = env.get("FSDP_SHARDING_STRATEGY", s.sharding_strategy).strip().upper()
+    s.sharding_strategy = STRATEGY_BY_NUMBER.get(strategy, strategy)
+    if env.get("FSDP_RESHARD_AFTER_FORWARD"):
+        named, s.reshard_after_forward = reshard_setting(
+            env["FSDP_RESHARD_AFTER_FORWARD"], env.get("FSDP_VERSION", "1")
+        )
+        s.sharding_strategy = named or s.sharding_strategy
+    s.offload_params = env_bool(env.get("FSDP_OFFLOAD_PARAMS"), s.offload_params)
+    s.cpu_ram_efficient_loading = env_bool(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING"), s.cpu_ram_efficient_loading)
+    s.sync_module_states = env_bool(env.get("FSDP_SYNC_MODULE_STATES"), s.sync_module_states)
+    s.state_dict_type = env.get("FSDP_STATE_DICT_TYPE", s.state_dict_type).upper()
+    s.backward_prefetch = env.get("FSDP_BACKWARD_PREFETCH", s.backward_prefetch).upper()
+    s.forward_prefetch = env_bool(env.get("FSDP_FORWARD_PREFETCH"), s.forward_prefetch)
+    s.auto_wrap_policy = env.get("FSDP_AUTO_WRAP_POLICY", s.auto_wrap_policy).upper()
+    s.transformer_cls_to_wrap = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
+    if "FSDP_USE_ORIG_PARAMS" in env:
+        s.use_orig_params = env_bool(env["FSDP_USE_ORIG_PARAMS"], False)
+    s.activation_checkpointing = env_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING"), False)
+    s.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    return s
+
+
+def fsdp1_only_notes(settings: FSDPSettings) -> list[str]:
+    """One line per FSDP1-only option in `settings` that has no effect under FSDP2 (for a warning at start-up).
+
+    fsdp_forward_prefetch and fsdp_backward_prefetch NO_PREFETCH are not listed: shardtune maps them to FSDP2's
+    explicit prefetch settings.
+    """
+    if not settings.enabled:
+        return []
+    notes = []
+    if settings.use_orig_params is False:
+        notes.append(
+            "fsdp_use_orig_params: false is FSDP1-only; FSDP2 always keeps the original parameters, so "
+            "frozen and trainable weights share a block and no PEFT-specific wrap policy is needed."
+        )
+    if settings.sync_module_states:
+        notes.append(
+            "fsdp_sync_module_states: true is FSDP1-only; shardtune fills each rank's FSDP2 shards from "
+            "the same checkpoint (from rank 0 with fsdp_cpu_ram_efficient_loading), so all ranks agree."
+        )
+    if settings.backward_prefetch == "BACKWARD_POST":
+        notes.append(
+            "fsdp_backward_prefetch: BACKWARD_POST is FSDP1-only; FSDP2 prefetches before each block's backward "
+            "(as BACKWARD_PRE does)."
+        )
+    if settings.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+        notes.append(
+            f"fsdp_auto_wrap_policy: {settings.auto_wrap_policy} is FSDP1-only; shardtune shards each "
+            "decoder block, then the root (as TRANSFORMER_BASED_WRAP does)."
+        )
+    if settings.state_dict_type == "LOCAL_STATE_DICT":
+        notes.append(
+            "fsdp_state_dict_type: LOCAL_STATE_DICT is FSDP1-only; checkpoints are saved as "
+            "SHARDED_STATE_DICT (torch.distributed.checkpoint)."
+        )
+    return notes

@@ -1,0 +1,281 @@
+"""Checks of a run's flags that need no files but the ones named (`validate`): every problem at once, each naming
+its flag and the fix. The model's files are checked later, before loading, by shardtune.preflight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from shardtune import optimizers
+from shardtune.arguments import DataArguments, RunConfig, TrainArguments
+from shardtune.errors import ConfigError
+from shardtune.hub import is_hub_id
+from shardtune.quant import quantization_problems
+from shardtune.trackers import missing_packages, parse_report_to
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainArguments)}
+
+
+def _split(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def validate(cfg: RunConfig, check_paths: bool = True) -> None:
+    """Report every problem at once, each naming its flag and the fix."""
+    p = _required_problems(cfg)
+    p += _adapter_problems(cfg)
+    p += _training_problems(cfg)
+    p += _corpus_problems(cfg.data, cfg.train)
+    p += _report_to_problems(cfg.train.report_to)
+    p += _eval_harness_problems(cfg.train.eval_harness_tasks, cfg.train.eval_harness_include_path)
+    p += _split_problems(cfg)
+    p += _preference_problems(cfg)
+    if cfg.model.adapter_path and not cfg.model.use_peft_lora:
+        p.append("--adapter_path needs --use_peft_lora True.")
+    p += _quantization_problems(cfg)
+    if check_paths:
+        p += _path_problems(cfg)
+    if p:
+        raise ConfigError(p)
+
+
+def _required_problems(cfg: RunConfig) -> list[str]:
+    """The model and the data, and flags that exclude each other."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p = []
+    if not m.model_name_or_path:
+        p.append("--model_name_or_path is required: a hub id or a local model folder.")
+    if not d.dataset_name:
+        p.append("--dataset_name is required: a hub id, a save_to_disk folder or a .jsonl/.json/.parquet/.csv file.")
+    if m.use_4bit_quantization and m.use_8bit_quantization:
+        p.append("--use_4bit_quantization and --use_8bit_quantization are both set; choose one.")
+    if t.bf16 and t.fp16:
+        p.append("--bf16 and --fp16 are both set; choose one.")
+    mp = cfg.fsdp.mixed_precision
+    if (t.bf16 and mp == "fp16") or (t.fp16 and mp == "bf16"):
+        # resolve_precision would let bf16 win: a setting silently ignored.
+        flag = "--bf16" if t.bf16 else "--fp16"
+        p.append(
+            f"{flag} True and the accelerate config's mixed_precision: {mp} disagree; set one of them "
+            "(or make them the same)."
+        )
+    return p
+
+
+def _adapter_problems(cfg: RunConfig) -> list[str]:
+    """The LoRA flags with --use_peft_lora; without it, a quantized base or adapter flags given for nothing."""
+    m = cfg.model
+    p = []
+    if m.use_peft_lora:
+        if m.lora_r <= 0:
+            p.append(f"--lora_r must be > 0 (got {m.lora_r}).")
+        if m.lora_alpha <= 0:
+            p.append(f"--lora_alpha must be > 0 (got {m.lora_alpha}).")
+        if not 0 <= m.lora_dropout < 1:
+            p.append(f"--lora_dropout must be in [0, 1) (got {m.lora_dropout}).")
+        if not _split(m.lora_target_modules):
+            p.append("--lora_target_modules is empty; give module names or all-linear.")
+    elif m.use_4bit_quantization or m.use_8bit_quantization:
+        p.append("a quantized base cannot be fully fine-tuned: add --use_peft_lora True.")
+    else:
+        ignored = [f"--{n}" for n in ADAPTER_FLAGS if n in cfg.explicit]
+        if ignored:
+            p.append(
+                f"{', '.join(ignored)} set an adapter, but --use_peft_lora is False (full fine-tuning, where they "
+                "would be ignored): add --use_peft_lora True, or remove them."
+            )
+    return p
+
+
+def _training_problems(cfg: RunConfig) -> list[str]:
+    """Batch sizes, lengths, numeric ranges, the length of the run and the optimizer (shardtune.optimizers)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p = []
+    if m.use_unsloth:
+        p.append("--use_unsloth is not supported by shardtune; remove it (FSDP2 is used instead).")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(t, name) < 1:
+            p.append(f"--{name} must be >= 1 (got {getattr(t, name)}).")
+    if t.checkpoint_every_n_layers < 1:
+        p.append(f"--checkpoint_every_n_layers must be >= 1 (got {t.checkpoint_every_n_layers}); 1 checkpoints all.")
+    if d.max_length < 8:
+        p.append(f"--max_length/--max_seq_len must be >= 8 (got {d.max_length}).")
+    p += _range_problems(cfg)
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        p.append("set --num_train_epochs > 0 or --max_steps > 0.")
+    if not 0 <= t.warmup_ratio < 1:
+        p.append(f"--warmup_ratio must be in [0, 1) (got {t.warmup_ratio}).")
+    if t.optim not in optimizers.OPTIMIZERS:
+        p.append(f"--optim {t.optim!r} is not supported; use {optimizers.names()}.")
+    return p
+
+
+def _split_problems(cfg: RunConfig) -> list[str]:
+    """--log_level, and --splits with what --eval_strategy needs of it."""
+    d, t = cfg.data, cfg.train
+    p = []
+    if t.log_level not in ("debug", "info", "warning", "error", "critical", "passive"):
+        p.append(f"--log_level {t.log_level!r}: use debug, info, warning, error, critical or passive.")
+    if len(_split(d.splits)) not in (1, 2):
+        p.append(
+            f"--splits {d.splits!r}: give the training split and optionally the evaluation split, e.g. train,test."
+        )
+    if t.eval_strategy != "no" and len(_split(d.splits)) < 2:
+        p.append(f"--eval_strategy {t.eval_strategy} needs an evaluation split in --splits (e.g. train,test).")
+    return p
+
+
+def _quantization_problems(cfg: RunConfig) -> list[str]:
+    m, t = cfg.model, cfg.train
+    return quantization_problems(
+        use_4bit=m.use_4bit_quantization,
+        use_8bit=m.use_8bit_quantization,
+        quant_storage_dtype=m.bnb_4bit_quant_storage_dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        fsdp_enabled=cfg.fsdp.enabled,
+        mixed_precision=cfg.fsdp.mixed_precision,
+    )
+
+
+def _corpus_problems(d: DataArguments, t: TrainArguments) -> list[str]:
+    """--streaming, --packing_window, --dataset_num_proc."""
+    p = []
+    if d.packing_window < 1:
+        p.append(f"--packing_window must be >= 1 (got {d.packing_window}).")
+    if d.dataset_num_proc is not None and d.dataset_num_proc < 1:
+        p.append(f"--dataset_num_proc must be >= 1 (got {d.dataset_num_proc}); leave it unset for one per CPU.")
+    if not d.streaming:
+        return p
+    if t.max_steps <= 0:
+        p.append("--streaming True needs --max_steps > 0: the length of an epoch is unknown until the stream ends.")
+    epoch_flags = [f for f in ("save_strategy", "eval_strategy", "logging_strategy") if getattr(t, f) == "epoch"]
+    p += [
+        f"--{f} epoch cannot be used with --streaming True (an epoch's end is not known ahead); use steps."
+        for f in epoch_flags
+    ]
+    return p
+
+
+def _report_to_problems(report_to: str) -> list[str]:
+    """--report_to: known tracker names, and their packages installed (checked here, before any loading)."""
+    try:
+        return missing_packages(parse_report_to(report_to))
+    except ValueError as e:
+        return [str(e)]
+
+
+def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[str]:
+    """--eval_harness_*: lm_eval installed and the task folder there (task names are checked in the preflight)."""
+    import importlib.util
+
+    if not tasks:
+        return ["--eval_harness_include_path needs --eval_harness_tasks."] if include_path else []
+    p = []
+    if importlib.util.find_spec("lm_eval") is None:
+        p.append(
+            "--eval_harness_tasks needs the `lm_eval` package (lm-evaluation-harness), which is not installed: "
+            "pip install 'shardtune[eval]'"
+        )
+    if include_path and not Path(include_path).expanduser().is_dir():
+        p.append(f"--eval_harness_include_path {include_path}: no such folder.")
+    return p
+
+
+# Flags that only mean something for an adapter; refused when given explicitly with full fine-tuning.
+ADAPTER_FLAGS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "use_dora",
+    "dora_dropout",
+    "modules_to_save",
+    "adapter_name",
+)
+# (flag, lowest, highest, lowest allowed itself, highest allowed itself); None: unbounded on that side.
+_RANGES = (
+    ("train", "desirable_weight", 0, None, False, False),
+    ("train", "undesirable_weight", 0, None, False, False),
+    ("train", "learning_rate", 0, None, False, True),
+    ("train", "weight_decay", 0, None, True, True),
+    ("train", "adam_beta1", 0, 1, True, False),
+    ("train", "adam_beta2", 0, 1, True, False),
+    ("train", "adam_epsilon", 0, None, False, True),
+    ("train", "max_grad_norm", 0, None, True, True),
+    ("train", "warmup_steps", 0, None, True, True),
+    ("train", "logging_steps", 0, None, False, True),
+    ("train", "eval_steps", 0, None, False, True),
+    ("train", "save_steps", 0, None, False, True),
+    ("train", "save_total_limit", 1, None, True, True),
+    ("train", "max_nonfinite_steps", 0, None, True, True),
+    ("train", "ddp_timeout", 0, None, False, True),
+    ("train", "seed", 0, 2**32 - 1, True, True),  # numpy's seed range
+    ("train", "dataloader_num_workers", 0, None, True, True),
+    ("data", "max_train_samples", 1, None, True, True),
+    ("data", "max_eval_samples", 1, None, True, True),
+)
+
+
+def _range_problems(cfg: RunConfig) -> list[str]:
+    """Numbers outside the range where they mean anything, each with the range (math.isfinite: nan passes < and >)."""
+    import math
+
+    out = []
+    for part, name, lo, hi, lo_ok, hi_ok in _RANGES:
+        v = getattr(getattr(cfg, part), name)
+        if v is None:
+            continue
+        bad = (
+            not math.isfinite(v)
+            or (v < lo or (v == lo and not lo_ok))
+            or hi is not None
+            and (v > hi or v == hi and not hi_ok)
+        )
+        if bad:
+            low = f"{'>=' if lo_ok else '>'} {lo}"
+            rng = low if hi is None else f"in {'[' if lo_ok else '('}{lo}, {hi}{']' if hi_ok else ')'}"
+            out.append(f"--{name} must be {rng} (got {v}).")
+    return out
+
+
+def _preference_problems(cfg: RunConfig) -> list[str]:
+    d, t = cfg.data, cfg.train
+    p = []
+    by_objective = {"dpo": ("loss_type",), "kto": ("desirable_weight", "undesirable_weight")}
+    for objective, flags in by_objective.items():
+        changed = [f"--{n}" for n in flags if getattr(t, n) != _DEFAULTS[n]]
+        if changed and t.objective != objective:
+            p.append(f"{', '.join(changed)} only apply to --objective {objective}; remove them or set it.")
+    if t.objective not in ("dpo", "kto") and t.precompute_ref_log_probs:
+        p.append(
+            "--precompute_ref_log_probs only applies to --objective dpo or kto (the others need no reference); "
+            "remove it."
+        )
+    if t.objective == "sft":
+        return p
+    if t.beta <= 0:
+        p.append(f"--beta must be > 0 (got {t.beta}).")
+    if d.streaming:
+        p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
+    for flag in ("packing", "assistant_only_loss", "append_concat_token"):
+        if getattr(d, flag):
+            p.append(
+                f"--{flag} does not apply to --objective {t.objective} (pairs are rows of their own and only the "
+                f"completions count); set --{flag} False."
+            )
+    return p
+
+
+def _path_problems(cfg: RunConfig) -> list[str]:
+    p = []
+    mp, dn = cfg.model.model_name_or_path, cfg.data.dataset_name
+    if mp and not is_hub_id(mp) and not (Path(mp).expanduser() / "config.json").exists():
+        p.append(f"--model_name_or_path {mp}: no config.json there; give a model folder or a hub id.")
+    if dn and not is_hub_id(dn) and not Path(dn).expanduser().exists():
+        p.append(f"--dataset_name {dn}: no such file or folder.")
+    ap = cfg.model.adapter_path
+    if ap and not (Path(ap).expanduser() / "adapter_config.json").exists():
+        p.append(f"--adapter_path {ap}: no adapter_config.json there.")
+    return p
