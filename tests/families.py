@@ -317,7 +317,8 @@ def merge_logit_error(peft, merged, ids: torch.Tensor) -> float:
 
 def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) -> tuple[list[int], int]:
     """Greedy answer ids of `shardtune chat`'s loading path to one question, and the model's embedding rows."""
-    from shardtune.chat import encode_messages, load_for_chat
+    from shardtune.chat import encode_messages
+    from shardtune.inference import load_for_chat
 
     model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
     inputs = encode_messages(tok, [{"role": "user", "content": "What is the capital of Peru?"}])

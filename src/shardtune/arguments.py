@@ -11,6 +11,7 @@ from typing import Any
 
 from shardtune import optimizers
 from shardtune.fsdp_settings import FSDPSettings
+from shardtune.loss import OBJECTIVES
 from shardtune.precision import Precision, resolve_precision
 
 
@@ -110,6 +111,14 @@ class DataArguments:
     )
 
 
+def _objectives_help() -> str:
+    """'sft: ...; dpo, simpo, orpo: ...; kto: ...' from the registry, names with the same help together."""
+    by_help: dict[str, list[str]] = {}
+    for name, spec in OBJECTIVES.items():
+        by_help.setdefault(spec.help, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items()) + "."
+
+
 @dataclass
 class TrainArguments:
     output_dir: str = _f("output", "Where the adapter or model, metrics and checkpoints are written.")
@@ -179,12 +188,9 @@ class TrainArguments:
         "hung or lost rank stops the run sooner.",
     )
     # Preference tuning: what is minimised, with TRL's DPOConfig/CPOConfig names for the knobs (docs/preference.md).
-    objective: str = _f(
-        "sft",
-        "sft: cross-entropy on the text; dpo, simpo, orpo: preference tuning on prompt/chosen/rejected pairs; "
-        "kto: on unpaired prompt/completion/label rows.",
-        choices=["sft", "dpo", "simpo", "orpo", "kto"],
-    )
+    # No argparse choices: objectives registered after import (shardtune.loss.register_objective) are valid too;
+    # validation checks the name against the registry.
+    objective: str = _f("sft", _objectives_help())
     beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's, ORPO's and KTO's beta.")
     loss_type: str = _f("sigmoid", "--objective dpo: sigmoid (DPO) or ipo.", choices=["sigmoid", "ipo"])
     simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")

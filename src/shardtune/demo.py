@@ -341,7 +341,8 @@ def demo_train_flags(model_dir: Path, data_dir: Path, output_dir: Path, epochs: 
 
 
 def _answers(model_dir: Path, adapter: Path | None) -> list[str]:
-    from shardtune.chat import generate_reply, load_for_chat
+    from shardtune.chat import generate_reply
+    from shardtune.inference import load_for_chat
 
     model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
     return [

@@ -148,7 +148,7 @@ def write_results(results: dict, out: Path, *, model_desc: str) -> tuple[Path, s
 
 def evaluate_model(args: EvalArguments) -> int:
     """Check everything that is cheap to check, load the model, run the tasks, write the results."""
-    from shardtune.chat import load_for_chat, resolve_paths
+    from shardtune.inference import load_for_chat, resolve_paths
     from shardtune.modelcard import set_eval_section
 
     tasks = split_tasks(args.tasks)

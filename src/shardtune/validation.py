@@ -11,6 +11,7 @@ from shardtune import optimizers
 from shardtune.arguments import DataArguments, RunConfig, TrainArguments
 from shardtune.errors import ConfigError
 from shardtune.hub import is_hub_id
+from shardtune.loss import OBJECTIVES
 from shardtune.quant import quantization_problems
 from shardtune.trackers import missing_packages, parse_report_to
 
@@ -242,6 +243,8 @@ def _range_problems(cfg: RunConfig) -> list[str]:
 
 def _preference_problems(cfg: RunConfig) -> list[str]:
     d, t = cfg.data, cfg.train
+    if t.objective not in OBJECTIVES:
+        return [f"--objective {t.objective!r} is not one of {', '.join(OBJECTIVES)}."]
     p = []
     by_objective = {"dpo": ("loss_type",), "kto": ("desirable_weight", "undesirable_weight")}
     for objective, flags in by_objective.items():
@@ -253,7 +256,7 @@ def _preference_problems(cfg: RunConfig) -> list[str]:
             "--precompute_ref_log_probs only applies to --objective dpo or kto (the others need no reference); "
             "remove it."
         )
-    if t.objective == "sft":
+    if OBJECTIVES[t.objective].data == "rows":  # token rows, like SFT: the data flags all apply
         return p
     if t.beta <= 0:
         p.append(f"--beta must be > 0 (got {t.beta}).")

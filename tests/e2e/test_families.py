@@ -136,7 +136,8 @@ def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
-    from shardtune.chat import generate_reply, load_for_chat
+    from shardtune.chat import generate_reply
+    from shardtune.inference import load_for_chat
 
     root = matrix["root"]
     peft_and_merged(root / family, root / "two" / family, root / "merged" / family)  # writes the merged folder

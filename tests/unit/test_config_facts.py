@@ -148,7 +148,7 @@ def test_is_hub_id_is_the_hub_rule_and_a_path_that_exists_wins(tmp_path, monkeyp
 
 @pytest.mark.parametrize("ref", ["a/b/c", "my model", "./missing"])
 def test_train_chat_preflight_card_and_data_treat_a_non_hub_name_as_a_missing_path(tmp_path, monkeypatch, ref):
-    from shardtune import chat, preflight
+    from shardtune import inference, preflight
     from shardtune.data.sources import load_split
     from shardtune.modelcard import write_model_card
 
@@ -165,7 +165,7 @@ def test_train_chat_preflight_card_and_data_treat_a_non_hub_name_as_a_missing_pa
         f"--tokenizer_name_or_path {ref}: no such folder"
     )
     with pytest.raises(ValueError, match=re.escape(f"--model_name_or_path {ref}: no such folder.")):
-        chat.resolve_paths(ref, None)
+        inference.resolve_paths(ref, None)
     with pytest.raises(ValueError, match="no such file or folder"):
         load_split(ref, "train", is_train=True)
     (tmp_path / "out").mkdir()

@@ -66,7 +66,7 @@ def test_the_trainer_builds_it_and_it_steps(sgd):
 
 
 def test_the_planner_counts_its_state(sgd):
-    common = dict(world_size=8, use_peft_lora=False, bf16=True, batch_size=1, seq_len=512)
+    common = {"world_size": 8, "use_peft_lora": False, "bf16": True, "batch_size": 1, "seq_len": 512}
     adamw = estimate_memory(LLAMA_7B, optim="adamw_torch", **common)
     plain = estimate_memory(LLAMA_7B, optim="sgd_plain", **common)
     assert plain.device["optimizer state"] == 0

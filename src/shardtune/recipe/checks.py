@@ -18,7 +18,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
     from shardtune import hub, preflight
     from shardtune.distributed.mesh import broadcast_object
-    from shardtune.launcher import fsdp1_only_notes
+    from shardtune.fsdp_settings import fsdp1_only_notes
 
     t = cfg.train
     repo_id, problem = None, None
