@@ -19,7 +19,7 @@ COMMANDS = (
     "shardtune.__main__",
     "shardtune.train",
     "shardtune.plan",
-    "shardtune.launcher",
+    "shardtune.launch",
     "shardtune.merge",
     "shardtune.chat",
     "shardtune.demo",
