@@ -16,7 +16,6 @@ import difflib
 import json
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,7 +302,6 @@ def _atomic_folder(out: Path) -> Iterator[Path]:
             "it. Give a new or empty folder."
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    with atomic.staged_folder(tmp, what="the merged model", final=out) as staged:
+    with atomic.staged_folder(atomic.staging_path(out), what="the merged model", final=out) as staged:
         yield staged
         atomic.replace_folder(staged, out)
