@@ -162,6 +162,13 @@ def fsync_tree(folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------ folders
 
 
+def staging_path(final: Path, name: str | None = None) -> Path:
+    """Where an output is written before it is moved into place: the hidden sibling `.<name>.tmp-<pid>` of `final`
+    (`name` defaults to final's). A folder left there by a killed process of the same pid is cleared by
+    `staged_folder`; publishing skips hidden names (shardtune.hub ignores `*.tmp-*`)."""
+    return final.parent / f".{name or final.name}.tmp-{os.getpid()}"
+
+
 @contextlib.contextmanager
 def staged_folder(tmp: Path, *, what: str, final: Path, needed: int | None = None) -> Iterator[Path]:
     """Create `tmp` and yield it; on any error remove it (a full disk becomes a DiskFullError naming `final`).
@@ -198,3 +205,25 @@ def replace_folder(new: Path, out: Path) -> None:
             raise
         shutil.rmtree(old, ignore_errors=True)
     fsync_dir(out.parent)
+
+
+def move_files_into(tmp: Path, out: Path, *, last=lambda name: False, stale: list[Path] | tuple = ()) -> None:
+    """Move each finished file (or folder) of `tmp` into the existing folder `out` with an atomic rename, those
+    for which last(name) is true after the others; then remove `stale` files and `tmp`.
+
+    For outputs that share their folder with other files (an adapter next to checkpoints/ and metrics.jsonl), where
+    one folder rename would replace them too. Every file is fsynced before the first rename, and renames need no
+    space, so a crash or a full disk leaves each file either old or new, and the files moved last (the weights)
+    old until everything else is in place.
+    """
+    fsync_tree(tmp)
+    for f in sorted(tmp.iterdir(), key=lambda p: (bool(last(p.name)), p.name)):
+        target = out / f.name
+        if f.is_dir():
+            replace_folder(f, target)
+        else:
+            os.replace(f, target)
+    for p in stale:
+        p.unlink()
+    tmp.rmdir()
+    fsync_dir(out)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,30 +17,20 @@ _LAST = ("adapter_model.safetensors", "model.safetensors.index.json", "model.saf
 
 
 def tmp_dir_for(output_dir: str | Path, name: str) -> Path:
-    return Path(output_dir) / f".{name}.tmp-{os.getpid()}"
+    """The hidden folder inside output_dir that an export is written into before its files are moved out."""
+    return atomic.staging_path(Path(output_dir) / name)
 
 
 def move_into_place(tmp: Path, output_dir: str | Path) -> None:
-    """Move each finished (fsynced) file from tmp into output_dir with an atomic rename, weights last.
+    """Move each finished file from tmp into output_dir with an atomic rename, weights last; shards of an older
+    export that the new one does not have are removed.
 
     Not one folder rename, unlike checkpoints: PEFT's and transformers' layout puts the files at the top of
-    output_dir, next to checkpoints/ and metrics.jsonl, which must stay. Every file is complete and on disk before
-    the first rename, and renames need no space, so a full disk cannot leave a mixed folder.
+    output_dir, next to checkpoints/ and metrics.jsonl, which must stay.
     """
     out = Path(output_dir)
-    atomic.fsync_tree(tmp)
-    files = sorted(tmp.iterdir(), key=lambda p: (p.name in _LAST or p.name.startswith("model-"), p.name))
     stale = [p for p in out.glob("model-*.safetensors") if not (tmp / p.name).exists()]
-    for f in files:
-        target = out / f.name
-        if f.is_dir():
-            atomic.replace_folder(f, target)
-        else:
-            os.replace(f, target)
-    for p in stale:
-        p.unlink()
-    tmp.rmdir()
-    atomic.fsync_dir(out)
+    atomic.move_files_into(tmp, out, last=lambda name: name in _LAST or name.startswith("model-"), stale=stale)
 
 
 @contextlib.contextmanager

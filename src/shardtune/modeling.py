@@ -6,34 +6,18 @@ Nothing here imports torch.distributed: sharding lives in shardtune.distributed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import importlib.util
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune import fastpath
+from shardtune import dtypes, fastpath, quant
 from shardtune.log import print0
-
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "uint8": torch.uint8,
-}
-
-
-def compute_dtype(bf16: bool, fp16: bool) -> torch.dtype:
-    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+from shardtune.weights import causal_lm_class, layout_conversions
 
 
 def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
@@ -56,7 +40,7 @@ def family_attention(config, attn_impl: str) -> str:
     transformers' block-diagonal causal mask over packed rows, so packed documents still never see each other."""
     if attn_impl not in (fastpath.ATTENTION, "sdpa"):
         return attn_impl
-    cls = _causal_lm_class(config)
+    cls = causal_lm_class(config)
     reason = None
     if cls is not None and not getattr(cls, "_supports_sdpa", True):
         reason = f"{cls.__name__} does not support SDPA attention"
@@ -68,15 +52,6 @@ def family_attention(config, attn_impl: str) -> str:
         _SAID.add(reason)
         print0(f"{reason}; using eager attention (packed documents stay separated by its block-diagonal mask).")
     return "eager"
-
-
-def _causal_lm_class(config):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM._model_mapping[type(config)]
-    except (KeyError, ValueError):
-        return None  # remote code: its class is only known once loaded
 
 
 def load_tokenizer(
@@ -114,7 +89,7 @@ def bnb_config(
 
 
 def _named_dtype(name: str, flag: str) -> torch.dtype:
-    dtype = DTYPES.get(name.strip().lower().removeprefix("torch."))
+    dtype = dtypes.parse(name)
     if dtype is None:
         raise ValueError(f"{flag} {name!r} is not a dtype; use bfloat16, float16 or float32.")
     return dtype
@@ -139,16 +114,14 @@ def load_base_model(
     config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     attn_impl = family_attention(config, attn_impl)
     if quantization_config is not None and getattr(quantization_config, "load_in_4bit", False):
-        from shardtune.quant import load_4bit_model
-
         check_4bit_layout(config)  # on every rank, before anything is read
-
-        model = load_4bit_model(
+        # Built here, filled (or left on meta) and quantized by shardtune.quant one tensor at a time.
+        model = build_skeleton(config, dtype=dtype, attn_impl=attn_impl, trust_remote_code=trust_remote_code)
+        quant.load_4bit_into(
+            model,
             model_name_or_path,
             quantization_config=quantization_config,
             dtype=dtype,
-            attn_impl=attn_impl,
-            trust_remote_code=trust_remote_code,
             on_meta=on_meta,
             quantize_device=quantize_device,
         )
@@ -191,11 +164,10 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def build_skeleton(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: str, trust_remote_code: bool):
-    """The model with every parameter on meta (nothing read, nothing initialised) and real buffers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_skeleton(config, *, dtype: torch.dtype, attn_impl: str, trust_remote_code: bool) -> nn.Module:
+    """The model of a config with every parameter on meta (nothing read, nothing initialised) and real buffers."""
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     attn_impl = family_attention(config, attn_impl)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(
@@ -204,146 +176,20 @@ def build_skeleton(model_name_or_path: str, *, dtype: torch.dtype, attn_impl: st
     return model
 
 
-def checkpoint_files(model_name_or_path: str) -> list[Path]:
-    """The model's .safetensors files (downloaded from the hub when it is not a local folder)."""
-    path = Path(model_name_or_path).expanduser()
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(model_name_or_path, allow_patterns=["*.safetensors", "*.json"]))
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
-    raise ValueError(
-        f"{model_name_or_path}: no model.safetensors (or index) found; shardtune reads safetensors checkpoints "
-        "tensor by tensor. Convert the weights with transformers' save_pretrained(safe_serialization=True)."
-    )
-
-
-def iter_checkpoint(model_name_or_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time; pread, not mmap, so a tensor's memory is returned once it is dropped."""
-    from safetensors import safe_open
-
-    for file in checkpoint_files(model_name_or_path):
-        with safe_open(str(file), framework="pt", device="cpu", backend="pread") as f:
-            for name in f.offset_keys():  # in file order: sequential reads
-                yield name, f.get_tensor(name)
-
-
-def load_checkpoint_into(
-    model: nn.Module,
-    model_name_or_path: str,
-    *,
-    dtype: torch.dtype,
-    convert: Callable[[nn.Module, str, torch.Tensor], bool] | None = None,
-) -> None:
-    """Fill a meta skeleton from the checkpoint one tensor at a time, each cast to dtype (as from_pretrained does).
-
-    convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True.
-    """
-    unexpected = []
-    rename = checkpoint_renaming(model.config, type(model))
-    for key, tensor in iter_checkpoint(model_name_or_path):
-        key = rename(key)
-        module_name, _, name = key.rpartition(".")
-        module = model.get_submodule(module_name) if _has_submodule(model, module_name) else None
-        if module is None or (name not in module._parameters and name not in module._buffers):
-            unexpected.append(key)
-            continue
-        if tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        if convert is not None and convert(module, name, tensor):
-            continue
-        if name in module._parameters:
-            module._parameters[name] = nn.Parameter(tensor, requires_grad=module._parameters[name].requires_grad)
-        else:
-            module._buffers[name] = tensor
-        del tensor
-        release_free_memory()
-    model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(
-            f"{model_name_or_path}: the checkpoint lacks {len(missing)} of the model's weights (e.g. {missing[:3]}); "
-            f"its tensor names (e.g. {unexpected[:3]}) do not match the model's. Load this model without "
-            "--use_4bit_quantization, or save it again with transformers' save_pretrained."
-        )
-
-
-def _layout_conversions(config, cls: type | None) -> list:
-    """transformers' conversions from the family's checkpoint names to its modules' (none for most families);
-    looked up by class name first, then model_type, as transformers does."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    for key in (getattr(cls, "__name__", None), getattr(config, "model_type", None)):
-        found = get_checkpoint_conversion_mapping(key) if key else None
-        if found:
-            return list(found)
-    return []
-
-
 def check_4bit_layout(config) -> None:
     """Refuse a family whose checkpoint tensors transformers merges while loading (fused mixture-of-experts weights
     saved per expert): shardtune's 4-bit loader reads and quantizes one tensor at a time."""
     from transformers.core_model_loading import WeightRenaming
 
-    merged = [c for c in _layout_conversions(config, _causal_lm_class(config)) if not isinstance(c, WeightRenaming)]
+    merged = [c for c in layout_conversions(config) if not isinstance(c, WeightRenaming)]
     if merged:
-        name = getattr(_causal_lm_class(config), "__name__", config.model_type)
+        name = getattr(causal_lm_class(config), "__name__", config.model_type)
         raise ValueError(
             f"--use_4bit_quantization: {name} checkpoints store {', '.join(merged[0].source_patterns)} that "
             f"transformers merges into {', '.join(merged[0].target_patterns)} while loading; shardtune's 4-bit "
             f"loader quantizes one stored tensor at a time and cannot merge them yet. Train {name} without "
             "--use_4bit_quantization (LoRA, DoRA or full fine-tuning in bf16)."
         )
-
-
-def checkpoint_renaming(config, cls: type | None = None) -> Callable[[str], str]:
-    """Checkpoint name -> the model's name, through the family's renamings (GPT-NeoX's embed_out -> lm_head)."""
-    from transformers.core_model_loading import WeightRenaming
-
-    conversions = _layout_conversions(config, cls or _causal_lm_class(config))
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-
-    def rename(key: str) -> str:
-        for r in renamings:
-            key = r.rename_source_key(key)[0]
-        return key
-
-    return rename
-
-
-def release_free_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc only; elsewhere a no-op).
-
-    glibc keeps freed blocks below its dynamic mmap threshold (up to 32 MiB) in its heap; reading and quantizing
-    tensor after tensor, or receiving shard after shard, then leaves a fragmented heap that holds on to memory
-    nothing uses. Measured on a 1.1 GB checkpoint quantized to a 0.44 GiB 4-bit model: 0.83 GiB resident without
-    this, 0.47 GiB with it.
-    """
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _glibc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None  # musl and macOS have none
-
-
-def _has_submodule(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> int:

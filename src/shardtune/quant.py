@@ -1,10 +1,10 @@
 """4-bit frozen bases (bitsandbytes) under FSDP2.
 
 - `quantization_problems`: flag combinations that would train wrongly, refused before loading.
-- `load_4bit_model`: builds the model on the meta device and fills it tensor by tensor from the safetensors
-  files, quantizing each linear weight as soon as it is read, so the whole bf16 model is never in memory. On
-  ranks that receive their shards from rank 0 it only builds the skeleton (packed shapes, quantization state
-  on meta).
+- `load_4bit_into`: turns the model's meta skeleton (built by shardtune.modeling) into 4-bit layers and fills it
+  tensor by tensor from the safetensors files (shardtune.weights), quantizing each linear weight as soon as it is
+  read, so the whole bf16 model is never in memory. On ranks that receive their shards from rank 0 it reads
+  nothing (packed shapes, quantization state on meta).
 - `prepare_for_fsdp`: each packed weight becomes an ordinary parameter of the storage dtype (which FSDP2 shards
   and all-gathers like any bf16 tensor) and its `QuantState` stays on the layer, replicated on every rank.
 
@@ -23,32 +23,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-# Floating storage dtypes that FSDP2 can shard and all-gather as the packed 4-bit weights' parameter dtype.
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from shardtune import dtypes
+from shardtune.precision import resolve_precision
+from shardtune.weights import load_checkpoint_into
+
+# How to ask for each precision, for the message when the storage dtype and the run's precision differ.
 _PRECISION_FOR = {"bfloat16": "--bf16 True", "float16": "--fp16 True", "float32": "neither --bf16 nor --fp16"}
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-
-def _dtype_name(name: str) -> str:
-    name = name.strip().lower().removeprefix("torch.")
-    return _ALIASES.get(name, name)
-
-
-def fsdp_param_dtype_name(*, bf16: bool, fp16: bool, mixed_precision: str) -> str:
-    """The dtype FSDP computes in (and casts floating parameters to): what the packed weights must be stored in."""
-    if bf16 or mixed_precision == "bf16":
-        return "bfloat16"
-    if fp16 or mixed_precision == "fp16":
-        return "float16"
-    return "float32"
-
-
-def _precision_flags(bf16: bool, fp16: bool, mixed_precision: str) -> str:
-    if bf16 or fp16:
-        return "--bf16 True" if bf16 else "--fp16 True"
-    if mixed_precision in ("bf16", "fp16"):
-        return f"mixed_precision: {mixed_precision}"
-    return "neither --bf16 nor --fp16"
 
 
 def bitsandbytes_missing(flag: str) -> str | None:
@@ -76,7 +56,9 @@ def quantization_problems(
 ) -> list[str]:
     """Combinations that would train wrongly under FSDP, each with the flags to set."""
     problems = []
-    want = fsdp_param_dtype_name(bf16=bf16, fp16=fp16, mixed_precision=mixed_precision)
+    # The packed weights are FSDP parameters: they must be stored in the dtype FSDP computes in.
+    precision = resolve_precision(bf16=bf16, fp16=fp16, mixed_precision=mixed_precision)
+    want = dtypes.name_of(precision.compute)
     if use_8bit:
         problems.append(
             "--use_8bit_quantization is not supported: shardtune shards every model with FSDP2 (a single process "
@@ -89,8 +71,8 @@ def quantization_problems(
     missing = bitsandbytes_missing("--use_4bit_quantization True")
     if missing:
         return [*problems, missing]
-    storage = _dtype_name(quant_storage_dtype)
-    if storage not in (*STORAGE_DTYPES, "uint8"):
+    storage = dtypes.canonical(quant_storage_dtype)
+    if storage not in (*dtypes.FLOATING, "uint8"):
         problems.append(
             f"--bnb_4bit_quant_storage_dtype {quant_storage_dtype!r} is not a dtype; use {want} "
             "(the dtype FSDP computes in)."
@@ -99,12 +81,12 @@ def quantization_problems(
         problems.append(
             "--bnb_4bit_quant_storage_dtype uint8 (the default) cannot be used under FSDP: the packed 4-bit weights "
             "are sharded and all-gathered as FSDP parameters, which must be of FSDP's floating parameter dtype. "
-            f"Set --bnb_4bit_quant_storage_dtype {want} (with {_precision_flags(bf16, fp16, mixed_precision)})."
+            f"Set --bnb_4bit_quant_storage_dtype {want} (with {precision.flags})."
         )
     elif storage != "uint8" and storage != want and (fsdp_enabled or want != "float32"):
         problems.append(
             f"--bnb_4bit_quant_storage_dtype {storage} differs from FSDP's parameter dtype {want} "
-            f"({_precision_flags(bf16, fp16, mixed_precision)}): FSDP would cast the packed 4-bit bytes as if they "
+            f"({precision.flags}): FSDP would cast the packed 4-bit bytes as if they "
             f"were numbers. Set --bnb_4bit_quant_storage_dtype {want}, or match the precision to the storage "
             f"({_PRECISION_FOR[storage]})."
         )
@@ -120,17 +102,17 @@ def linear4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def load_4bit_model(
+def load_4bit_into(
+    model: nn.Module,
     model_name_or_path: str,
     *,
     quantization_config,
     dtype: torch.dtype,
-    attn_impl: str,
-    trust_remote_code: bool,
     on_meta: bool = False,
     quantize_device: torch.device | None = None,
 ) -> nn.Module:
-    """A 4-bit model whose linear weights are quantized one tensor at a time while the checkpoint is read.
+    """Make a meta skeleton (shardtune.modeling.build_skeleton) a 4-bit model whose linear weights are quantized
+    one tensor at a time while the checkpoint is read; returns it.
 
     dtype is the dtype the checkpoint is cast to before quantizing (as transformers does) and that of the
     unquantized parameters. With on_meta, nothing is read: packed weights and quantization states are on meta,
@@ -138,11 +120,6 @@ def load_4bit_model(
     """
     from transformers.quantizers import AutoHfQuantizer
 
-    from shardtune import modeling
-
-    model = modeling.build_skeleton(
-        model_name_or_path, dtype=dtype, attn_impl=attn_impl, trust_remote_code=trust_remote_code
-    )
     if getattr(model.config, "quantization_config", None) is not None:
         raise ValueError(
             f"{model_name_or_path} is already quantized; --use_4bit_quantization quantizes an unquantized base "
@@ -156,7 +133,7 @@ def load_4bit_model(
             _quantize_on_meta(module, dtype)
     else:
         device = quantize_device or torch.device("cpu")
-        modeling.load_checkpoint_into(
+        load_checkpoint_into(
             model, model_name_or_path, dtype=dtype, convert=lambda m, n, t: _quantize_into(m, n, t, device)
         )
     quantizer.postprocess_model(model)

@@ -73,20 +73,20 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from shardtune import modeling, quant
+    from shardtune import quant, weights
     from shardtune.distributed.mesh import init_distributed, shutdown
     from shardtune.distributed.setup import build_sharded_model
     from shardtune.log import logger, setup_logging
 
     reads = []
-    read = modeling.iter_checkpoint
+    read = weights.iter_checkpoint
 
     def counted(path):
         for name, tensor in read(path):
             reads.append(name)
             yield name, tensor
 
-    modeling.iter_checkpoint = counted
+    weights.iter_checkpoint = counted
     setup_logging("info")
     records = []
     handler = logging.Handler()

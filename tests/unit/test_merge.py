@@ -12,7 +12,7 @@ from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from shardtune import merge
+from shardtune import merge, merge_plan, weights
 from shardtune.demo import build_model, build_tokenizer
 from tests.tolerance import decoder_chain, tol, tol_rounding
 
@@ -204,7 +204,7 @@ def test_streams_one_base_shard_at_a_time(bases, tmp_path, monkeypatch):
     adapter = make_adapter(bases["untied"], tmp_path / "adapter", LoraConfig(r=4, target_modules=ALL_LINEAR))
     events: list[tuple[str, str]] = []
     open_now = []
-    real_open, real_save = merge._open_shard, merge._save_shard
+    real_open, real_save = weights.open_shard, weights.write_safetensors
 
     class CountingOpen:
         def __init__(self, path):
@@ -225,8 +225,8 @@ def test_streams_one_base_shard_at_a_time(bases, tmp_path, monkeypatch):
         events.append(("save", open_now[0].name))
         real_save(tensors, path)
 
-    monkeypatch.setattr(merge, "_open_shard", CountingOpen)
-    monkeypatch.setattr(merge, "_save_shard", counting_save)
+    monkeypatch.setattr(weights, "open_shard", CountingOpen)
+    monkeypatch.setattr(weights, "write_safetensors", counting_save)
     merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     base_shards = sorted(p.name for p in bases["untied"].glob("model-*.safetensors"))
     opened = [name for kind, name in events if kind == "open"]
@@ -320,7 +320,7 @@ def test_live_state_dict_keys_with_adapter_names_group_like_saved_ones(bases):
     cfg = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, modules_to_save=["lm_head"])
     live = {k: v for k, v in get_peft_model(model, cfg).state_dict().items() if "lora_" in k or "modules_to_" in k}
     assert any(".default." in k for k in live)
-    groups = merge._parse_keys(live)
+    groups = merge_plan.parse_keys(live)
     assert set(groups["model.layers.0.self_attn.q_proj"]) == {"A", "B", "magnitude"}
     assert set(groups["lm_head.weight"]) == {"replace"}
     assert len(groups) == 3

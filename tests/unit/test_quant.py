@@ -35,7 +35,7 @@ def _bnb(quant_type="nf4", nested=True, storage=torch.bfloat16, compute=torch.bf
 
 
 def _load(path, qcfg, dtype, on_meta=False):
-    return quant.load_4bit_model(
+    return modeling.load_base_model(
         str(path), quantization_config=qcfg, dtype=dtype, attn_impl="sdpa", trust_remote_code=False, on_meta=on_meta
     )
 

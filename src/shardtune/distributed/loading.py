@@ -19,6 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtune.quant import linear4bit_modules, quant_state_tensors
+from shardtune.weights import release_free_memory
+
 
 @dataclass
 class NodeGroup:
@@ -101,8 +104,6 @@ def materialize_from_rank0(
     parameters: they are allocated there, each is received into a buffer on `device` and then copied into place,
     so a collective never writes into host memory that NCCL cannot reach.
     """
-    from shardtune.modeling import release_free_memory
-
     sender = dist.get_rank() == node.src
     if sender:
         names = {n for n, _ in model.named_parameters()}
@@ -139,18 +140,28 @@ def _allocate(model: nn.Module, *, params_on: torch.device, buffers_on: torch.de
 def allocate_unread(model: nn.Module, device: torch.device) -> None:
     """Allocate every (meta) parameter's local shard and 4-bit quantization state on `device`, unfilled: the
     model of `ModelSpec(read_weights=False)`, whose step is traced for its memory, not its values."""
-    from shardtune.quant import linear4bit_modules, quant_state_tensors
-
     _allocate(model, params_on=device, buffers_on=device)
     for _, module in linear4bit_modules(model):
         for holder, attr in quant_state_tensors(module.quant_state):
             setattr(holder, attr, torch.empty_like(getattr(holder, attr), device=device))
 
 
+def _shard_dim(mesh) -> int:
+    """The mesh dimension of the shard group (FSDP2 shards dim 0 of every parameter along it): the one named
+    "shard" (shardtune.parallel.ParallelDims.mesh_dim_names); other dimensions replicate (HYBRID_SHARD across
+    nodes, NO_SHARD across all ranks). A mesh without names has a single dimension, which is the shard group."""
+    names = mesh.mesh_dim_names
+    if names is None and mesh.ndim == 1:
+        return 0
+    if names is None or "shard" not in names:
+        raise ValueError(f"the device mesh has no 'shard' dimension (dimensions: {names}); build it with build_mesh.")
+    return names.index("shard")
+
+
 def _shard_index(global_rank: int, mesh) -> int:
-    """This rank's position along the mesh's shard (last) dimension."""
+    """A rank's index in its shard group: its coordinate along the mesh's shard dimension."""
     coords = (mesh.mesh == global_rank).nonzero()
-    return int(coords[0, -1])
+    return int(coords[0, _shard_dim(mesh)])
 
 
 @torch.no_grad()
@@ -170,7 +181,7 @@ def _scatter_rows(
         param.copy_(buf)
         return
     mesh, rows, rest = param.device_mesh, param.shape[0], tuple(param.shape[1:])
-    shards = mesh.size(-1)
+    shards = mesh.size(_shard_dim(mesh))  # the shard group's size, not the world's
     chunk = -(-rows // shards)
     local = param.to_local()
     start = _shard_index(rank, mesh) * chunk
@@ -204,8 +215,6 @@ def broadcast_quant_states(model: nn.Module, device: torch.device, node: NodeGro
 
     The other ranks built theirs on meta with the same shapes; the shapes are checked before any tensor is sent.
     """
-    from shardtune.quant import linear4bit_modules, quant_state_tensors
-
     holders = [h for _, m in linear4bit_modules(model) for h in quant_state_tensors(m.quant_state)]
     shapes = [(tuple(getattr(h, a).shape), str(getattr(h, a).dtype)) for h, a in holders]
     box = [shapes]
