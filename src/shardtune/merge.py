@@ -25,6 +25,7 @@ import torch
 
 from shardtune import atomic, dtypes, weights
 from shardtune.config import ConfigError
+from shardtune.hub import is_hub_id
 from shardtune.log import error, print0, setup_logging, warn0
 from shardtune.merge_plan import (
     BaseCheckpoint,
@@ -195,7 +196,7 @@ def _local_or_download(ref: str, flag: str, trust_remote_code: bool) -> Path:
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+    if not is_hub_id(ref):
         raise ValueError(f"--{flag} {ref}: no such folder.")
     from huggingface_hub import snapshot_download
 

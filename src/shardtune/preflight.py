@@ -556,7 +556,7 @@ def identity_problem(checkpoint_dir: Path, record: dict, resume_from: str) -> st
     except ValueError:
         return None  # unreadable: the checkpoint's own checks name the file
     now = run_identity(record)
-    # With a saved content digest the data is compared by content after it is prepared (train._check_resumed_data):
+    # With a saved content digest the data is compared by content after it is prepared (recipe.state.check_resumed_data):
     # the same rows under another path (another node's copy, a moved folder) resume.
     content_checked = {"data.dataset_name"} if json.loads(saved_file.read_text()).get("data_digest") else set()
     diffs = [

@@ -61,6 +61,11 @@ def checkpoint_files(model_name_or_path: str) -> list[Path]:
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
+        from shardtune.hub import is_hub_id
+
+        if not is_hub_id(model_name_or_path):
+            raise ValueError(f"{model_name_or_path}: no such folder; give a model folder or a hub id.")
+
         path = Path(snapshot_download(model_name_or_path, allow_patterns=["*.safetensors", "*.json"]))
     return shard_files(path, model_name_or_path)
 

@@ -10,9 +10,7 @@ give back. Nothing crosses nodes; on one node this is rank 0 sending over the de
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,14 +48,6 @@ def node_group(rank: int, local_rank: int) -> NodeGroup:
         if leader == mine:
             group, ranks = g, members
     return NodeGroup(mine, ranks, group)
-
-
-def note_checkpoint_read(rank: int) -> None:
-    """For tests: with SHARDTUNE_LOAD_LOG=<dir>, a rank that reads the checkpoint touches <dir>/loaded-rank<r>."""
-    where = os.environ.get("SHARDTUNE_LOAD_LOG")
-    if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-        (Path(where) / f"loaded-rank{rank}").touch()
 
 
 def take_full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
