@@ -74,19 +74,21 @@ def _adapter_vocab_rows(model, adapter: str) -> int | None:
     path = Path(adapter) / "adapter_model.safetensors"
     if not path.is_file():
         return None
-    from safetensors import safe_open
+    from shardtune.weights import read_headers
 
     names = [
         n for n, m in model.named_modules() if m is model.get_input_embeddings() or m is model.get_output_embeddings()
     ]
     width = model.get_input_embeddings().weight.shape[1]
-    rows = []
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-            if any(f".{n}." in f".{key}" for n in names) and "lora_" not in key and "trainable_tokens" not in key:
-                shape = f.get_slice(key).get_shape()
-                if len(shape) == 2 and shape[1] == width:
-                    rows.append(shape[0])
+    rows = [
+        shape[0]
+        for key, shape in read_headers([path])[0].items()
+        if any(f".{n}." in f".{key}" for n in names)
+        and "lora_" not in key
+        and "trainable_tokens" not in key
+        and len(shape) == 2
+        and shape[1] == width
+    ]
     return max(rows) if rows else None
 
 

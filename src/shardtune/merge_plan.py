@@ -20,9 +20,8 @@ import torch
 
 from shardtune import dtypes
 from shardtune.log import warn0
-from shardtune.weights import checkpoint_renaming
+from shardtune.weights import PEFT_PREFIX, checkpoint_renaming
 
-PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # Fields of LoraConfig that do not mark a variant yet change what merging means.
 UNMERGEABLE_OPTIONS = ("use_qalora", "target_parameters", "layer_replication")

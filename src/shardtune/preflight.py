@@ -318,15 +318,16 @@ def adapter_tensor_shapes(adapter_dir: str | Path) -> dict[str, tuple[int, ...]]
     path = Path(adapter_dir).expanduser() / "adapter_model.safetensors"
     if not path.is_file():
         return {}
-    from safetensors import safe_open
+    from shardtune.weights import read_headers
 
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - not iterable
+    return read_headers([path])[0]
 
 
 def _expected(key: str, shape: tuple, base: dict[str, tuple], vocab: int | None, fan_in_fan_out: bool):
     """(the base module an adapter tensor belongs to, its weight's shape or None, whether they fit)."""
-    k = key.removeprefix("base_model.model.")
+    from shardtune.weights import PEFT_PREFIX
+
+    k = key.removeprefix(PEFT_PREFIX)
     markers = (
         ".lora_A.",
         ".lora_B.",

@@ -32,6 +32,8 @@ _ST = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
 _ST_NAMES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 ST_DTYPES = dict(zip(_ST_NAMES, (*_ST, torch.uint8, torch.bool)))
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+# peft prefixes every key of a saved adapter (adapter_model.safetensors) with this.
+PEFT_PREFIX = "base_model.model."
 
 
 # ---------------------------------------------------------------- finding and reading shards
