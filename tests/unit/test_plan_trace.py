@@ -17,9 +17,10 @@ import socket
 import pytest
 import torch
 
-from shardtune.plan import category_comparison, format_plan, format_trace, main, make_plan, trace_comparison
+from shardtune.plan import format_plan, format_trace, main, make_plan
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
+from shardtune.planning.report import category_comparison, trace_comparison
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"
@@ -172,11 +173,11 @@ def _free_port() -> int:
 
 def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
     """A real 1-rank shardtune build (gloo) of the tiny model, one real step, then the bytes it holds."""
+    from shardtune.builder import model_spec
     from shardtune.distributed.fsdp import local_state_bytes
     from shardtune.distributed.mesh import init_distributed, shutdown
     from shardtune.distributed.setup import build_sharded_model
-    from shardtune.builder import model_spec
-    from shardtune.trainer import build_optimizer
+    from shardtune.optimizers import build_optimizer
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(_free_port())}.items():
