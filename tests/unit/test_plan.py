@@ -15,14 +15,19 @@ from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArgu
 from shardtune.config import parse_args as parse_train_args
 from shardtune.plan import (
     PlanArguments,
-    base_param_count,
     main,
     make_plan,
     parse_bytes,
     read_accelerate_config,
     warn_if_too_small,
 )
-from shardtune.planning import ModelShape, estimate_memory, lora_param_count, model_state_bytes_per_rank
+from shardtune.planning import (
+    ModelShape,
+    base_param_count,
+    estimate_memory,
+    lora_param_count,
+    model_state_bytes_per_rank,
+)
 from shardtune.planning.activations import layer_saved_bytes_per_token
 from shardtune.planning.estimate import SAVE_COPIES_ROW, SAVE_PHASE
 from shardtune.planning.known_configs import known_config
@@ -130,6 +135,39 @@ def test_lora_param_count_equals_peft(tiny_dir, targets, use_dora):
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=target_list, use_dora=use_dora))
     trainable, _ = peft_model.get_nb_trainable_parameters()
     assert lora_param_count(shape, 4, resolve_lora_targets(shape, targets), use_dora) == trainable
+
+
+def test_8bit_optimizer_state_per_rank_equals_bitsandbytes_on_local_shards(tiny_dir):
+    """shardtune steps bitsandbytes' AdamW8bit on each rank's local shard (optimizers.LocalShards), and
+    bitsandbytes picks 8-bit or 32-bit states by the size of the tensor it steps (min_8bit_size=4096): the
+    planner's per-rank optimizer bytes are those of a real AdamW8bit step on the rank's dim-0 chunks. On 8 ranks
+    the tiny model's 4096-element q_proj and 19264-element embeddings become 512- and 2432-element shards, which
+    keep 32-bit states (counting 8-bit ones by the full tensor's size, as the planner once did, differs)."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    shape = ModelShape.from_config(model.config)
+    for world, rank in ((1, 0), (2, 1), (8, 0)):
+        shards = []
+        for p in model.parameters():
+            chunks = torch.chunk(p.detach(), world, dim=0)
+            if rank < len(chunks) and chunks[rank].numel():
+                shards.append(torch.nn.Parameter(chunks[rank].clone()))
+                shards[-1].grad = torch.ones_like(shards[-1])
+        opt = bnb.optim.AdamW8bit(shards, lr=1e-3)
+        opt.step()
+        # the quantization maps (qmap1/2) are one tensor shared by every parameter: counted once per optimizer,
+        # not per tensor, and left out like AdamW's step counters
+        real = sum(
+            v.numel() * v.element_size()
+            for s in opt.state.values()
+            for k, v in s.items()
+            if torch.is_tensor(v) and v.dim() > 0 and not k.startswith("qmap")
+        )
+        est = model_state_bytes_per_rank(shape, world_size=world, use_peft_lora=False, optim="adamw_8bit", rank=rank)
+        assert est["optimizer"] == real, (world, rank)
 
 
 def test_model_state_per_rank_equals_dim0_chunks_of_real_parameters(tiny_dir):

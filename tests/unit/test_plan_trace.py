@@ -17,9 +17,10 @@ import socket
 import pytest
 import torch
 
-from shardtune.plan import category_comparison, format_plan, format_trace, main, make_plan, trace_comparison
+from shardtune.plan import format_plan, format_trace, main, make_plan
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
+from shardtune.planning.report import category_comparison, trace_comparison
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"

@@ -1,6 +1,6 @@
 """Memory planning for shardtune runs: estimates from config.json alone (see docs/plan.md)."""
 
-from shardtune.planning.estimate import MemoryEstimate, estimate_memory, model_state_bytes_per_rank
+from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.model import (
     ModelShape,
     base_param_count,
@@ -8,6 +8,7 @@ from shardtune.planning.model import (
     lora_param_count,
     resolve_lora_targets,
 )
+from shardtune.planning.state import model_state_bytes_per_rank
 
 __all__ = [
     "MemoryEstimate",

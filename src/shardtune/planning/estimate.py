@@ -12,28 +12,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardtune.planning import activations as act
-from shardtune.planning import phases
-from shardtune.planning.model import (
-    DTYPE_BYTES,
-    ModelShape,
-    Tensor,
-    model_tensors,
-    quant_constant_bytes,
-    resolve_lora_targets,
-    sharded_bytes,
+# Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
+import shardtune.planning.activations as act
+from shardtune import parallel
+from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
+from shardtune.planning.phases import StepParts, peak_phase, step_phases
+from shardtune.planning.state import (
+    TENSOR_FLAGS,
+    GiB,
+    as_shape,
+    compute_dtype_bytes,
+    host_bytes,
+    quant_constants,
+    run_tensors,
+    shard_group_size,
+    state_per_rank,
 )
 
-GiB = 1024**3
 # nvidia-smi counts the CUDA context, cuBLAS workspaces and NCCL's buffers besides PyTorch's allocations.
 CUDA_CONTEXT_BYTES = int(0.8 * GiB)
 # PyTorch's caching allocator reserves more than the peak of live tensors (blocks split and cached between the
 # many differently sized activations); reserved ~ allocated * (1 + this).
 ALLOCATOR_OVERHEAD = 0.15
-# Each host process (Python, torch, CUDA runtime, data loading) before any model state.
-HOST_PROCESS_BYTES = 2 * GiB
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit")
 DEVICE_ROWS = (
     "frozen base weights",
     "quantization constants",
@@ -108,162 +108,6 @@ class MemoryEstimate:
         }
 
 
-def _as_shape(model: ModelShape | Mapping | Any) -> ModelShape:
-    return model if isinstance(model, ModelShape) else ModelShape.from_config(model)
-
-
-def compute_dtype_bytes(bf16: bool, fp16: bool) -> int:
-    return 2 if (bf16 or fp16) else 4
-
-
-def shard_group_size(world_size: int, num_nodes: int, sharding_strategy: str) -> int:
-    """Ranks one parameter is split over: all of them, those of one node (hybrid), or none (NO_SHARD)."""
-    strategy = sharding_strategy.upper()
-    if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(f"sharding strategy {sharding_strategy!r}: use one of {', '.join(SHARDING_STRATEGIES)}")
-    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
-        raise ValueError(f"world size {world_size} must be a positive multiple of the number of machines {num_nodes}")
-    if strategy == "NO_SHARD":
-        return 1
-    return world_size // num_nodes if strategy.startswith("HYBRID") else world_size
-
-
-def _state_bytes_per_element(t: Tensor, optim: str) -> int:
-    """AdamW keeps two states like the parameter; bitsandbytes' 8-bit AdamW two uint8 states (+ fp32 absmax per
-    256) for tensors of at least 4096 elements, and 32-bit states below that."""
-    if optim not in OPTIMIZERS:
-        raise ValueError(f"--optim {optim!r}: use one of {', '.join(OPTIMIZERS)}")
-    if optim.endswith("8bit") and t.numel >= 4096:
-        return 2  # the fp32 absmax per 256-block adds 8/256 bytes, counted in _optimizer_bytes
-    return 2 * t.itemsize
-
-
-def _optimizer_bytes(t: Tensor, shard: int, optim: str, rank: int | None) -> int:
-    per = _state_bytes_per_element(t, optim)
-    local = sharded_bytes(t, shard, rank, itemsize=per)
-    if optim.endswith("8bit") and t.numel >= 4096:
-        local += 2 * 4 * -(-(local // 2) // 256)
-    return local
-
-
-def _dtype_bytes(name: str, what: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"{what} {name!r}: use one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
-
-
-def _tensors(
-    shape: ModelShape,
-    *,
-    bf16: bool,
-    fp16: bool,
-    use_4bit: bool,
-    use_8bit: bool,
-    quant_storage_dtype: str,
-    use_peft_lora: bool,
-    lora_r: int,
-    lora_target_modules: str | Sequence[str],
-    use_dora: bool,
-    modules_to_save: Sequence[str],
-    base_dtype: str | None,
-    adapter_dtype: str,
-) -> list[Tensor]:
-    a = compute_dtype_bytes(bf16, fp16)
-    targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
-    return model_tensors(
-        shape,
-        base_bytes=_dtype_bytes(base_dtype, "base_dtype") if base_dtype else a,
-        trainable_bytes=_dtype_bytes(adapter_dtype, "adapter_dtype") if use_peft_lora else 4,
-        use_4bit=use_4bit,
-        use_8bit=use_8bit,
-        quant_storage_bytes=_dtype_bytes(quant_storage_dtype, "quant_storage_dtype"),
-        full_finetune=not use_peft_lora,
-        lora_r=lora_r,
-        lora_targets=targets,
-        use_dora=use_dora,
-        modules_to_save=modules_to_save,
-    )
-
-
-def _quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_quant: bool) -> int:
-    """Constants bitsandbytes keeps beside the quantized weights; they are not FSDP parameters, so every rank
-    holds all of them on its GPU."""
-    if not (use_4bit or use_8bit):
-        return 0
-    bits = 4 if use_4bit else 8
-    dims = shape.linear_dims().values()
-    return shape.num_layers * sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
-
-
-def _state_per_rank(
-    shape: ModelShape, tensors: list[Tensor], shard: int, optim: str, rank: int | None
-) -> dict[str, int]:
-    out = {"frozen": 0, "trainable": 0, "gradients": 0, "optimizer": 0}
-    for t in tensors:
-        n = shape.num_layers if t.group == "block" else 1
-        local = sharded_bytes(t, shard, rank) * n
-        if t.trainable:
-            out["trainable"] += local
-            out["gradients"] += local
-            out["optimizer"] += _optimizer_bytes(t, shard, optim, rank) * n
-        else:
-            out["frozen"] += local
-    return out
-
-
-def model_state_bytes_per_rank(
-    model: ModelShape | Mapping | Any,
-    *,
-    world_size: int = 1,
-    num_nodes: int = 1,
-    sharding_strategy: str = "FULL_SHARD",
-    bf16: bool = True,
-    fp16: bool = False,
-    use_4bit: bool = False,
-    use_8bit: bool = False,
-    nested_quant: bool = False,
-    quant_storage_dtype: str = "bfloat16",
-    use_peft_lora: bool = True,
-    lora_r: int = 8,
-    lora_target_modules: str | Sequence[str] = "all-linear",
-    use_dora: bool = False,
-    modules_to_save: Sequence[str] = (),
-    optim: str = "adamw_torch",
-    base_dtype: str | None = None,
-    adapter_dtype: str = "float32",
-    rank: int | None = None,
-) -> dict[str, int]:
-    """Bytes of model state one rank holds after `fully_shard`: frozen and trainable parameters, gradients and
-    optimizer states (each tensor split on dim 0 with torch.chunk), plus the replicated quantization constants.
-
-    rank=None gives the padded shard every rank allocates; a rank number gives that rank's real chunk, i.e.
-    what `param.to_local()` holds there.
-    """
-    shape = _as_shape(model)
-    shard = shard_group_size(world_size, num_nodes, sharding_strategy)
-    tensors = _tensors(
-        shape,
-        bf16=bf16,
-        fp16=fp16,
-        use_4bit=use_4bit,
-        use_8bit=use_8bit,
-        quant_storage_dtype=quant_storage_dtype,
-        use_peft_lora=use_peft_lora,
-        lora_r=lora_r,
-        lora_target_modules=lora_target_modules,
-        use_dora=use_dora,
-        modules_to_save=modules_to_save,
-        base_dtype=base_dtype,
-        adapter_dtype=adapter_dtype,
-    )
-    out = _state_per_rank(shape, tensors, shard, optim, None if rank is None else rank % shard)
-    out["quant_constants"] = _quant_constants(
-        shape, use_4bit and use_peft_lora, use_8bit and use_peft_lora, nested_quant
-    )
-    out["total"] = sum(out.values())
-    return out
-
-
 def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trainable_only: bool = False) -> int:
     """Bytes of one group's parameters once all-gathered: quantized weights as stored, the rest in the compute
     dtype (FSDP2's MixedPrecisionPolicy casts them)."""
@@ -277,10 +121,11 @@ def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trai
 def _fsdp_buffers(
     shape: ModelShape, tensors: list[Tensor], *, a: int, shard: int, strategy: str, prefetch: bool, offload: bool
 ) -> dict[str, int]:
-    """The FSDP pieces of phases.StepParts: one block's and the root's unsharded parameters in the compute dtype
+    """The FSDP pieces of StepParts: one block's and the root's unsharded parameters in the compute dtype
     (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
     and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
-    keep_all = strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    s = parallel.strategy(strategy)
+    keep_all = s.sharded and not s.reshard_after_forward  # ZeRO-2: every block stays gathered after forward
     # With one rank per shard group FSDP2 copies a prefetched block's shard at its wait, not at its issue, so
     # one block is gathered at a time in backward; otherwise the prefetched block's all-gather output exists.
     in_flight = (2 if prefetch and shard > 1 else 1) if not keep_all else shape.num_layers
@@ -454,54 +299,64 @@ def estimate_memory(
     with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU), which the published comparisons use.
     """
     settings = {k: v for k, v in locals().items() if k != "model"}
-    shape = _as_shape(model)
-    strategy = sharding_strategy.upper()
-    shard = shard_group_size(world_size, num_nodes, strategy)
-    a = compute_dtype_bytes(bf16, fp16)
-    rows = batch_size * rows_per_example  # the rows of one micro-batch: a preference pair is two
+    shape = as_shape(model)
     if (use_4bit or use_8bit) and not use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
-    tensors = _tensors(
-        shape,
-        bf16=bf16,
-        fp16=fp16,
-        use_4bit=use_4bit,
-        use_8bit=use_8bit,
-        quant_storage_dtype=quant_storage_dtype,
-        use_peft_lora=use_peft_lora,
-        lora_r=lora_r,
-        lora_target_modules=lora_target_modules,
-        use_dora=use_dora,
-        modules_to_save=modules_to_save,
-        base_dtype=base_dtype,
-        adapter_dtype=adapter_dtype,
-    )
-    state = _state_per_rank(shape, tensors, shard, optim, None)
+    strategy = sharding_strategy.upper()
+    shard = shard_group_size(world_size, num_nodes, strategy)
+    tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
+    state = state_per_rank(shape, tensors, shard, optim, None)
+    a = compute_dtype_bytes(bf16, fp16)
     buffers = _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
-    targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
-    dyn_kwargs = {
-        "a": a,
-        "batch_size": rows,
-        "seq_len": seq_len,
-        "packing": packing,
-        "lora_targets": targets,
-        "lora_r": lora_r,
-        "lora_dropout": lora_dropout,
-        "full_finetune": not use_peft_lora,
-        "use_dora": use_dora,
-        "quantized": use_4bit or use_8bit,
-        "loss_impl": loss_impl,
-        "loss_chunk_tokens": loss_chunk_tokens,
-        "dropout_mask_bytes": dropout_mask_bytes,
-    }
+    dyn_kwargs = _dynamic_kwargs(shape, settings)
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
     )
-    parts = phases.StepParts(
+    parts = _step_parts(shape, settings, state, dynamic, buffers)
+    by_phase = step_phases(parts)
+    phase = peak_phase(by_phase)
+    device = dict(by_phase[phase])
+    device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
+    if sharded_checkpoint:
+        device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
+    device["CUDA context"] = cuda_context_bytes
+    table = _activations_table(shape, dyn_kwargs)
+    host = host_bytes(state, tensors, shape, world_size // num_nodes, offload)
+    notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint, bool(shape.num_experts))
+    phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
+
+
+def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, Any]:
+    """_dynamic's arguments for the run's settings, less the two the activations table varies."""
+    s = settings
+    return {
+        "a": compute_dtype_bytes(s["bf16"], s["fp16"]),
+        "batch_size": s["batch_size"] * s["rows_per_example"],  # the rows of one micro-batch: a preference pair is two
+        "seq_len": s["seq_len"],
+        "packing": s["packing"],
+        "lora_targets": resolve_lora_targets(shape, s["lora_target_modules"]) if s["use_peft_lora"] else (),
+        "lora_r": s["lora_r"],
+        "lora_dropout": s["lora_dropout"],
+        "full_finetune": not s["use_peft_lora"],
+        "use_dora": s["use_dora"],
+        "quantized": s["use_4bit"] or s["use_8bit"],
+        "loss_impl": s["loss_impl"],
+        "loss_chunk_tokens": s["loss_chunk_tokens"],
+        "dropout_mask_bytes": s["dropout_mask_bytes"],
+    }
+
+
+def _step_parts(
+    shape: ModelShape, settings: dict[str, Any], state: dict[str, int], dynamic: _Dynamic, buffers: dict[str, Any]
+) -> StepParts:
+    s = settings
+    a = compute_dtype_bytes(s["bf16"], s["fp16"])
+    return StepParts(
         state=state,
-        on_gpu=0 if offload else 1,
-        quant_constants=_quant_constants(shape, use_4bit, use_8bit, nested_quant),
-        grad_accum=grad_accum,
+        on_gpu=0 if s["offload"] else 1,
+        quant_constants=quant_constants(shape, s["use_4bit"], s["use_8bit"], s["nested_quant"]),
+        grad_accum=s["grad_accum"],
         forward_activations=dynamic.forward,
         stored=dynamic.stored,
         layer_stored=dynamic.stored - dynamic.final_norm,
@@ -509,35 +364,21 @@ def estimate_memory(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=rows * seq_len * 4 * a * shape.intermediate_size,
+        forward_working=s["batch_size"] * s["rows_per_example"] * s["seq_len"] * 4 * a * shape.intermediate_size,
         num_blocks=shape.num_layers,
         **buffers,
     )
-    by_phase = phases.step_phases(parts)
-    phase = phases.peak_phase(by_phase)
-    device = dict(by_phase[phase])
-    on_gpu = parts.on_gpu
-    device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
-    if sharded_checkpoint:
-        device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, on_gpu, phase)
-    device["CUDA context"] = cuda_context_bytes
-    table = {
+
+
+def _activations_table(shape: ModelShape, dyn_kwargs: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Activations + logits at the peak for each attention implementation, with and without checkpointing."""
+    return {
         impl: {
             label: sum(_dynamic(shape, gradient_checkpointing=gc, attn_implementation=impl, **dyn_kwargs).peak[:2])
             for label, gc in (("checkpointing", True), ("no checkpointing", False))
         }
         for impl in act.ATTN_IMPLEMENTATIONS
     }
-    host = _host(state, tensors, shape, world_size // num_nodes, offload)
-    notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint)
-    if shape.num_experts:
-        notes.append(
-            "mixture of experts: the parameters, gradients and optimizer states are exact and the forward phases "
-            "model the experts' all-gathers, but not the routing nor the experts' activations and backward "
-            "working memory (they are taken as one dense MLP of the experts' width); --trace runs the real step."
-        )
-    phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
 
 
 def _with_checkpoint_save(
@@ -574,23 +415,7 @@ def _with_checkpoint_save(
     return save, SAVE_PHASE
 
 
-def _host(
-    state: dict[str, int], tensors: list[Tensor], shape: ModelShape, local_ranks: int, offload: bool
-) -> dict[str, int]:
-    """Host RAM per machine: offloaded shards of every local rank, and the full model that local rank 0 builds
-    in its training dtypes (4-bit packed once quantized) before it is sharded."""
-    full = sum(t.numel * t.itemsize * (shape.num_layers if t.group == "block" else 1) for t in tensors)
-    on_host = local_ranks if offload else 0
-    return {
-        "offloaded parameters": (state["frozen"] + state["trainable"]) * on_host,
-        "offloaded gradients": state["gradients"] * on_host,
-        "offloaded optimizer state": state["optimizer"] * on_host,
-        "model loading (local rank 0)": full,
-        "processes": HOST_PROCESS_BYTES * local_ranks,
-    }
-
-
-def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bool) -> list[str]:
+def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bool, moe: bool) -> list[str]:
     notes = []
     if use_4bit:
         notes.append("4-bit quantization constants are not FSDP parameters: every GPU keeps all of them.")
@@ -608,5 +433,11 @@ def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bo
         notes.append(
             "The loss runs lm_head + cross-entropy on chunks of positions, recomputed in backward, so the "
             "[batch, seq, vocab] logits never exist at once."
+        )
+    if moe:
+        notes.append(
+            "mixture of experts: the parameters, gradients and optimizer states are exact and the forward phases "
+            "model the experts' all-gathers, but not the routing nor the experts' activations and backward "
+            "working memory (they are taken as one dense MLP of the experts' width); --trace runs the real step."
         )
     return notes

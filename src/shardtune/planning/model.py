@@ -18,7 +18,6 @@ ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 BLOCK_LINEARS = ATTN_LINEARS + MLP_LINEARS
 ROOT_LINEARS = ("lm_head",)
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "uint8": 1, "int8": 1}
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 NESTED_BLOCK = 256  # nested (double) quantization: one fp32 absmax per 256 first-level absmax values
 

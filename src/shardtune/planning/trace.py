@@ -126,9 +126,9 @@ def trace_step(
     loss_chunk_tokens: int = 1024,
 ) -> TraceResult:
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks."""
+    from shardtune.builder import model_spec
     from shardtune.distributed.fake import fake_process_group
     from shardtune.distributed.setup import build_sharded_model
-    from shardtune.builder import model_spec
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -172,8 +172,8 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     from shardtune import quant
     from shardtune.distributed.fake import track_peak
     from shardtune.distributed.loading import allocate_unread
+    from shardtune.optimizers import build_optimizer
     from shardtune.planning.allocator import fresh_segments_overhead
-    from shardtune.trainer import build_optimizer
 
     t = cfg.train
     allocate_unread(model, info.device)

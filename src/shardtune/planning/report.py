@@ -1,0 +1,265 @@
+"""What `shardtune plan` reports: the plan of a run (its launch, shapes, estimate, recommendation and trace),
+the table and JSON it prints, and the traced step set beside the estimate, by phase and by category.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardtune.config import RunConfig
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, MemoryEstimate, estimate_memory
+from shardtune.planning.model import ModelShape, base_param_count, lora_param_count, resolve_lora_targets
+from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
+from shardtune.planning.recommend import Recommendation
+from shardtune.planning.state import GiB, compute_dtype_bytes
+
+
+@dataclass
+class Launch:
+    """Where and how the run is sharded: from the accelerate YAML, the launcher's environment, or defaults."""
+
+    world_size: int = 1
+    num_nodes: int = 1
+    sharding_strategy: str = "FULL_SHARD"
+    offload: bool = False
+    mixed_precision: str = "no"
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Plan:
+    """Everything `shardtune plan` reports."""
+
+    name: str
+    shape: ModelShape
+    kwargs: dict[str, Any]
+    estimate: MemoryEstimate
+    launch: Launch
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    recommendation: Recommendation | None = None
+    as_json: bool = False
+    run: RunConfig | None = None  # the flags as `shardtune train` would run them (for --trace)
+    config: Any = None  # the model's transformers config
+    trace: Any = None  # a planning.trace.TraceResult, with --trace
+
+    def to_dict(self) -> dict[str, Any]:
+        targets = (
+            resolve_lora_targets(self.shape, self.kwargs["lora_target_modules"]) if self.kwargs["use_peft_lora"] else ()
+        )
+        out = {
+            "model": {
+                "name": self.name,
+                **asdict(self.shape),
+                "parameters": base_param_count(self.shape),
+                "lora_parameters": lora_param_count(
+                    self.shape, self.kwargs["lora_r"], targets, self.kwargs["use_dora"]
+                ),
+            },
+            "run": _jsonable(self.kwargs),
+            **self.estimate.to_dict(),
+            "gpu_memory_bytes": self.gpu_bytes,
+            "fits": None if self.gpu_bytes is None else self.estimate.fits(self.gpu_bytes),
+            "host_memory_bytes": self.host_bytes,
+            "host_fits": None if self.host_bytes is None else self.estimate.host_total <= self.host_bytes,
+            "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+        }
+        out["settings"] = _jsonable(out["settings"])
+        return out
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """The estimate's settings for what the trace runs: SDPA with the 4-D packed-row mask (fake tensors give
+    transformers no positions to read), no offload on CPU (shardtune offloads only from a GPU), and CPU dropout
+    masks in the compute dtype there."""
+    out = {**kwargs, "attn_implementation": "sdpa", "packing": True}
+    if device == "cpu":
+        out["offload"] = False
+        out["dropout_mask_bytes"] = compute_dtype_bytes(kwargs["bf16"], kwargs["fp16"])
+    return out
+
+
+# The traced peaks and the estimate's phases that correspond: the root module's forward (first block's
+# all-gather, loss forward), the blocks' backward (compute, reduce-scatter), the root's backward (with the loss's
+# backward), and the whole step (every phase, the root's reduce-scatter included).
+TRACE_PHASES = {
+    "forward": (FORWARD, LATER_FORWARD, BLOCK_FORWARD, LOSS_FORWARD),
+    "decoder-layer backward": (LAYER, BLOCK_SCATTER),
+    "backward": (LOSS, LAYER, BLOCK_SCATTER),
+    "step": None,
+}
+
+
+def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
+    """{traced peak: (traced bytes, estimated bytes)}, for rank 0 and the settings the trace ran."""
+    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    out = {}
+    for name, keys in TRACE_PHASES.items():
+        estimated = est.allocated if keys is None else max(est.phase_bytes.get(k, 0) for k in keys)
+        out[name] = (p.trace.peaks[name].get("Total", 0), estimated)
+    return out
+
+
+# The estimate's rows that make each category of the traced step peak (storages filed by what they are,
+# shardtune.distributed.fake). The estimate does not split what a block's recomputation makes (the trace's
+# activations) from what its backward makes (the trace's temporaries): its working-memory term covers both, so the
+# two are compared together.
+ESTIMATE_CATEGORIES = {
+    "parameters": ("frozen base weights", "quantization constants", "trainable weights", "FSDP all-gather buffers"),
+    "gradients": ("gradients", "FSDP reduce-scatter buffers"),
+    "optimizer states": ("optimizer state",),
+    "activations and temporaries": ("activations", "logits and loss"),
+}
+
+
+def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
+    """{category: (traced bytes, estimated bytes)} at the step's peak, rank 0. The traced optimizer states leave
+    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host."""
+    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    got = dict(p.trace.step_by_identity)
+    got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
+    got["activations and temporaries"] = got.pop("activations") + got.pop("temporaries")
+    # not compared: the buffers (the rotary tables, a few KiB), which the estimate leaves out
+    return {c: (got[c], sum(est.device[r] for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+
+
+def format_trace(p: Plan) -> str:
+    t = p.trace
+    lines = [
+        "",
+        (f"Traced step (rank 0 of {p.launch.world_size}, fake tensors on {t.device}; SDPA with the packed-row mask)"),
+        "Peak allocated, rank 0             traced GiB   estimate GiB",
+    ]
+    for name, (traced, est) in trace_comparison(p).items():
+        lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
+    lines += ["", "Step peak by category              traced GiB   estimate GiB"]
+    lines += [f"  {name:<32}{_gib(a)}     {_gib(b)}" for name, (a, b) in category_comparison(p).items()]
+    if t.allocator:
+        a = t.allocator
+        line = (
+            f"CUDA caching allocator on the tensors alive at the peak: {_gib(a['allocated']).strip()} GiB allocated, "
+            f"{_gib(a['reserved']).strip()} GiB reserved in fresh segments (+{_pct(a['reserved'], a['allocated'])}; "
+            f"the estimate's allocator overhead is +{ALLOCATOR_OVERHEAD:.0%}, not calibrated)"
+        )
+        lines += ["", line]
+    lines += [f"note: {n}" for n in t.notes]
+    return "\n".join(lines)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{(a - b) / b:.1%}" if b else "0%"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def _describe_run(p: Plan) -> list[str]:
+    k, s = p.kwargs, p.shape
+    if k["use_peft_lora"]:
+        targets = resolve_lora_targets(s, k["lora_target_modules"])
+        n = lora_param_count(s, k["lora_r"], targets, k["use_dora"])
+        base = "4-bit" if k["use_4bit"] else "8-bit" if k["use_8bit"] else "frozen"
+        method = (
+            f"{'DoRA' if k['use_dora'] else 'LoRA'} r={k['lora_r']} on {len(targets)} linears per block "
+            f"({n / 1e6:.1f}M trainable), {base} base"
+        )
+    else:
+        method = "full fine-tuning"
+    dtype = "bf16" if k["bf16"] else "fp16" if k["fp16"] else "fp32"
+    return [
+        (
+            f"shardtune plan: {p.name} ({s.model_type}, {base_param_count(s) / 1e9:.2f}B parameters, "
+            f"{s.num_layers} blocks)"
+        ),
+        f"  {method}",
+        (
+            f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {k['sharding_strategy']}"
+            f"{', CPU offload' if k['offload'] else ''}, {dtype}, batch {k['batch_size']} x {k['seq_len']} tokens, "
+            f"{'gradient checkpointing' if k['gradient_checkpointing'] else 'no checkpointing'}, "
+            f"{k['attn_implementation']}"
+        ),
+    ]
+
+
+def format_plan(p: Plan) -> str:
+    """The table `shardtune plan` prints."""
+    e = p.estimate
+    lines = _describe_run(p) + ["", "Per GPU                              GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in e.device.items()]
+    lines += [
+        f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
+        f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
+        f"  peak during the {e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
+        "",
+        "Activations + logits (GiB)         checkpointing  no checkpointing",
+    ]
+    for impl, row in e.activations_by_attention.items():
+        lines.append(f"  {impl:<32}{_gib(row['checkpointing'])}        {_gib(row['no checkpointing'])}")
+    lines += ["", "Host RAM per machine                 GiB"]
+    lines += [f"  {name:<32}{_gib(b)}" for name, b in e.host.items()]
+    lines.append(f"  {'peak':<32}{_gib(e.host_total)}")
+    lines += ["", *_verdict(p)]
+    return "\n".join(lines + ([""] + [f"note: {n}" for n in e.notes] if e.notes else []))
+
+
+def _flags_text(flags: dict[str, Any]) -> str:
+    parts = []
+    for k, v in flags.items():
+        if k in ("fsdp_offload_params", "num_processes"):
+            parts.append(f"{k}: {str(v).lower()} in the accelerate YAML")
+        else:
+            parts.append(f"--{k} {v}")
+    return ", ".join(parts)
+
+
+def _verdict(p: Plan) -> list[str]:
+    e, out = p.estimate, []
+    if p.gpu_bytes is not None:
+        if e.fits(p.gpu_bytes):
+            out.append(
+                f"Fits: {e.total / GiB:.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB per GPU "
+                f"({(1 - e.total / p.gpu_bytes) * 100:.0f}% left)."
+            )
+        else:
+            out.append(f"Does not fit: {e.total / GiB:.2f} GiB needed per GPU, {p.gpu_bytes / GiB:.2f} GiB available.")
+            out += recommendation_lines(p.recommendation)
+    if p.host_bytes is not None:
+        word = "fits in" if e.host_total <= p.host_bytes else "exceeds"
+        out.append(f"Host RAM: {e.host_total / GiB:.2f} GiB {word} {p.host_bytes / GiB:.2f} GiB per machine.")
+    return out
+
+
+def recommendation_lines(rec: Recommendation | None) -> list[str]:
+    if rec is None:
+        return []
+    need = rec.estimate.total / GiB
+    if rec.fits:
+        return [
+            f"Smallest change that fits: {rec.description} -> {need:.2f} GiB per GPU.",
+            f"  set {_flags_text(rec.flags)}",
+        ]
+    return [
+        (
+            f"Nothing tried fits ({rec.tried} changes: smaller batches, gradient checkpointing, CPU offload, 4-bit, "
+            f"more GPUs). Closest: {rec.description} at {need:.2f} GiB per GPU."
+        ),
+        "  Shorten --max_length or use GPUs with more memory.",
+    ]
+
+
+def trace_json(p: Plan) -> dict[str, Any]:
+    """The trace's part of `shardtune plan --trace --json`."""
+    return {
+        "peaks": {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(p).items()},
+        "step_by_category": {k: {"traced": a, "estimate": b} for k, (a, b) in category_comparison(p).items()},
+        "step_by_tracker_tag": p.trace.by_category("step"),
+        "allocator_at_peak": p.trace.allocator,
+        "state": p.trace.state,
+        "device": p.trace.device,
+    }

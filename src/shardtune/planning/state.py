@@ -1,0 +1,194 @@
+"""The model state one rank holds once FSDP2 has sharded it: frozen and trainable parameters, gradients, optimizer
+states, the replicated quantization constants, and the host copies (offload, model loading).
+
+Strategies come from shardtune.parallel, optimizer state bytes from shardtune.optimizers and dtype sizes from
+shardtune.dtypes: the planner counts what the run builds from the same tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardtune import dtypes, optimizers, parallel
+from shardtune.planning.model import (
+    ModelShape,
+    Tensor,
+    model_tensors,
+    quant_constant_bytes,
+    resolve_lora_targets,
+    shard_rows,
+    sharded_bytes,
+)
+
+GiB = 1024**3
+# Each host process (Python, torch, CUDA runtime, data loading) before any model state.
+HOST_PROCESS_BYTES = 2 * GiB
+
+
+def as_shape(model: ModelShape | Mapping | Any) -> ModelShape:
+    return model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+
+
+def compute_dtype_bytes(bf16: bool, fp16: bool) -> int:
+    """Bytes of the compute dtype the flags give (shardtune.precision decides which flags a run has)."""
+    return dtypes.DTYPE_BYTES["bfloat16" if bf16 else "float16" if fp16 else "float32"]
+
+
+def shard_group_size(world_size: int, num_nodes: int, sharding_strategy: str) -> int:
+    """Ranks one parameter is split over: all of them, those of one node (hybrid), or none (NO_SHARD)."""
+    s = parallel.strategy(sharding_strategy.upper())
+    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(f"world size {world_size} must be a positive multiple of the number of machines {num_nodes}")
+    if not s.sharded:
+        return 1
+    return world_size // num_nodes if s.hybrid else world_size
+
+
+def optimizer_bytes(t: Tensor, shard: int, optim: str, rank: int | None) -> int:
+    """Optimizer state bytes of one rank's shard of `t`. The optimizer steps the rank's local shard (FSDP2's
+    `to_local()`; bitsandbytes through optimizers.LocalShards), so size-dependent choices such as bitsandbytes'
+    8-bit threshold see the shard's element count, not the full tensor's."""
+    local_numel = shard_rows(t.shape[0], shard, rank) * math.prod(t.shape[1:])
+    return optimizers.get(optim).state_bytes(local_numel, t.itemsize)
+
+
+def dtype_bytes(name: str, what: str) -> int:
+    canonical = dtypes.canonical(name)
+    if canonical not in dtypes.DTYPES:
+        raise ValueError(f"{what} {name!r}: use one of {', '.join(dtypes.DTYPES)}")
+    return dtypes.DTYPE_BYTES[canonical]
+
+
+# The settings that decide which parameter tensors a run holds and in which dtypes.
+TENSOR_FLAGS = (
+    "bf16",
+    "fp16",
+    "use_4bit",
+    "use_8bit",
+    "quant_storage_dtype",
+    "use_peft_lora",
+    "lora_r",
+    "lora_target_modules",
+    "use_dora",
+    "modules_to_save",
+    "base_dtype",
+    "adapter_dtype",
+)
+
+
+def run_tensors(
+    shape: ModelShape,
+    *,
+    bf16: bool,
+    fp16: bool,
+    use_4bit: bool,
+    use_8bit: bool,
+    quant_storage_dtype: str,
+    use_peft_lora: bool,
+    lora_r: int,
+    lora_target_modules: str | Sequence[str],
+    use_dora: bool,
+    modules_to_save: Sequence[str],
+    base_dtype: str | None,
+    adapter_dtype: str,
+) -> list[Tensor]:
+    """The run's parameter tensors (planning.model.model_tensors) for its flags (the TENSOR_FLAGS)."""
+    a = compute_dtype_bytes(bf16, fp16)
+    targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
+    return model_tensors(
+        shape,
+        base_bytes=dtype_bytes(base_dtype, "base_dtype") if base_dtype else a,
+        trainable_bytes=dtype_bytes(adapter_dtype, "adapter_dtype") if use_peft_lora else 4,
+        use_4bit=use_4bit,
+        use_8bit=use_8bit,
+        quant_storage_bytes=dtype_bytes(quant_storage_dtype, "quant_storage_dtype"),
+        full_finetune=not use_peft_lora,
+        lora_r=lora_r,
+        lora_targets=targets,
+        use_dora=use_dora,
+        modules_to_save=modules_to_save,
+    )
+
+
+def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_quant: bool) -> int:
+    """Constants bitsandbytes keeps beside the quantized weights; they are not FSDP parameters, so every rank
+    holds all of them on its GPU."""
+    if not (use_4bit or use_8bit):
+        return 0
+    bits = 4 if use_4bit else 8
+    dims = shape.linear_dims().values()
+    return shape.num_layers * sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
+
+
+def state_per_rank(
+    shape: ModelShape, tensors: list[Tensor], shard: int, optim: str, rank: int | None
+) -> dict[str, int]:
+    out = {"frozen": 0, "trainable": 0, "gradients": 0, "optimizer": 0}
+    for t in tensors:
+        n = shape.num_layers if t.group == "block" else 1
+        local = sharded_bytes(t, shard, rank) * n
+        if t.trainable:
+            out["trainable"] += local
+            out["gradients"] += local
+            out["optimizer"] += optimizer_bytes(t, shard, optim, rank) * n
+        else:
+            out["frozen"] += local
+    return out
+
+
+def model_state_bytes_per_rank(
+    model: ModelShape | Mapping | Any,
+    *,
+    world_size: int = 1,
+    num_nodes: int = 1,
+    sharding_strategy: str = "FULL_SHARD",
+    bf16: bool = True,
+    fp16: bool = False,
+    use_4bit: bool = False,
+    use_8bit: bool = False,
+    nested_quant: bool = False,
+    quant_storage_dtype: str = "bfloat16",
+    use_peft_lora: bool = True,
+    lora_r: int = 8,
+    lora_target_modules: str | Sequence[str] = "all-linear",
+    use_dora: bool = False,
+    modules_to_save: Sequence[str] = (),
+    optim: str = "adamw_torch",
+    base_dtype: str | None = None,
+    adapter_dtype: str = "float32",
+    rank: int | None = None,
+) -> dict[str, int]:
+    """Bytes of model state one rank holds after `fully_shard`: frozen and trainable parameters, gradients and
+    optimizer states (each tensor split on dim 0 with torch.chunk), plus the replicated quantization constants.
+
+    rank=None gives the padded shard every rank allocates; a rank number gives that rank's real chunk, i.e.
+    what `param.to_local()` holds there.
+    """
+    flags = locals()
+    shape = as_shape(model)
+    shard = shard_group_size(world_size, num_nodes, sharding_strategy)
+    tensors = run_tensors(shape, **{k: flags[k] for k in TENSOR_FLAGS})
+    out = state_per_rank(shape, tensors, shard, optim, None if rank is None else rank % shard)
+    out["quant_constants"] = quant_constants(
+        shape, use_4bit and use_peft_lora, use_8bit and use_peft_lora, nested_quant
+    )
+    out["total"] = sum(out.values())
+    return out
+
+
+def host_bytes(
+    state: dict[str, int], tensors: list[Tensor], shape: ModelShape, local_ranks: int, offload: bool
+) -> dict[str, int]:
+    """Host RAM per machine: offloaded shards of every local rank, and the full model that local rank 0 builds
+    in its training dtypes (4-bit packed once quantized) before it is sharded."""
+    full = sum(t.numel * t.itemsize * (shape.num_layers if t.group == "block" else 1) for t in tensors)
+    on_host = local_ranks if offload else 0
+    return {
+        "offloaded parameters": (state["frozen"] + state["trainable"]) * on_host,
+        "offloaded gradients": state["gradients"] * on_host,
+        "offloaded optimizer state": state["optimizer"] * on_host,
+        "model loading (local rank 0)": full,
+        "processes": HOST_PROCESS_BYTES * local_ranks,
+    }
