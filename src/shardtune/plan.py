@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardtune import dtypes, optimizers
+from shardtune.accelerate_config import fsdp_settings_from_yaml, read_accelerate_yaml
 from shardtune.config import (
     ConfigError,
     DataArguments,
@@ -26,7 +27,7 @@ from shardtune.config import (
     parse_args,
     validate,
 )
-from shardtune.launcher import fsdp_settings_from_env, fsdp_settings_from_yaml, read_accelerate_yaml
+from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.loss import rows_per_example
 from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER, ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
