@@ -106,26 +106,28 @@ def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
 
 
 # The estimate's rows that make each category of the traced step peak (storages filed by what they are,
-# shardtune.distributed.fake). The estimate does not split what a block's recomputation makes (the trace's
-# activations) from what its backward makes (the trace's temporaries): its working-memory term covers both, so the
-# two are compared together.
+# shardtune.distributed.fake). Activations and temporaries follow the tracker's split, by when a tensor is made:
+# forward (and the inputs) or backward (a block's recomputation included); the estimate's rows of activations
+# and logits hold both, and MemoryEstimate.temporaries says how much of them its peak phase's backward makes.
 ESTIMATE_CATEGORIES = {
     "parameters": ("frozen base weights", "quantization constants", "trainable weights", "FSDP all-gather buffers"),
     "gradients": ("gradients", "FSDP reduce-scatter buffers"),
     "optimizer states": ("optimizer state",),
-    "activations and temporaries": ("activations", "logits and loss"),
+    "activations": ("activations", "logits and loss"),
 }
 
 
 def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     """{category: (traced bytes, estimated bytes)} at the step's peak, rank 0. The traced optimizer states leave
-    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host."""
+    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host.
+    Not compared: the traced buffers (the rotary inv_freq table, a few KiB), which the estimate leaves out."""
     est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
     got = dict(p.trace.step_by_identity)
     got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
-    got["activations and temporaries"] = got.pop("activations") + got.pop("temporaries")
-    # not compared: the buffers (the rotary tables, a few KiB), which the estimate leaves out
-    return {c: (got[c], sum(est.device[r] for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+    out = {c: (got[c], sum(est.device.get(r, 0) for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+    out["activations"] = (got["activations"], out["activations"][1] - est.temporaries)
+    out["temporaries"] = (got["temporaries"], est.temporaries)
+    return out
 
 
 def format_trace(p: Plan) -> str:
