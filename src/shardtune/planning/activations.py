@@ -168,6 +168,46 @@ def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tu
     return 4 * fan_in * fan_out + 4 * (lora_r * fan_in + 2 * lora_r * fan_out + fan_out)
 
 
+def recompute_peak_bytes(
+    shape: ModelShape,
+    *,
+    tokens: int,
+    compute_bytes: int,
+    layer: int,
+    lora_targets: tuple[str, ...],
+    lora_r: int,
+    lora_dropout: float,
+    full_finetune: bool,
+    dropout_mask_bytes: int,
+    dropout_scratch_bytes: int,
+    dora: int,
+    dequant: int,
+) -> int:
+    """A checkpointed block's recomputation at its peak, down_proj (the block's last linear, and its widest input):
+    `layer` (the block's saved tensors) less what down_proj's own LoRA keeps, plus what is alive there without
+    being kept for backward (the incoming h-wide gradient, the attention's residual sum, down_proj's base output;
+    the MLP's input and the product act(gate)·up when no LoRA input keeps them), plus the largest transient of
+    down_proj's forward: its DoRA norm (`dora`, dora_transient_bytes), its LoRA dropout drawing the mask (CPU:
+    shardtune's FastDropout makes int64 random bits and an int32 copy, `dropout_scratch_bytes` per element, beside
+    the new mask), or its dequantized 4-bit weight (before the base output exists); at least everything down_proj
+    keeps, once its forward ends. Zero for a mixture of experts (no down_proj linear: the backward peaks)."""
+    if shape.num_experts:
+        return 0
+    a, h, i = compute_bytes, shape.hidden_size, shape.intermediate_size
+    down = "down_proj" in lora_targets
+    dropped = down and lora_dropout > 0
+    kept = tokens * ((a * lora_r if down else 0) + ((dropout_mask_bytes + a) * i if dropped else 0))
+    kept += tokens * a * h if dora and down else 0  # DoRA's z, the rescaled output
+    live = 3 * a * h
+    if not (full_finetune or (lora_dropout == 0 and {"gate_proj", "up_proj"} & set(lora_targets))):
+        live += a * h  # the MLP's input
+    if not (full_finetune or (down and lora_dropout == 0)):
+        live += a * i  # down_proj's input
+    scratch = tokens * (dropout_scratch_bytes + dropout_mask_bytes) * i if dropped else 0
+    transient = max(kept, dora, scratch, dequant - tokens * a * h)
+    return layer - kept + tokens * live + transient
+
+
 def dora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
     """Per block, not per token: each DoRA module keeps its fp32 row norms (m / norm keeps the divisor) and the
     scale g = m / norm in the compute dtype (g·z keeps both factors) for backward."""

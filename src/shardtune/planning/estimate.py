@@ -142,6 +142,7 @@ def _fsdp_buffers(
         "flat_copy": shard > 1,
         "offload_copies": block_shard * (2 if prefetch else 1) if offload else 0,
         "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
+        "block_scatter_input": _unsharded_bytes(tensors, "block", 4, trainable_only=True),
         "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
         "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
         # The head's and final norm's gradients are made in the loss's backward and wait, unsharded in the compute
@@ -214,6 +215,7 @@ def _dynamic(
     loss_impl: str,
     loss_chunk_tokens: int,
     dropout_mask_bytes: int,
+    dropout_scratch_bytes: int = 0,
 ) -> _Dynamic:
     if attn_implementation not in act.ATTN_IMPLEMENTATIONS:
         raise ValueError(
@@ -243,10 +245,21 @@ def _dynamic(
     if use_dora:
         layer += act.dora_saved_bytes(shape, a, lora_targets)
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
-        # The recomputation's peak, at DoRA's norm of down_proj (the incoming h-wide gradient and the attention's
-        # residual sum, alive through the MLP's forward, beside it), or the backward's.
-        recompute = 2 * tokens * a * shape.hidden_size + dora if dora else 0
-        working = layer + max(working, recompute)
+        recompute = act.recompute_peak_bytes(
+            shape,
+            tokens=tokens,
+            compute_bytes=a,
+            layer=layer,
+            lora_targets=lora_targets,
+            lora_r=lora_r,
+            lora_dropout=lora_dropout,
+            full_finetune=full_finetune,
+            dropout_mask_bytes=dropout_mask_bytes,
+            dropout_scratch_bytes=dropout_scratch_bytes,
+            dora=dora,
+            dequant=dequant,
+        )
+        working = max(layer + working, recompute)  # the backward's peak or the recomputation's
         block = tokens * a * shape.hidden_size
     else:
         working, block = working + dora, layer
@@ -300,6 +313,7 @@ def estimate_memory(
     prefetch: bool = True,
     sharded_checkpoint: bool = False,
     dropout_mask_bytes: int = act.CUDA_DROPOUT_MASK_BYTES,
+    dropout_scratch_bytes: int = 0,
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
     allocator_overhead: float = ALLOCATOR_OVERHEAD,
 ) -> MemoryEstimate:
@@ -356,6 +370,7 @@ def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, An
         "loss_impl": s["loss_impl"],
         "loss_chunk_tokens": s["loss_chunk_tokens"],
         "dropout_mask_bytes": s["dropout_mask_bytes"],
+        "dropout_scratch_bytes": s["dropout_scratch_bytes"],
     }
 
 

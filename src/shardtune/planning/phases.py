@@ -72,6 +72,7 @@ class StepParts:
     forward_working: int  # a block's forward intermediates
     num_blocks: int = 2
     block_stored: int = 0  # one block's part of layer_stored, freed once that block has run backward
+    block_scatter_input: int = 0  # one block's fp32 reduce-scatter input, kept until the next block reduces
     batch_inputs: int = 0  # the micro-batch's tensors, alive through the whole step
 
 
@@ -166,17 +167,18 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
 def _layer_phase(p: StepParts, block_grads: int) -> dict[str, int]:
     """A block's backward, at the block where it peaks. The j-th block to run backward (j = 0 the last block)
     still has the stored activations of the L − j blocks not yet done, the gradient shards of the j done (in the
-    first micro-batch; later ones hold every gradient from their start), and the next block prefetched (none
-    after block 0). The largest is at j = 0 when a block's stored activations outweigh its gradient shards, else
-    at the next-to-last or the last block."""
+    first micro-batch; later ones hold every gradient from their start), the previous block's reduce-scatter
+    input (FSDP2 keeps it in `comm_ctx.reduce_scatter_state` until the next block's post-backward reduces), and
+    the next block prefetched (none after block 0). Linear in j between the ends: the largest is at the last
+    block, the next one, the next-to-last or the first."""
     n = p.num_blocks
     phases = []
-    for j in sorted({0, max(n - 2, 0), n - 1}):
+    for j in sorted({0, min(1, n - 1), max(n - 2, 0), n - 1}):
         grads = block_grads if p.grad_accum > 1 else block_grads * j // n
         in_flight = p.blocks_in_flight if j < n - 1 or p.kept_after_forward > 1 else 1
         rows = _rows(
             p,
-            gradients=grads,
+            gradients=grads + (p.block_scatter_input if j else 0),
             activations=p.layer_stored - j * p.block_stored + p.working,
             logits=p.logits_kept,
             gather=p.root_gathered + in_flight * p.block_gathered + p.offload_copies,

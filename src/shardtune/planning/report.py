@@ -12,7 +12,7 @@ from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, MemoryEstimate, esti
 from shardtune.planning.model import ModelShape, base_param_count, lora_param_count, resolve_lora_targets
 from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
 from shardtune.planning.recommend import Recommendation
-from shardtune.planning.state import GiB, compute_dtype_bytes
+from shardtune.planning.state import GiB
 
 
 @dataclass
@@ -75,13 +75,18 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     """The estimate's settings for what the trace runs: SDPA with the 4-D packed-row mask (fake tensors give
-    transformers no positions to read), no offload on CPU (shardtune offloads only from a GPU), and CPU dropout
-    masks in the compute dtype there."""
+    transformers no positions to read) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
+    keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
+    CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
+    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout)."""
     out = {**kwargs, "attn_implementation": "sdpa", "packing": True}
     if device == "cpu":
         out["offload"] = False
-        out["dropout_mask_bytes"] = compute_dtype_bytes(kwargs["bf16"], kwargs["fp16"])
+        out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
     return out
+
+
+CPU_DROPOUT_SCRATCH_BYTES = 2 + 4
 
 
 # The traced peaks and the estimate's phases that correspond: the root module's forward (first block's
