@@ -37,6 +37,14 @@ CASES = {
         [*_LORA, *_QLORA, "--num_processes", "2", "--gradient_accumulation_steps", "2"],
     ),
     "full fine-tuning, 8 ranks": (L8, [*_FULL, "--num_processes", "8"]),
+    # LoRA dropout on every linear: a block's recomputation peaks at down_proj's dropout (on CPU, FastDropout's
+    # mask drawing), above its backward; with four blocks the step peaks in the second block to run backward (one
+    # block's gradient shards and the first one's fp32 reduce-scatter input outweigh one stored hidden state)
+    "LoRA r=64 with dropout, 4 blocks, 2 ranks": (
+        L7,
+        [*_LORA, "--lora_r", "64", "--lora_dropout", "0.1", "--per_device_train_batch_size", "1"]
+        + ["--max_length", "2048", "--num_processes", "2"],
+    ),
 }
 
 
@@ -47,12 +55,16 @@ def _config_file(tmp_path_factory, name: str, layers: int = 2) -> str:
     return str(path)
 
 
+def _layers(case: str) -> int:
+    return 4 if "4 blocks" in case else 2
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> dict:
     """One traced plan per case (each a few seconds of fake dispatch)."""
-    files = {name: _config_file(tmp_path_factory, name) for name in (L7, L8)}
+    files = {(m, _layers(c)): _config_file(tmp_path_factory, m, _layers(c)) for c, (m, _) in CASES.items()}
     return {
-        case: make_plan(["--model_name_or_path", files[model], *flags, "--trace", "True"])
+        case: make_plan(["--model_name_or_path", files[model, _layers(case)], *flags, "--trace", "True"])
         for case, (model, flags) in CASES.items()
     }
 
@@ -176,6 +188,12 @@ def test_traced_phases_name_the_peak(traced):
     assert got["GQA LoRA, 8 ranks"] == "forward (first block's all-gather)"  # 128k-vocabulary root gathered twice
     assert got["GQA LoRA, 1 rank"] == "loss backward"  # one rank: no flat all-gather copies
     assert got["full fine-tuning, 8 ranks"].startswith("root backward")
+    assert got["DoRA, 2 ranks"] == got["LoRA r=64 with dropout, 4 blocks, 2 ranks"] == "decoder-layer backward"
+    # the second block to run backward: one block's gradient shards (fp32, r=64 on 7 linears, half per rank) and
+    # the first block's fp32 reduce-scatter input (the whole block's) at the traced step peak
+    p = traced["LoRA r=64 with dropout, 4 blocks, 2 ranks"]
+    shard = p.trace.state["trainable"] // 4
+    assert p.trace.step_by_identity["gradients"] == shard + 2 * shard
 
 
 def _free_port() -> int:
