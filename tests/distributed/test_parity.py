@@ -38,7 +38,7 @@ def _assert_planner_matches(out, model_dir, **kwargs):
     from transformers import AutoConfig
 
     from shardtune.plan import plan_shape
-    from shardtune.planning.estimate import model_state_bytes_per_rank
+    from shardtune.planning import model_state_bytes_per_rank
 
     start = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["type"] == "start")
     held = start["config"]["param_bytes_per_rank"]

@@ -741,10 +741,11 @@ def _llama7_kwargs(**overrides) -> dict:
 
 def test_recommends_batch_reduction_when_only_that_fits(tmp_path, capsys):
     shape = ModelShape.from_config(known_config(L7))
-    at8 = estimate_memory(shape, **_llama7_kwargs()).total
-    at4 = estimate_memory(shape, **_llama7_kwargs(batch_size=4)).total
+    # with accumulation, every gradient shard exists from a later micro-batch's start: the same accumulation
+    at8 = estimate_memory(shape, **_llama7_kwargs(grad_accum=4)).total
+    at4 = estimate_memory(shape, **_llama7_kwargs(batch_size=4, grad_accum=8)).total
     budget = (at8 + at4) // 2
-    rec = recommend(_llama7_kwargs(), budget, accumulation=4, model=shape)
+    rec = recommend(_llama7_kwargs(grad_accum=4), budget, accumulation=4, model=shape)
     assert rec.fits and rec.flags == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}
     assert rec.estimate.total == at4
     argv = [

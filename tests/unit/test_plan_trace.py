@@ -37,6 +37,14 @@ CASES = {
         [*_LORA, *_QLORA, "--num_processes", "2", "--gradient_accumulation_steps", "2"],
     ),
     "full fine-tuning, 8 ranks": (L8, [*_FULL, "--num_processes", "8"]),
+    # LoRA dropout on every linear: a block's recomputation peaks at down_proj's dropout (on CPU, FastDropout's
+    # mask drawing), above its backward; with four blocks the step peaks in the second block to run backward (one
+    # block's gradient shards and the first one's fp32 reduce-scatter input outweigh one stored hidden state)
+    "LoRA r=64 with dropout, 4 blocks, 2 ranks": (
+        L7,
+        [*_LORA, "--lora_r", "64", "--lora_dropout", "0.1", "--per_device_train_batch_size", "1"]
+        + ["--max_length", "2048", "--num_processes", "2"],
+    ),
 }
 
 
@@ -47,12 +55,16 @@ def _config_file(tmp_path_factory, name: str, layers: int = 2) -> str:
     return str(path)
 
 
+def _layers(case: str) -> int:
+    return 4 if "4 blocks" in case else 2
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> dict:
     """One traced plan per case (each a few seconds of fake dispatch)."""
-    files = {name: _config_file(tmp_path_factory, name) for name in (L7, L8)}
+    files = {(m, _layers(c)): _config_file(tmp_path_factory, m, _layers(c)) for c, (m, _) in CASES.items()}
     return {
-        case: make_plan(["--model_name_or_path", files[model], *flags, "--trace", "True"])
+        case: make_plan(["--model_name_or_path", files[model, _layers(case)], *flags, "--trace", "True"])
         for case, (model, flags) in CASES.items()
     }
 
@@ -96,10 +108,17 @@ def test_traced_model_state_equals_planner(traced, case):
     assert by_type["OptState"] - est["optimizer"] == 4 * p.trace.state["trainable_tensors"]
 
 
-# The bound the estimate is held to. It is not derived: the estimate leaves out tensors it does not model (per
-# block: RoPE's cos/sin and their casts, LoRA's dropout scratch, SDPA's small buffers; DoRA's norm scratch), which
-# measure 0.0-2.6% of these peaks; docs/plan.md lists the residuals.
+# The bound the estimate is held to (issue #18's acceptance). Measured residuals of these configs are under 0.5%
+# (docs/plan.md, "Per category"), but for full fine-tuning's loss backward (not its peak; see below).
 BOUND = 0.03
+
+
+def _left_out(p) -> int:
+    """What the estimate leaves out of the activations, derived from the code: the loss's target selection (a
+    bool mask over the tokens and the selected int64 labels, 9 bytes per token) and 0-dim tensors (the loss, its
+    chunks' partial sums, the token count, the gradient norm: fewer than 16, each at most one 512-byte block)."""
+    tokens = p.kwargs["batch_size"] * p.kwargs["rows_per_example"] * p.kwargs["seq_len"]
+    return 9 * tokens + 16 * 512
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -117,13 +136,9 @@ def test_estimate_within_3_percent_of_traced_peaks(traced, case):
         )
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_estimate_per_category_at_the_traced_step_peak(traced, case):
-    """At the step's traced peak, each category (storages filed by what they are, not by the phase that made
-    them) against the estimate's rows at its peak phase: parameters (shards, gathered copies, all-gather buffers,
-    quantization constants) and optimizer states byte for byte; gradients (shards, unsharded, reduce-scatter
-    input) and activations with temporaries within the bound of the totals, relative to the peak."""
-    p = traced[case]
+def _assert_categories(p, case: str) -> None:
+    """Each category at the step's traced peak within BOUND of itself; a category under 1% of the peak (a few
+    MiB of inputs, or none) within the derived absolute term of what the estimate leaves out (_left_out)."""
     rows = category_comparison(p)
     peak = p.trace.peak_total
     # every byte the tracker saw at the peak is filed once; the filing reads the storages' sizes when the op that
@@ -134,11 +149,21 @@ def test_estimate_per_category_at_the_traced_step_peak(traced, case):
     codes = 2 * 7 * (16 + 256) * 4 if "QLoRA" in case else 0
     assert rows["parameters"][0] - rows["parameters"][1] == codes
     assert rows["optimizer states"][0] == rows["optimizer states"][1]
-    for name in ("gradients", "activations and temporaries"):
-        got, est = rows[name]
-        assert abs(est - got) <= BOUND * peak, (
-            f"{case}, {name}: traced {got / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
-        )
+    for name, (got, est) in rows.items():
+        bound = BOUND * got if got >= 0.01 * peak else _left_out(p)
+        assert abs(est - got) <= bound, f"{case}, {name}: traced {got / 2**20:.2f} MiB, estimate {est / 2**20:.2f}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_per_category_at_the_traced_step_peak(traced, case):
+    """At the step's traced peak, each category (storages filed by what they are, not by the phase that made
+    them) against the estimate's rows at its peak phase: parameters (shards, gathered copies, all-gather buffers,
+    quantization constants) and optimizer states byte for byte; gradients, activations (made in forward, and the
+    inputs) and temporaries (made in backward: a block's recomputation and backward, the loss's backward) each
+    within the bound of itself. The peaks differ: forward all-gathers (dense and GQA LoRA on 2 and 8 ranks,
+    QLoRA's second micro-batch), the loss's backward (1 rank), a block's recomputation (DoRA), the root's
+    reduce-scatter (full fine-tuning)."""
+    _assert_categories(traced[case], case)
 
 
 def test_identity_filing_moves_what_the_tracker_files_by_phase(traced):
@@ -163,6 +188,12 @@ def test_traced_phases_name_the_peak(traced):
     assert got["GQA LoRA, 8 ranks"] == "forward (first block's all-gather)"  # 128k-vocabulary root gathered twice
     assert got["GQA LoRA, 1 rank"] == "loss backward"  # one rank: no flat all-gather copies
     assert got["full fine-tuning, 8 ranks"].startswith("root backward")
+    assert got["DoRA, 2 ranks"] == got["LoRA r=64 with dropout, 4 blocks, 2 ranks"] == "decoder-layer backward"
+    # the second block to run backward: one block's gradient shards (fp32, r=64 on 7 linears, half per rank) and
+    # the first block's fp32 reduce-scatter input (the whole block's) at the traced step peak
+    p = traced["LoRA r=64 with dropout, 4 blocks, 2 ranks"]
+    shard = p.trace.state["trainable"] // 4
+    assert p.trace.step_by_identity["gradients"] == shard + 2 * shard
 
 
 def _free_port() -> int:
@@ -266,29 +297,31 @@ MIXTRAL = {
 
 def test_mixture_of_experts_traced_against_estimate(tmp_path):
     """Mixtral-shaped, LoRA all-linear on 2 ranks: all-linear wraps the attention only (the experts are fused
-    3-D parameters, not nn.Linear); the model state is exact, and the peak, at the second block's all-gather (a
-    block of eight experts outweighs the root), is within the bound. Not modelled: routing and the experts'
-    backward working memory, so a block's backward is under the trace (said in the plan's notes)."""
+    3-D parameters, not nn.Linear); the model state is exact. At batch 2 the peak is the second block's all-gather
+    (a block of eight experts outweighs the root); at batch 8 it is a block's backward, where the routing and the
+    experts' recomputed activations and backward working memory (transformers' grouped_mm experts) are the
+    temporaries: every phase and every category within the bound."""
     path = tmp_path / "mixtral-2.json"
     path.write_text(json.dumps(MIXTRAL))
-    p = make_plan(["--model_name_or_path", str(path), *_LORA, "--num_processes", "2", "--trace", "True"])
-    # the experts' and router's tensors account for every parameter of the model class (counted on meta)
-    assert p.shape.extra_params == 0 and p.shape.num_experts == 8
-    est = model_state_bytes_per_rank(p.shape, rank=0, **{k: p.kwargs[k] for k in _STATE_KEYS})
-    held = p.trace.state
-    assert (held["frozen"], held["trainable"], held["optimizer"]) == (est["frozen"], est["trainable"], est["optimizer"])
-    assert held["trainable_tensors"] == 2 * 4 * 2  # 2 blocks x q, k, v, o x lora_A, lora_B
-    assert p.estimate.peak_phase == "forward (a later block's all-gather)"
-    rows = trace_comparison(p)
-    for name in ("forward", "step"):
-        got, estimated = rows[name]
-        assert abs(estimated - got) <= BOUND * got, name
-    got, estimated = rows["decoder-layer backward"]
-    assert estimated < got
-    cats = category_comparison(p)
-    assert cats["parameters"][0] == cats["parameters"][1] and cats["gradients"] == (0, 0)
-    got, estimated = cats["activations and temporaries"]
-    assert abs(estimated - got) <= BOUND * p.trace.peak_total
+    for batch, phase in (("2", "forward (a later block's all-gather)"), ("8", "decoder-layer backward")):
+        flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        p = make_plan(["--model_name_or_path", str(path), *flags])
+        # the experts' and router's tensors account for every parameter of the model class (counted on meta)
+        assert p.shape.extra_params == 0 and p.shape.num_experts == 8 and p.shape.experts_per_token == 2
+        est = model_state_bytes_per_rank(p.shape, rank=0, **{k: p.kwargs[k] for k in _STATE_KEYS})
+        held = p.trace.state
+        assert (held["frozen"], held["trainable"], held["optimizer"]) == (
+            est["frozen"],
+            est["trainable"],
+            est["optimizer"],
+        )
+        assert held["trainable_tensors"] == 2 * 4 * 2  # 2 blocks x q, k, v, o x lora_A, lora_B
+        assert p.estimate.peak_phase == phase
+        for name, (got, estimated) in trace_comparison(p).items():
+            assert abs(estimated - got) <= BOUND * got, (batch, name)
+        _assert_categories(p, f"Mixtral LoRA, batch {batch}")
+    # at batch 8 the temporaries are most of the activations' memory: the experts' part is on the peak
+    assert category_comparison(p)["temporaries"][0] > 3 * 2**30
     assert any(n.startswith("mixture of experts") for n in p.estimate.notes)
 
 

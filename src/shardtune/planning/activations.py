@@ -20,12 +20,33 @@ def _linear_input_groups(shape: ModelShape, attn_implementation: str) -> list[tu
     # flash and SDPA return their output as a transposed view of a [batch, seq, heads, dim] buffer they keep for
     # backward, so o_proj's input is that same storage; eager attention makes a contiguous copy.
     o_shared = attn_implementation != "eager"
+    attention = [(("q_proj", "k_proj", "v_proj"), shape.hidden_size, False), (("o_proj",), shape.q_dim, o_shared)]
+    if shape.num_experts:  # the experts are not linears: see _mlp_saved_bytes
+        return attention
     return [
-        (("q_proj", "k_proj", "v_proj"), shape.hidden_size, False),
-        (("o_proj",), shape.q_dim, o_shared),
+        *attention,
         (("gate_proj", "up_proj"), shape.hidden_size, False),
         (("down_proj",), shape.intermediate_size, False),
     ]
+
+
+def _mlp_saved_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
+    """Per token: a dense MLP keeps its gate and up outputs and act(gate) (its inputs are _linear_input_groups').
+
+    A mixture of experts as transformers runs it (integrations/moe.py, grouped_mm, its default) keeps, per token:
+    the router's fp32 softmax (E), its top-k indices (int64) and weights (the in-place renormalisation keeps the
+    weights and their fp32 sum); per routed copy (k of them), the sort permutation and the gather index (int64
+    each), the inverse permutation (int64), the gathered fp32 routing weight, the gate_up output (2·I_e) and
+    act(gate) (I_e) for the gate's backward, and the down output (h) that the routing weight multiplies. A frozen
+    expert's grouped_mm keeps no input; with trained experts (full fine-tuning) the gathered tokens (h) and the
+    product (I_e) are kept for the weight gradients, and the router's input (h) for its own."""
+    if not shape.num_experts:
+        return 3 * a * shape.intermediate_size
+    k, ie, h, e = shape.experts_per_token or 1, shape.expert_intermediate_size, shape.hidden_size, shape.num_experts
+    router = 4 * e + 8 * k + 4 * k + 4
+    routed = k * (8 + 8 + 8 + 4 + a * (3 * ie + h))
+    trained = a * h + k * a * (h + ie) if full_finetune else 0
+    return router + routed + trained
 
 
 def _attention_bytes(shape: ModelShape, seq_len: int, a: int, attn_implementation: str, masked: bool) -> int:
@@ -36,8 +57,12 @@ def _attention_bytes(shape: ModelShape, seq_len: int, a: int, attn_implementatio
         probs = 4 * nh * seq_len + (a * nh * seq_len if a < 4 else 0)
         return 3 * a * qd + probs
     # SDPA repeats k and v to every head when it is given a mask (packed rows); flash handles GQA natively.
-    kv = qd if (masked and attn_implementation == "sdpa") else kvd
-    return a * qd + 2 * a * kv + a * qd + 4 * nh  # q, k, v, output, fp32 logsumexp per head
+    sdpa_masked = masked and attn_implementation == "sdpa"
+    kv = qd if sdpa_masked else kvd
+    # SDPA turns a bool mask into an additive one in q's dtype (convert_boolean_attn_mask, [batch, 1, seq, seq])
+    # and keeps it for backward: seq·a bytes per token in every block.
+    mask = a * seq_len if sdpa_masked else 0
+    return a * qd + 2 * a * kv + a * qd + 4 * nh + mask  # q, k, v, output, fp32 logsumexp per head
 
 
 def layer_saved_bytes_per_token(
@@ -59,9 +84,10 @@ def layer_saved_bytes_per_token(
     A frozen linear keeps nothing (its input is only needed for a weight gradient); LoRA's lora_A keeps its
     input (the dropout output, plus the dropout mask, one per wrapped module) and lora_B keeps lora_A's output.
     """
-    a, h, i = compute_bytes, shape.hidden_size, shape.intermediate_size
+    a, h = compute_bytes, shape.hidden_size
     norm = 4 * h + 4 + (a * h if full_finetune else 0)  # fp32 copy of the input and rsqrt; normed output if trained
-    total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked) + 3 * a * i  # gate, silu, up
+    total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked)
+    total += _mlp_saved_bytes(shape, a, full_finetune)
     for linears, fan_in, shared in _linear_input_groups(shape, attn_implementation):
         wrapped = [m for m in linears if m in lora_targets]
         if full_finetune or (wrapped and lora_dropout == 0):
@@ -77,6 +103,26 @@ def layer_saved_bytes_per_token(
     return total
 
 
+# The micro-batch's tensors on the device, alive through the step: input_ids, position_ids and labels (int64).
+BATCH_TENSORS = 3
+
+
+def step_input_bytes(shape: ModelShape, tokens: int, compute_bytes: int) -> int:
+    """What every phase of a step holds besides the blocks' own tensors: the micro-batch (BATCH_TENSORS int64
+    tensors) and the rotary embedding's cos and sin ([batch, seq, head_dim] in the compute dtype), made once per
+    forward by the model and passed to every block, whose checkpoints keep them as inputs until backward ends."""
+    return BATCH_TENSORS * 8 * tokens + 2 * tokens * shape.head_dim * compute_bytes
+
+
+def loss_input_grad_bytes(
+    tokens: int, hidden_size: int, compute_bytes: int, loss_impl: str = "chunked", chunk_tokens: int = 1024
+) -> int:
+    """The gradient of the head's input, [tokens, h] in the compute dtype: shardtune's chunked loss runs backward
+    one chunk at a time, each adding its slice into it, so from the second chunk on it exists beside that chunk's
+    logits gradients (none with a single chunk; the full losses make it after their logits are freed)."""
+    return tokens * hidden_size * compute_bytes if loss_impl == "chunked" and tokens > chunk_tokens else 0
+
+
 def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     """Gradients alive at the peak of a block's backward, beyond what the block saved (`layer_saved_bytes_...`).
 
@@ -84,18 +130,89 @@ def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> i
     block's output (h wide) has produced the product's gradient (I wide), which produces the gradients of
     act(gate) and of up (I wide each) before it is freed; down_proj's input (the product, I wide, counted in the
     saved bytes) was freed when down_proj's backward ended. Net: 3 I-wide gradients - 1 freed saved tensor + the
-    h-wide incoming gradient. Checked against the traced step (tests/unit/test_plan_trace.py)."""
-    return compute_bytes * (2 * shape.intermediate_size + shape.hidden_size)
+    h-wide incoming gradient. Checked against the traced step (tests/unit/test_plan_trace.py).
+
+    A mixture of experts (frozen experts, see _mlp_saved_bytes) peaks the same way per routed copy, in the
+    backward of `act(gate) * up`: the gradients of the product (down's grouped_mm input gradient), of act(gate)
+    and of up (3 I_e wide each), beside the incoming h-wide gradient; no grouped_mm input was kept, but the down
+    output (h wide per copy) that the routing weights' multiply kept was freed when that backward ran."""
+    a, h = compute_bytes, shape.hidden_size
+    if shape.num_experts:
+        k = shape.experts_per_token or 1
+        return a * (h + 3 * k * shape.expert_intermediate_size - k * h)
+    return a * (2 * shape.intermediate_size + h)
 
 
-def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
+def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+    """A block's MLP forward at its largest: dense, the gate and up outputs, act(gate) and their product (4 I
+    wide); a mixture of experts, per routed copy, the gathered tokens, the gate_up output, act(gate), the product
+    and the down output (h + 4·I_e + h)."""
+    if shape.num_experts:
+        k = shape.experts_per_token or 1
+        return compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size)
+    return 4 * compute_bytes * shape.intermediate_size
+
+
+def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...], lora_r: int = 0) -> int:
     """shardtune's DoRA forward (adapters.dora_weight_norm) takes the weight's row norms from an fp32 copy of the
     weight, which exists while that layer runs (also in the recomputation): 4·in·out bytes for the largest
-    wrapped linear, none when the weight already is fp32."""
+    wrapped linear, none when the weight already is fp32. In a block's recomputation this is the peak when it
+    outweighs the backward's working memory: at down_proj (the largest, and the last linear of the block) every
+    other recomputed tensor exists, and down_proj's base output (h wide) stands in for the rescaled output it
+    keeps (`z`, counted in the saved bytes)."""
     dims = [d for name, d in shape.linear_dims().items() if name in lora_targets]
     if not dims or compute_bytes >= 4:
         return 0
-    return 4 * max(i * o for i, o in dims)
+    fan_in, fan_out = max(dims, key=lambda d: d[0] * d[1])
+    # beside it, the norm's fp32 scratch: A and B upcast (r·in, out·r), W·Aᵀ (out·r) and the squared norms (out)
+    return 4 * fan_in * fan_out + 4 * (lora_r * fan_in + 2 * lora_r * fan_out + fan_out)
+
+
+def recompute_peak_bytes(
+    shape: ModelShape,
+    *,
+    tokens: int,
+    compute_bytes: int,
+    layer: int,
+    lora_targets: tuple[str, ...],
+    lora_r: int,
+    lora_dropout: float,
+    full_finetune: bool,
+    dropout_mask_bytes: int,
+    dropout_scratch_bytes: int,
+    dora: int,
+    dequant: int,
+) -> int:
+    """A checkpointed block's recomputation at its peak, down_proj (the block's last linear, and its widest input):
+    `layer` (the block's saved tensors) less what down_proj's own LoRA keeps, plus what is alive there without
+    being kept for backward (the incoming h-wide gradient, the attention's residual sum, down_proj's base output;
+    the MLP's input and the product act(gate)·up when no LoRA input keeps them), plus the largest transient of
+    down_proj's forward: its DoRA norm (`dora`, dora_transient_bytes), its LoRA dropout drawing the mask (CPU:
+    shardtune's FastDropout makes int64 random bits and an int32 copy, `dropout_scratch_bytes` per element, beside
+    the new mask), or its dequantized 4-bit weight (before the base output exists); at least everything down_proj
+    keeps, once its forward ends. Zero for a mixture of experts (no down_proj linear: the backward peaks)."""
+    if shape.num_experts:
+        return 0
+    a, h, i = compute_bytes, shape.hidden_size, shape.intermediate_size
+    down = "down_proj" in lora_targets
+    dropped = down and lora_dropout > 0
+    kept = tokens * ((a * lora_r if down else 0) + ((dropout_mask_bytes + a) * i if dropped else 0))
+    kept += tokens * a * h if dora and down else 0  # DoRA's z, the rescaled output
+    live = 3 * a * h
+    if not (full_finetune or (lora_dropout == 0 and {"gate_proj", "up_proj"} & set(lora_targets))):
+        live += a * h  # the MLP's input
+    if not (full_finetune or (down and lora_dropout == 0)):
+        live += a * i  # down_proj's input
+    scratch = tokens * (dropout_scratch_bytes + dropout_mask_bytes) * i if dropped else 0
+    transient = max(kept, dora, scratch, dequant - tokens * a * h)
+    return layer - kept + tokens * live + transient
+
+
+def dora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
+    """Per block, not per token: each DoRA module keeps its fp32 row norms (m / norm keeps the divisor) and the
+    scale g = m / norm in the compute dtype (g·z keeps both factors) for backward."""
+    dims = shape.linear_dims()
+    return sum((4 + compute_bytes) * dims[name][1] for name in lora_targets if name in dims)
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

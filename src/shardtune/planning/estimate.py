@@ -16,7 +16,7 @@ from typing import Any
 import shardtune.planning.activations as act
 from shardtune import parallel
 from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
-from shardtune.planning.phases import StepParts, peak_phase, step_phases
+from shardtune.planning.phases import StepParts, peak_phase, step_phases, temporaries
 from shardtune.planning.state import (
     TENSOR_FLAGS,
     GiB,
@@ -66,6 +66,9 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     # Allocated bytes at each of the step's phases (planning.phases), of which `device` is the largest.
     phase_bytes: dict[str, int] = field(default_factory=dict)
+    # Of the peak's activations and logits rows, what its backward makes (a block's recomputation and backward
+    # working memory, the loss's backward): FSDP2's tracker calls these temporaries.
+    temporaries: int = 0
 
     @property
     def allocated(self) -> int:
@@ -105,6 +108,7 @@ class MemoryEstimate:
             "settings": dict(self.settings),
             "notes": list(self.notes),
             "phase_bytes": dict(self.phase_bytes),
+            "temporaries_bytes": self.temporaries,
         }
 
 
@@ -138,6 +142,7 @@ def _fsdp_buffers(
         "flat_copy": shard > 1,
         "offload_copies": block_shard * (2 if prefetch else 1) if offload else 0,
         "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
+        "block_scatter_input": _unsharded_bytes(tensors, "block", 4, trainable_only=True),
         "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
         "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
         # The head's and final norm's gradients are made in the loss's backward and wait, unsharded in the compute
@@ -180,6 +185,7 @@ class _Dynamic:
     forward: int = 0  # alive when the first block is gathered: the embeddings' output and the attention mask
     logits_forward: int = 0  # the loss's forward peak
     final_norm: int = 0  # the final norm's saved tensors and the head's input: freed before any block's backward
+    block: int = 0  # one block's part of `stored`
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -209,6 +215,7 @@ def _dynamic(
     loss_impl: str,
     loss_chunk_tokens: int,
     dropout_mask_bytes: int,
+    dropout_scratch_bytes: int = 0,
 ) -> _Dynamic:
     if attn_implementation not in act.ATTN_IMPLEMENTATIONS:
         raise ValueError(
@@ -228,22 +235,38 @@ def _dynamic(
         masked=packing,
         dropout_mask_bytes=dropout_mask_bytes,
     )
-    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + act.attention_mask_bytes(
-        batch_size, seq_len, a, attn_implementation, packing
-    )
+    mask = act.attention_mask_bytes(batch_size, seq_len, a, attn_implementation, packing)
+    inputs = act.step_input_bytes(shape, tokens, a)
+    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
     dequant = a * max(i * o for i, o in shape.linear_dims().values()) if quantized else 0
     working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant
+    dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
     if use_dora:
-        working += act.dora_transient_bytes(shape, a, lora_targets)
+        layer += act.dora_saved_bytes(shape, a, lora_targets)
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
-        stored, working = shape.num_layers * tokens * a * shape.hidden_size + fixed, working + layer
+        recompute = act.recompute_peak_bytes(
+            shape,
+            tokens=tokens,
+            compute_bytes=a,
+            layer=layer,
+            lora_targets=lora_targets,
+            lora_r=lora_r,
+            lora_dropout=lora_dropout,
+            full_finetune=full_finetune,
+            dropout_mask_bytes=dropout_mask_bytes,
+            dropout_scratch_bytes=dropout_scratch_bytes,
+            dora=dora,
+            dequant=dequant,
+        )
+        working = max(layer + working, recompute)  # the backward's peak or the recomputation's
+        block = tokens * a * shape.hidden_size
     else:
-        stored = shape.num_layers * layer + fixed
+        working, block = working + dora, layer
+    stored = shape.num_layers * block + fixed
     peak, kept = act.logits_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens)
-    forward = tokens * a * shape.hidden_size + act.attention_mask_bytes(
-        batch_size, seq_len, a, attn_implementation, packing
-    )
+    peak += act.loss_input_grad_bytes(tokens, shape.hidden_size, a, loss_impl, loss_chunk_tokens)
+    forward = tokens * a * shape.hidden_size + mask + inputs
     return _Dynamic(
         stored,
         working,
@@ -252,6 +275,7 @@ def _dynamic(
         forward,
         act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens),
         tokens * act.final_norm_bytes_per_token(shape, a),
+        block,
     )
 
 
@@ -289,6 +313,7 @@ def estimate_memory(
     prefetch: bool = True,
     sharded_checkpoint: bool = False,
     dropout_mask_bytes: int = act.CUDA_DROPOUT_MASK_BYTES,
+    dropout_scratch_bytes: int = 0,
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
     allocator_overhead: float = ALLOCATOR_OVERHEAD,
 ) -> MemoryEstimate:
@@ -324,7 +349,8 @@ def estimate_memory(
     host = host_bytes(state, tensors, shape, world_size // num_nodes, offload)
     notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint, bool(shape.num_experts))
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes)
+    temps = temporaries(parts, phase)  # none in the checkpoint save's phase
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps)
 
 
 def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, Any]:
@@ -344,6 +370,7 @@ def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, An
         "loss_impl": s["loss_impl"],
         "loss_chunk_tokens": s["loss_chunk_tokens"],
         "dropout_mask_bytes": s["dropout_mask_bytes"],
+        "dropout_scratch_bytes": s["dropout_scratch_bytes"],
     }
 
 
@@ -364,8 +391,13 @@ def _step_parts(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=s["batch_size"] * s["rows_per_example"] * s["seq_len"] * 4 * a * shape.intermediate_size,
+        forward_working=s["batch_size"]
+        * s["rows_per_example"]
+        * s["seq_len"]
+        * act.forward_working_bytes_per_token(shape, a),
         num_blocks=shape.num_layers,
+        block_stored=dynamic.block,
+        batch_inputs=act.BATCH_TENSORS * 8 * s["batch_size"] * s["rows_per_example"] * s["seq_len"],
         **buffers,
     )
 
@@ -436,8 +468,7 @@ def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bo
         )
     if moe:
         notes.append(
-            "mixture of experts: the parameters, gradients and optimizer states are exact and the forward phases "
-            "model the experts' all-gathers, but not the routing nor the experts' activations and backward "
-            "working memory (they are taken as one dense MLP of the experts' width); --trace runs the real step."
+            "mixture of experts: the routing and the experts' activations are those of transformers' grouped_mm "
+            "experts (its default); another experts implementation keeps other tensors: --trace runs the real step."
         )
     return notes

@@ -48,6 +48,7 @@ class ModelShape:
     # the experts' width; none of them is an nn.Linear, so LoRA's all-linear wraps the attention only.
     num_experts: int = 0
     expert_intermediate_size: int = 0
+    experts_per_token: int = 0  # the router's top-k
 
     def block_linears(self) -> tuple[str, ...]:
         """The nn.Linear layers of one block: attention only when the MLP is a mixture of experts."""
@@ -122,6 +123,7 @@ class ModelShape:
             mlp_bias=bool(get("mlp_bias", False)),
             num_experts=int(get("num_local_experts") or get("num_experts") or 0),
             expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
+            experts_per_token=int(get("num_experts_per_tok") or 0),
         )
         real = None if isinstance(config, dict) else _real_param_count(config)
         return shape if real is None else replace(shape, extra_params=real - base_param_count(shape))

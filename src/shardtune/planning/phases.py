@@ -71,6 +71,16 @@ class StepParts:
     logits_forward: int
     forward_working: int  # a block's forward intermediates
     num_blocks: int = 2
+    block_stored: int = 0  # one block's part of layer_stored, freed once that block has run backward
+    block_scatter_input: int = 0  # one block's fp32 reduce-scatter input, kept until the next block reduces
+    batch_inputs: int = 0  # the micro-batch's tensors, alive through the whole step
+
+
+def temporaries(p: StepParts, phase: str) -> int:
+    """Of a phase's activations and logits rows, the bytes its backward makes (FSDP2's tracker files them as
+    temporaries, and what forward and the inputs made as activations): the loss's backward peak, and a block's
+    recomputation and backward working memory."""
+    return {LOSS: p.logits_peak, LAYER: p.working}.get(phase, 0)
 
 
 def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
@@ -127,14 +137,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             gather=p.root_gathered + p.kept_after_forward * p.block_gathered + p.offload_copies,
             scatter=0,
         ),
-        LAYER: _rows(
-            p,
-            gradients=block_grads,
-            activations=p.layer_stored + p.working,
-            logits=p.logits_kept,
-            gather=p.root_gathered + p.blocks_in_flight * p.block_gathered + p.offload_copies,
-            scatter=p.root_early_grads,
-        ),
+        LAYER: _layer_phase(p, block_grads),
         BLOCK_SCATTER: _rows(
             p,
             gradients=block_grads,
@@ -145,17 +148,44 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
         ),
     }
     if p.num_blocks > 1:
+        # the last block's all-gather: every earlier block's stored activations exist
         phases[LATER_FORWARD] = _rows(
             p,
             gradients=early_grads,
-            activations=p.forward_activations,
+            activations=p.forward_activations + (p.num_blocks - 1) * p.block_stored,
             logits=0,
             gather=p.root_gathered + (2 * copies - 1) * p.block_gathered + p.offload_copies,
             scatter=0,
         )
     if p.root_scatter:
-        phases[ROOT] = _rows(p, gradients=block_grads, activations=0, logits=0, gather=0, scatter=p.root_scatter)
+        phases[ROOT] = _rows(
+            p, gradients=block_grads, activations=p.batch_inputs, logits=0, gather=0, scatter=p.root_scatter
+        )
     return phases
+
+
+def _layer_phase(p: StepParts, block_grads: int) -> dict[str, int]:
+    """A block's backward, at the block where it peaks. The j-th block to run backward (j = 0 the last block)
+    still has the stored activations of the L − j blocks not yet done, the gradient shards of the j done (in the
+    first micro-batch; later ones hold every gradient from their start), the previous block's reduce-scatter
+    input (FSDP2 keeps it in `comm_ctx.reduce_scatter_state` until the next block's post-backward reduces), and
+    the next block prefetched (none after block 0). Linear in j between the ends: the largest is at the last
+    block, the next one, the next-to-last or the first."""
+    n = p.num_blocks
+    phases = []
+    for j in sorted({0, min(1, n - 1), max(n - 2, 0), n - 1}):
+        grads = block_grads if p.grad_accum > 1 else block_grads * j // n
+        in_flight = p.blocks_in_flight if j < n - 1 or p.kept_after_forward > 1 else 1
+        rows = _rows(
+            p,
+            gradients=grads + (p.block_scatter_input if j else 0),
+            activations=p.layer_stored - j * p.block_stored + p.working,
+            logits=p.logits_kept,
+            gather=p.root_gathered + in_flight * p.block_gathered + p.offload_copies,
+            scatter=p.root_early_grads,
+        )
+        phases.append(rows)
+    return max(phases, key=lambda r: sum(r.values()))
 
 
 def peak_phase(phases: dict[str, dict[str, int]]) -> str:

@@ -12,7 +12,7 @@ from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, MemoryEstimate, esti
 from shardtune.planning.model import ModelShape, base_param_count, lora_param_count, resolve_lora_targets
 from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
 from shardtune.planning.recommend import Recommendation
-from shardtune.planning.state import GiB, compute_dtype_bytes
+from shardtune.planning.state import GiB
 
 
 @dataclass
@@ -75,13 +75,18 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     """The estimate's settings for what the trace runs: SDPA with the 4-D packed-row mask (fake tensors give
-    transformers no positions to read), no offload on CPU (shardtune offloads only from a GPU), and CPU dropout
-    masks in the compute dtype there."""
+    transformers no positions to read) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
+    keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
+    CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
+    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout)."""
     out = {**kwargs, "attn_implementation": "sdpa", "packing": True}
     if device == "cpu":
         out["offload"] = False
-        out["dropout_mask_bytes"] = compute_dtype_bytes(kwargs["bf16"], kwargs["fp16"])
+        out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
     return out
+
+
+CPU_DROPOUT_SCRATCH_BYTES = 2 + 4
 
 
 # The traced peaks and the estimate's phases that correspond: the root module's forward (first block's
@@ -106,26 +111,28 @@ def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
 
 
 # The estimate's rows that make each category of the traced step peak (storages filed by what they are,
-# shardtune.distributed.fake). The estimate does not split what a block's recomputation makes (the trace's
-# activations) from what its backward makes (the trace's temporaries): its working-memory term covers both, so the
-# two are compared together.
+# shardtune.distributed.fake). Activations and temporaries follow the tracker's split, by when a tensor is made:
+# forward (and the inputs) or backward (a block's recomputation included); the estimate's rows of activations
+# and logits hold both, and MemoryEstimate.temporaries says how much of them its peak phase's backward makes.
 ESTIMATE_CATEGORIES = {
     "parameters": ("frozen base weights", "quantization constants", "trainable weights", "FSDP all-gather buffers"),
     "gradients": ("gradients", "FSDP reduce-scatter buffers"),
     "optimizer states": ("optimizer state",),
-    "activations and temporaries": ("activations", "logits and loss"),
+    "activations": ("activations", "logits and loss"),
 }
 
 
 def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     """{category: (traced bytes, estimated bytes)} at the step's peak, rank 0. The traced optimizer states leave
-    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host."""
+    out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host.
+    Not compared: the traced buffers (the rotary inv_freq table, a few KiB), which the estimate leaves out."""
     est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
     got = dict(p.trace.step_by_identity)
     got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
-    got["activations and temporaries"] = got.pop("activations") + got.pop("temporaries")
-    # not compared: the buffers (the rotary tables, a few KiB), which the estimate leaves out
-    return {c: (got[c], sum(est.device[r] for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+    out = {c: (got[c], sum(est.device.get(r, 0) for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
+    out["activations"] = (got["activations"], out["activations"][1] - est.temporaries)
+    out["temporaries"] = (got["temporaries"], est.temporaries)
+    return out
 
 
 def format_trace(p: Plan) -> str:

@@ -196,7 +196,13 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     _optimizer_step(model, optimizer)
     micro = [lambda: _forward_backward(model, batch)] * (min(t.gradient_accumulation_steps, 2) - 1)
     micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
-    peaks = track_peak(model, optimizer, tuple(batch.values()), micro)
+    # One tracker per micro-batch: FSDP2's tracker (its ModTracker's register_multi_grad_hook on each module's
+    # inputs) keeps a micro-batch's leaf inputs alive after its backward, here the embeddings' output, which
+    # transformers makes a leaf requiring grad under checkpointing (enable_input_require_grads), with its .grad.
+    # A real run frees both when the backward ends; a second micro-batch under the same tracker would count them
+    # (two T·h tensors). A fresh tracker counts what exists at its start by what it is: parameters, gradients,
+    # optimizer states, inputs.
+    peaks = _worst(track_peak(model, optimizer, tuple(batch.values()), [run]) for run in micro)
     by_identity = peaks.pop("step by identity")
     rounding = fresh_segments_overhead(peaks.pop("sizes at peak"))
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
@@ -211,6 +217,21 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
         snap["Total"] = snap.get("Total", 0) + constants
     by_identity["parameters"] += constants
     return TraceResult(peaks, state, info.device.type, by_identity, rounding)
+
+
+def _worst(runs) -> dict:
+    """The largest of each peak over several tracked runs; the step's identity filing and sizes come with the
+    step's peak."""
+    out: dict = {}
+    for run in runs:
+        for name, snap in run.items():
+            if name in ("step by identity", "sizes at peak"):
+                continue
+            if snap.get("Total", 0) >= out.get(name, {}).get("Total", -1):
+                out[name] = snap
+                if name == "step":
+                    out["step by identity"], out["sizes at peak"] = run["step by identity"], run["sizes at peak"]
+    return out
 
 
 def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
