@@ -218,7 +218,7 @@ def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) 
         train_split=run.train_split,
         eval_split=run.eval_split,
         info=info,
-        s=run.settings,
+        settings=run.settings,
         state=run.loop_state,
         logger=logger,
         objective=run.objective,

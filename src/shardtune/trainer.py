@@ -99,14 +99,14 @@ def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, g
     return num_batches(split, batch_size=batch_size, world_size=world_size) // grad_accum
 
 
-def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state: LoopState) -> Iterator[dict]:
+def _micro_batches(split: PreparedSplit, settings: LoopSettings, info: DistInfo, state: LoopState) -> Iterator[dict]:
     """This rank's micro-batches from the current data position onwards, across epochs."""
     if isinstance(split, StreamingSplit):
         stream = split.batches(
-            batch_size=s.batch_size,
+            batch_size=settings.batch_size,
             rank=info.dims.dp_rank,
             world_size=info.dims.dp_size,
-            seed=s.seed,
+            seed=settings.seed,
             position=state.stream,
         )
         for batch, position in stream:
@@ -116,17 +116,17 @@ def _micro_batches(split: PreparedSplit, s: LoopSettings, info: DistInfo, state:
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
         it = (split.iterate if hasattr(split, "iterate") else functools.partial(iterate_batches, split))(
-            batch_size=s.batch_size,
+            batch_size=settings.batch_size,
             rank=info.dims.dp_rank,
             world_size=info.dims.dp_size,
             epoch=epoch,
-            seed=s.seed,
+            seed=settings.seed,
             shuffle=True,
             start_batch=start,
-            pad_id=s.pad_id,
+            pad_id=settings.pad_id,
         )
         for i, batch in enumerate(it):
-            if start + i >= s.steps_per_epoch * s.grad_accum:
+            if start + i >= settings.steps_per_epoch * settings.grad_accum:
                 break
             yield batch
         epoch, start = epoch + 1, 0
@@ -237,7 +237,7 @@ def train(
     train_split: PreparedSplit,
     eval_split: PreparedSplit | None,
     info: DistInfo,
-    s: LoopSettings,
+    settings: LoopSettings,
     state: LoopState,
     logger,
     save_fn: Callable[[LoopState], None] | None = None,
@@ -245,72 +245,79 @@ def train(
     objective: Objective | None = None,
     callbacks: Sequence[Callable[[LoopState, int], None]] = (),
 ) -> LoopState:
-    """Run optimizer steps until s.total_steps, minimising `objective` (default: SFT); returns the final state.
+    """Run optimizer steps until settings.total_steps, minimising `objective` (default: SFT); returns the final state.
 
     `callbacks` run after each step's logging and evaluation, before the stop decision: fn(state, rank)
     (shardtune.hooks.step_callbacks for tests' fault injection)."""
     objective = objective or Objective()
     params = [p for p in model.parameters() if p.requires_grad]
-    batches = _micro_batches(train_split, s, info, state)
+    batches = _micro_batches(train_split, settings, info, state)
     model.train()
     t0, tokens0 = time.perf_counter(), state.tokens
-    while state.step < s.total_steps:
-        step_batches = [next(batches) for _ in range(s.grad_accum)]
+    while state.step < settings.total_steps:
+        step_batches = [next(batches) for _ in range(settings.grad_accum)]
         metrics, _, n_tokens = train_step(model, step_batches, info, objective)
         loss = metrics["loss"]
-        grad_norm = clip_grad_norm(params, s.max_grad_norm)
+        grad_norm = clip_grad_norm(params, settings.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             optimizer.step()
         else:
-            _skip_nonfinite(state, s, loss, grad_norm)
+            _skip_nonfinite(state, settings, loss, grad_norm)
         # The model's gradients, not the optimizer's: a bitsandbytes optimizer steps aliases (LocalShards).
         model.zero_grad(set_to_none=True)
         scheduler.step()
-        _advance(state, s, n_tokens, loss)
+        _advance(state, settings, n_tokens, loss)
         end_of_epoch = state.batch_in_epoch == 0
-        if _due(state.step, s.logging_steps, s.logging_strategy, end_of_epoch) or state.step == s.total_steps:
-            record = _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0)
+        if (
+            _due(state.step, settings.logging_steps, settings.logging_strategy, end_of_epoch)
+            or state.step == settings.total_steps
+        ):
+            record = _train_record(state, settings, info, loss, grad_norm, scheduler, t0, tokens0)
             logger.log_train(state.step, {**record, **metrics})
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
-        if eval_split is not None and _due(state.step, s.eval_steps, s.eval_strategy, end_of_epoch):
-            logger.log_eval(state.step, evaluate_split(model, eval_split, objective, s, info))
+        if eval_split is not None and _due(state.step, settings.eval_steps, settings.eval_strategy, end_of_epoch):
+            logger.log_eval(state.step, evaluate_split(model, eval_split, objective, settings, info))
         for callback in callbacks:
             callback(state, info.rank)
         # One collective per step, so that every rank takes the same decision.
         stop = stop_requested()
         # A scheduled save waits for a finite step: the weights that just gave a non-finite loss are not a
         # state worth keeping over the previous checkpoint. A stop request saves regardless.
-        if save_fn and (stop or (finite and _due(state.step, s.save_steps, s.save_strategy, end_of_epoch))):
+        if save_fn and (
+            stop or (finite and _due(state.step, settings.save_steps, settings.save_strategy, end_of_epoch))
+        ):
             save_fn(state)
         if stop:
             break
     return state
 
 
-def evaluate_split(model: nn.Module, split, objective: Objective, s: LoopSettings, info: DistInfo) -> dict:
+def evaluate_split(model: nn.Module, split, objective: Objective, settings: LoopSettings, info: DistInfo) -> dict:
     """The eval metrics of `objective` on `split` (SFT: eval_loss and perplexity over every target token)."""
     if objective.paired:
-        return evaluate_objective(model, split, objective, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
-    return evaluate(model, split, batch_size=s.eval_batch_size, info=info, pad_id=s.pad_id)
+        return evaluate_objective(
+            model, split, objective, batch_size=settings.eval_batch_size, info=info, pad_id=settings.pad_id
+        )
+    return evaluate(model, split, batch_size=settings.eval_batch_size, info=info, pad_id=settings.pad_id)
 
 
-def _skip_nonfinite(state: LoopState, s: LoopSettings, loss: float, grad_norm: float) -> None:
+def _skip_nonfinite(state: LoopState, settings: LoopSettings, loss: float, grad_norm: float) -> None:
     """Count a step whose loss or gradient norm is not finite (its update is dropped); stop after too many."""
     state.nonfinite_steps += 1
     print0(
         f"step {state.step + 1}: non-finite loss ({loss}) or grad norm ({grad_norm}); step skipped "
-        f"({state.nonfinite_steps}/{s.max_nonfinite_steps})."
+        f"({state.nonfinite_steps}/{settings.max_nonfinite_steps})."
     )
-    if state.nonfinite_steps >= s.max_nonfinite_steps:
+    if state.nonfinite_steps >= settings.max_nonfinite_steps:
         raise NonFiniteError(
             f"{state.nonfinite_steps} steps had a non-finite loss or gradient norm (--max_nonfinite_steps "
-            f"{s.max_nonfinite_steps}); stopped at step {state.step + 1} without saving, so the last checkpoint is "
+            f"{settings.max_nonfinite_steps}); stopped at step {state.step + 1} without saving, so the last checkpoint is "
             "the last good state. Lower the learning rate, check the data, or resume from that checkpoint."
         )
 
 
-def _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0) -> dict:
+def _train_record(state, settings, info, loss, grad_norm, scheduler, t0, tokens0) -> dict:
     elapsed = time.perf_counter() - t0
     mem = all_gather_objects(round(peak_memory_gb(info.device), 3))
     return {
@@ -318,7 +325,8 @@ def _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0) -> di
         "learning_rate": scheduler.get_last_lr()[0],
         "grad_norm": grad_norm,
         # A streamed epoch's length is unknown until it ends: its whole epochs only.
-        "epoch": state.epoch + (0 if state.stream else state.batch_in_epoch / max(s.steps_per_epoch * s.grad_accum, 1)),
+        "epoch": state.epoch
+        + (0 if state.stream else state.batch_in_epoch / max(settings.steps_per_epoch * settings.grad_accum, 1)),
         "tokens": state.tokens,
         "tokens_per_s": (state.tokens - tokens0) / max(elapsed, 1e-9),
         "memory_gb": max(mem),
@@ -327,12 +335,12 @@ def _train_record(state, s, info, loss, grad_norm, scheduler, t0, tokens0) -> di
     }
 
 
-def _advance(state: LoopState, s: LoopSettings, n_tokens: int, loss: float) -> None:
+def _advance(state: LoopState, settings: LoopSettings, n_tokens: int, loss: float) -> None:
     state.step += 1
     state.tokens += n_tokens
     state.losses.append(loss)
-    state.batch_in_epoch += s.grad_accum
+    state.batch_in_epoch += settings.grad_accum
     if state.stream is not None:
         state.epoch = state.stream[0]
-    if state.batch_in_epoch >= s.steps_per_epoch * s.grad_accum:
+    if state.batch_in_epoch >= settings.steps_per_epoch * settings.grad_accum:
         state.epoch, state.batch_in_epoch = state.epoch + 1, 0

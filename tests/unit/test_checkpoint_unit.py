@@ -395,7 +395,7 @@ def _toy_run(
         train_split=split,
         eval_split=None,
         info=group,
-        s=s,
+        settings=s,
         state=LoopState(),
         logger=logger,
         save_fn=lambda st: saved.append((st.step, st.epoch, st.batch_in_epoch)),
