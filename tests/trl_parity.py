@@ -13,6 +13,16 @@ from shardtune.modeling import CausalLMForTraining
 TRL_ARGS = {"max_length": 64, "report_to": "none", "use_cpu": True, "bf16": False, "learning_rate": 0.0}
 
 
+def build_pairs(tok, data, **kw):
+    """shardtune's preference (or, with kto_group, KTO) splits of `data` as the parity tests compare them with TRL:
+    rows up to 64 tokens, tokenized with the tokenizer's special tokens as TRL does (BOS added), no cache."""
+    from shardtune.data.preference import build_preference_datasets
+    from tests.conftest import build_data
+
+    args = {"tokenizer": tok, "dataset_name": str(data), "max_length": 64, "add_special_tokens": True}
+    return build_data(build_preference_datasets, **{**args, **kw})
+
+
 def shardtune_first_step(objective, policy, ref, split, *, batch_size: int, pad_id: int) -> dict:
     """objective's reported metrics for the first micro-batch of `split`, the reference log-probs from `ref`."""
     kw = {"rank": 0, "world_size": 1, "epoch": 0, "seed": 0, "shuffle": False, "pad_id": pad_id}

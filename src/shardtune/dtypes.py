@@ -16,8 +16,8 @@ DTYPES: dict[str, torch.dtype] = {
 ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 # Bytes per element, by canonical name or alias; planning counts bytes without building tensors.
 DTYPE_BYTES: dict[str, int] = {
-    **{name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()},
-    **{alias: torch.empty((), dtype=DTYPES[name]).element_size() for alias, name in ALIASES.items()},
+    **{name: dt.itemsize for name, dt in DTYPES.items()},
+    **{alias: DTYPES[name].itemsize for alias, name in ALIASES.items()},
 }
 FLOATING = ("bfloat16", "float16", "float32")
 

@@ -2,7 +2,7 @@
 environment, without the training loop or the writers knowing what a test does there.
 
 A component announces a point with `at(point, **where)`; nothing happens unless a hook is registered for it.
-Hooks come from the environment the first time a point is reached (so torchrun's workers need no setup):
+Hooks come from the environment, read each time a point is reached (so torchrun's workers need no setup):
 
 - `SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>]` (KILL by default): that rank sends itself the
   signal, or raises "No space left on device" (ENOSPC), at the point. Points: `step` (after optimizer step `step`
@@ -29,7 +29,6 @@ LOAD_LOG_ENV = "SHARDTUNE_LOAD_LOG"
 POINTS = ("step", "save", "export", "checkpoint_read")
 
 _hooks: dict[str, list[Callable[..., None]]] = {}
-_from_env: tuple[str | None, str | None] | None = None
 
 
 def register(point: str, fn: Callable[..., None]) -> None:
@@ -39,16 +38,13 @@ def register(point: str, fn: Callable[..., None]) -> None:
 
 
 def clear() -> None:
-    """Forget every hook, those read from the environment included (they are read again at the next point)."""
-    global _from_env
+    """Forget the hooks registered in-process (the environment's are read at each point)."""
     _hooks.clear()
-    _from_env = None
 
 
 def at(point: str, **where) -> None:
     """Announce that this process reached `point` (keywords such as step= and rank=)."""
-    _install_from_env()
-    for fn in _hooks.get(point, ()):
+    for fn in (*_hooks.get(point, ()), *_from_env(point)):
         fn(**where)
 
 
@@ -57,28 +53,21 @@ def step_callbacks() -> list[Callable]:
     return [lambda state, rank: at("step", step=state.step, rank=rank)]
 
 
-def _install_from_env() -> None:
-    """(Re)read the environment when it changed since the last point: tests set it per run."""
-    global _from_env
-    env = (os.environ.get(FAULT_ENV), os.environ.get(LOAD_LOG_ENV))
-    if env == _from_env:
-        return
-    for point in POINTS:
-        _hooks[point] = [fn for fn in _hooks.get(point, ()) if not getattr(fn, "from_env", False)]
-    _from_env = env
-    fault, load_log = env
-    if fault:
-        point, fn = _fault(fault)
-        fn.from_env = True
-        _hooks.setdefault(point, []).append(fn)
-    if load_log:
+def _from_env(point: str) -> list[Callable[..., None]]:
+    """The environment's hooks for `point`, read each time (a few string operations; tests set it per run)."""
+    out = []
+    if spec := os.environ.get(FAULT_ENV):
+        fault_at, inject = _fault(spec)
+        if fault_at == point:
+            out.append(inject)
+    if point == "checkpoint_read" and (folder := os.environ.get(LOAD_LOG_ENV)):
 
         def touch(rank: int, **_) -> None:
-            Path(load_log).mkdir(parents=True, exist_ok=True)
-            (Path(load_log) / f"loaded-rank{rank}").touch()
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / f"loaded-rank{rank}").touch()
 
-        touch.from_env = True
-        _hooks.setdefault("checkpoint_read", []).append(touch)
+        out.append(touch)
+    return out
 
 
 def _fault(spec: str) -> tuple[str, Callable[..., None]]:

@@ -99,4 +99,4 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        return ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
+        return ("replicate", "shard") if self.replicate_axis else ("shard",)

@@ -12,11 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.data import setup_tokenizer
-from shardtune.data.preference import build_preference_datasets, tokenize_unpaired
+from shardtune.data.preference import tokenize_unpaired
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import build_objective
-from tests.conftest import build_data
-from tests.trl_parity import shardtune_first_step, trl_first_step
+from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
 GROUP = 6  # examples per micro-batch: the KL rows rotate completions within groups of this many
 
@@ -52,17 +51,7 @@ def kto_dir(tmp_path_factory):
 
 
 def build(tok, data, **kw):
-    args = {
-        "tokenizer": tok,
-        "dataset_name": str(data),
-        "splits": "train,test",
-        "max_length": 64,
-        "add_special_tokens": True,  # TRL tokenizes with the tokenizer's default (BOS added)
-        "drop_long_samples": False,
-        "cache_dir": None,
-        "kto_group": GROUP,
-    }
-    return build_data(build_preference_datasets, **{**args, **kw})
+    return build_pairs(tok, data, **{"kto_group": GROUP, **kw})
 
 
 def test_kl_rows_pair_each_prompt_with_the_previous_completion_of_its_group(tok, kto_dir, tmp_path):

@@ -10,6 +10,7 @@ terms; the CLI test traces one 80-block config end to end only for the table, no
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 import socket
@@ -69,23 +70,14 @@ def traced(tmp_path_factory) -> dict:
     }
 
 
-_STATE_KEYS = (
-    "world_size",
-    "num_nodes",
-    "sharding_strategy",
-    "bf16",
-    "fp16",
-    "use_4bit",
-    "use_8bit",
-    "nested_quant",
-    "quant_storage_dtype",
-    "use_peft_lora",
-    "lora_r",
-    "lora_target_modules",
-    "use_dora",
-    "modules_to_save",
-    "optim",
-)
+def _assert_state_equals_planner(p) -> dict:
+    """Rank 0's traced parameter shards (frozen, trainable) and optimizer states equal the planner's count for the
+    same run settings (the keywords model_state_bytes_per_rank takes, read off the plan's estimate keywords)."""
+    names = inspect.signature(model_state_bytes_per_rank).parameters
+    est = model_state_bytes_per_rank(p.shape, rank=0, **{k: v for k, v in p.kwargs.items() if k in names})
+    held = p.trace.state
+    assert (held["frozen"], held["trainable"], held["optimizer"]) == (est["frozen"], est["trainable"], est["optimizer"])
+    return est
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,13 +85,7 @@ def test_traced_model_state_equals_planner(traced, case):
     """Rank 0's parameter shards (frozen, trainable) and AdamW states after the traced steps are byte for byte
     what the planner counts, for every method and world size."""
     p = traced[case]
-    est = model_state_bytes_per_rank(p.shape, rank=0, **{k: p.kwargs[k] for k in _STATE_KEYS})
-    held = p.trace.state
-    assert (held["frozen"], held["trainable"], held["optimizer"]) == (
-        est["frozen"],
-        est["trainable"],
-        est["optimizer"],
-    )
+    est = _assert_state_equals_planner(p)
     # and the traced peak holds them: every sharded parameter and state is alive throughout the step
     by_type = p.trace.peak_by_type
     assert by_type["Sharded Param"] == est["frozen"] + est["trainable"]
@@ -308,13 +294,8 @@ def test_mixture_of_experts_traced_against_estimate(tmp_path):
         p = make_plan(["--model_name_or_path", str(path), *flags])
         # the experts' and router's tensors account for every parameter of the model class (counted on meta)
         assert p.shape.extra_params == 0 and p.shape.num_experts == 8 and p.shape.experts_per_token == 2
-        est = model_state_bytes_per_rank(p.shape, rank=0, **{k: p.kwargs[k] for k in _STATE_KEYS})
+        _assert_state_equals_planner(p)
         held = p.trace.state
-        assert (held["frozen"], held["trainable"], held["optimizer"]) == (
-            est["frozen"],
-            est["trainable"],
-            est["optimizer"],
-        )
         assert held["trainable_tensors"] == 2 * 4 * 2  # 2 blocks x q, k, v, o x lora_A, lora_B
         assert p.estimate.peak_phase == phase
         for name, (got, estimated) in trace_comparison(p).items():

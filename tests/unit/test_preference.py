@@ -11,12 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.data import setup_tokenizer
-from shardtune.data.preference import build_preference_datasets, tokenize_pair
+from shardtune.data.preference import tokenize_pair
 from shardtune.demo import write_preference_dataset
 from shardtune.loss import PreferenceObjective, build_objective
 from shardtune.modeling import CausalLMForTraining
-from tests.conftest import build_data
-from tests.trl_parity import shardtune_first_step, trl_first_step
+from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
 N_PAIRS = 6  # one batch: every pair of the parity set
 
@@ -34,16 +33,7 @@ def tok(tiny_assets):
 
 
 def build(tok, data, **kw):
-    args = {
-        "tokenizer": tok,
-        "dataset_name": str(data),
-        "splits": "train,test",
-        "max_length": 64,
-        "add_special_tokens": True,  # TRL tokenizes with the tokenizer's default (BOS added)
-        "drop_long_samples": False,
-        "cache_dir": None,
-    }
-    return build_data(build_preference_datasets, **{**args, **kw})
+    return build_pairs(tok, data, **kw)
 
 
 def test_pairs_mask_the_prompt_and_keep_chosen_and_rejected_together(tok, pairs_dir):

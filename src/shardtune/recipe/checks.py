@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from shardtune.config import RunConfig
 from shardtune.distributed import checkpoint
 from shardtune.log import print0, warn0
-from shardtune.recipe.state import config_record
+from shardtune.recipe.state import saved_record
 
 
 def preflight_run(cfg: RunConfig, info) -> str | None:
@@ -75,7 +73,7 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
         from shardtune.preflight import identity_problem
 
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
-        record = json.loads(json.dumps(config_record(cfg), default=str))
+        record = saved_record(cfg)
         other_run = identity_problem(path, record, t.resume_from_checkpoint)
         if other_run:
             return other_run

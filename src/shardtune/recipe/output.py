@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardtune import atomic
 from shardtune.config import RunConfig
 from shardtune.dtypes import name_of
 from shardtune.log import print0
@@ -87,7 +88,7 @@ def finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, 
     }
     logger.finish(summary)
     if info.is_main:
-        (Path(out) / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic.replace_text(Path(out) / "train_summary.json", json.dumps(summary, indent=2))
     return summary
 
 

@@ -20,6 +20,12 @@ def config_record(cfg: RunConfig) -> dict:
     return d
 
 
+def saved_record(cfg: RunConfig) -> dict:
+    """config_record as a checkpoint's config.json reads back (tuples as lists, paths as strings), to compare with
+    what a checkpoint saved."""
+    return json.loads(json.dumps(config_record(cfg), default=str))
+
+
 def save_checkpoint(
     cfg: RunConfig, s, *, data_digest: str | None, model, optimizer, scheduler, tokenizer, info, repo_id: str | None
 ) -> None:
@@ -79,7 +85,7 @@ def check_resumed_data(cfg: RunConfig, train_split) -> None:
         key = "data.dataset_name"
         before, after = (
             run_identity(record)[key],
-            run_identity(json.loads(json.dumps(config_record(cfg), default=str)))[key],
+            run_identity(saved_record(cfg))[key],
         )
         if before != after:
             raise ValueError(
@@ -101,9 +107,7 @@ def resume(cfg, model, optimizer, scheduler, info):
     path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir, announce=True)
     saved_cfg = path / "config.json"
     if saved_cfg.exists():
-        changed = checkpoint.changed_settings(
-            json.loads(saved_cfg.read_text()), json.loads(json.dumps(config_record(cfg), default=str))
-        )
+        changed = checkpoint.changed_settings(json.loads(saved_cfg.read_text()), saved_record(cfg))
         if changed:
             warn0(f"Resuming {path} with settings that differ from its run: " + "; ".join(changed))
     meta = checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
