@@ -45,3 +45,28 @@ def test_yaml_bf16_writes_bf16_weights(tiny_assets, tmp_path, method, flags, fol
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     card = (out / "README.md").read_text()
     assert "| bf16 | True |" in card  # the hyperparameters table says what the run trained in
+
+
+def test_tied_family_exports_bf16_that_reloads_tied(tmp_path):
+    """Qwen3 (tied embeddings, q/k norms, a chat tokenizer whose length is no multiple of 8): a full fine-tune
+    with the YAML's bf16 writes bf16 weights that transformers reloads as bf16 with the head still tied."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.families import build_assets
+
+    assets = build_assets(tmp_path / "assets", families=["qwen3"])
+    out = tmp_path / "qwen3"
+    model_dir = assets["root"] / "qwen3"
+    args = train_args(
+        {"model": model_dir, "data": assets["data"]}, out, max_seq_len=64, per_device_train_batch_size=2,
+        max_steps=1, use_peft_lora=False,
+    )  # fmt: skip
+    run_cli(args, env=YAML_BF16)
+    assert _dtypes(out) == {"BF16"}
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype="auto")
+    assert model.dtype == torch.bfloat16
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    # the embeddings were padded past the tokenizer (len not a multiple of 8) and saved that way
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert rows % 8 == 0 and rows > len(assets["tokenizers"]["chat"])
