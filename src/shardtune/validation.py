@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardtune import optimizers
 from shardtune.arguments import DataArguments, RunConfig, TrainArguments
+from shardtune.data.sources import ACCEPTED, is_hub_dataset
 from shardtune.errors import ConfigError
 from shardtune.hub import is_hub_id
 from shardtune.loss import OBJECTIVES
@@ -48,7 +49,7 @@ def _required_problems(cfg: RunConfig) -> list[str]:
     if not m.model_name_or_path:
         p.append("--model_name_or_path is required: a hub id or a local model folder.")
     if not d.dataset_name:
-        p.append("--dataset_name is required: a hub id, a save_to_disk folder or a .jsonl/.json/.parquet/.csv file.")
+        p.append(f"--dataset_name is required: {ACCEPTED}.")
     if m.use_4bit_quantization and m.use_8bit_quantization:
         p.append("--use_4bit_quantization and --use_8bit_quantization are both set; choose one.")
     if t.bf16 and t.fp16:
@@ -276,8 +277,8 @@ def _path_problems(cfg: RunConfig) -> list[str]:
     mp, dn = cfg.model.model_name_or_path, cfg.data.dataset_name
     if mp and not is_hub_id(mp) and not (Path(mp).expanduser() / "config.json").exists():
         p.append(f"--model_name_or_path {mp}: no config.json there; give a model folder or a hub id.")
-    if dn and not is_hub_id(dn) and not Path(dn).expanduser().exists():
-        p.append(f"--dataset_name {dn}: no such file or folder.")
+    if dn and not is_hub_dataset(dn) and not Path(dn).expanduser().exists():
+        p.append(f"--dataset_name {dn}: no such file or folder; give {ACCEPTED}.")
     ap = cfg.model.adapter_path
     if ap and not (Path(ap).expanduser() / "adapter_config.json").exists():
         p.append(f"--adapter_path {ap}: no adapter_config.json there.")

@@ -16,6 +16,7 @@ from shardtune import optimizers
 from shardtune.accelerate_config import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
 from shardtune.arguments import TrainArguments
 from shardtune.config import ConfigError, load_run_config
+from shardtune.data.sources import ACCEPTED
 from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.hub import is_hub_id
 from shardtune.parallel import STRATEGIES, ParallelDims
@@ -157,7 +158,7 @@ def test_train_chat_preflight_card_and_data_treat_a_non_hub_name_as_a_missing_pa
         load_run_config(["--model_name_or_path", ref, "--dataset_name", ref], env={})
     assert e.value.problems == [
         f"--model_name_or_path {ref}: no config.json there; give a model folder or a hub id.",
-        f"--dataset_name {ref}: no such file or folder.",
+        f"--dataset_name {ref}: no such file or folder; give {ACCEPTED}.",
     ]
     config, problem = preflight.load_model_config(ref)
     assert config is None and problem == f"--model_name_or_path {ref}: no such folder; give a model folder or a hub id."

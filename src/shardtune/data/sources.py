@@ -20,6 +20,18 @@ from pathlib import Path
 from ..hub import is_hub_id
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# What --dataset_name may name, for the messages that refuse a name (here and in shardtune.validation).
+ACCEPTED = (
+    f"an existing {'/'.join(FILE_BUILDERS)} file, a folder saved with save_to_disk, a folder of <split>.<ext> "
+    "files, or a hub dataset id"
+)
+
+
+def is_hub_dataset(dataset_name: str) -> bool:
+    """Whether --dataset_name names a hub dataset rather than a local file or folder: shardtune.hub.is_hub_id, with
+    a name ending in a data file's suffix (any case) taken as a file, so that a missing `train.jsonl` is refused
+    as a missing file (by validation, before the model loads) instead of being looked up on the hub."""
+    return is_hub_id(dataset_name, file_suffixes=FILE_BUILDERS)
 
 
 @dataclass(frozen=True)
@@ -60,11 +72,8 @@ def _load(dataset_name: str, split: str, is_train: bool, streaming: bool):
         return _load_single(path, split, is_train, file_loader)
     if path.is_dir():
         return _load_from_dir(path, split, is_train, file_loader)
-    if not is_hub_id(dataset_name, file_suffixes=FILE_BUILDERS):  # a data file's name is never a hub id
-        raise ValueError(
-            f"--dataset_name {dataset_name!r}: no such file or folder. Give an existing .jsonl/.json/.parquet/.csv "
-            "file, a folder saved with save_to_disk, a folder of <split>.<ext> files, or a hub dataset id."
-        )
+    if not is_hub_dataset(dataset_name):  # a data file's name is never a hub id
+        raise ValueError(f"--dataset_name {dataset_name!r}: no such file or folder. Give {ACCEPTED}.")
     return _load_hub(dataset_name, split, streaming)
 
 
