@@ -9,13 +9,12 @@ published measurements.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from shardtune import dtypes, optimizers
+from shardtune import optimizers
 from shardtune.accelerate_config import fsdp_settings_from_yaml, read_accelerate_yaml
 from shardtune.config import (
     ConfigError,
@@ -27,15 +26,19 @@ from shardtune.config import (
     parse_args,
     validate,
 )
-from shardtune.fsdp_settings import fsdp_settings_from_env
-from shardtune.loss import rows_per_example
-from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER, ZERO2_OF
+from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
-from shardtune.planning.model import ModelShape, load_model_config
+from shardtune.planning.fit import (
+    CHAT_NEW_TOKENS,
+    launch_from_settings,
+    plan_shape,
+    run_kwargs,
+    warn_if_too_small,  # noqa: F401 - docs/plan.md names shardtune.plan's
+)
+from shardtune.planning.model import load_model_config
 from shardtune.planning.recommend import recommend
-from shardtune.planning.report import Launch, Plan, format_plan, format_trace, recommendation_lines, trace_json
+from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
-from shardtune.precision import resolve_precision
 
 _UNITS = {
     "": 1,
@@ -53,8 +56,6 @@ _UNITS = {
     "g": 2**30,
     "t": 2**40,
 }
-# chatml and zephyr add up to five tokens; the embeddings are then padded to a multiple of 8.
-_CHAT_NEW_TOKENS = 5
 
 
 def _f(default: Any, help: str, aliases: list[str] | None = None) -> Any:
@@ -116,34 +117,12 @@ def _strategy(value: Any, source: str) -> str:
     return name
 
 
-def _launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> Launch:
-    strategy = s.sharding_strategy
-    if s.reshard_after_forward is False:  # FSDP2's way of saying SHARD_GRAD_OP
-        strategy = ZERO2_OF.get(strategy, strategy)
-    return Launch(
-        world_size=world_size,
-        num_nodes=num_nodes,
-        sharding_strategy=strategy,
-        offload=s.offload_params,
-        mixed_precision=s.mixed_precision,
-        activation_checkpointing=s.activation_checkpointing,
-    )
-
-
 def read_accelerate_config(path: str) -> Launch:
     """World size, machines and FSDP settings of an accelerate YAML, read and checked as `shardtune launch` does."""
     cfg = read_accelerate_yaml(path)
-    return _launch_from_settings(
+    return launch_from_settings(
         fsdp_settings_from_yaml(path), int(cfg.get("num_processes") or 1), int(cfg.get("num_machines") or 1)
     )
-
-
-def launch_from_env(env: dict[str, str] | None = None) -> Launch:
-    """What `accelerate launch`/torchrun put in the environment (used by `shardtune train`)."""
-    env = dict(os.environ if env is None else env)
-    world = int(env.get("WORLD_SIZE", "1"))
-    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    return _launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
 
 
 def _launch(plan: PlanArguments) -> Launch:
@@ -161,19 +140,6 @@ def _launch(plan: PlanArguments) -> Launch:
             [(f"--num_processes {launch.world_size} must be a positive multiple of --num_machines {launch.num_nodes}.")]
         )
     return launch
-
-
-def _split(s: str | None) -> list[str]:
-    return [x.strip() for x in (s or "").split(",") if x.strip()]
-
-
-def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
-    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens."""
-    shape = ModelShape.from_config(config)
-    if chat_template_format in ("chatml", "zephyr"):
-        padded = -(-(shape.vocab_size + _CHAT_NEW_TOKENS) // 8) * 8
-        shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)
-    return shape
 
 
 def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None, precompute: bool) -> str:
@@ -195,52 +161,6 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
         head + "; the reference log-probs are computed once before training (one no_grad pass over the data) and "
         "stored with the data cache: no second model copy."
     )
-
-
-def run_kwargs(
-    model: ModelArguments,
-    data: DataArguments,
-    train: TrainArguments,
-    launch: Launch,
-    attn_implementation: str | None = None,
-    loss_chunk_tokens: int = 1024,
-) -> dict[str, Any]:
-    """estimate_memory's keyword arguments for a run's flags and launch settings."""
-    precision = resolve_precision(
-        bf16=train.bf16, fp16=train.fp16, mixed_precision=launch.mixed_precision, peft=model.use_peft_lora
-    )
-    storage = model.bnb_4bit_quant_storage_dtype
-    # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
-    # compute dtype.
-    storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
-    return {
-        "world_size": launch.world_size,
-        "num_nodes": launch.num_nodes,
-        "sharding_strategy": launch.sharding_strategy,
-        "offload": launch.offload,
-        "bf16": precision.bf16,
-        "fp16": precision.fp16,
-        "use_4bit": model.use_4bit_quantization,
-        "use_8bit": model.use_8bit_quantization,
-        "nested_quant": model.use_nested_quant,
-        "quant_storage_dtype": storage,
-        "use_peft_lora": model.use_peft_lora,
-        "lora_r": model.lora_r,
-        "lora_target_modules": model.lora_target_modules,
-        # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
-        "lora_dropout": 0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
-        "use_dora": model.use_dora,
-        "modules_to_save": tuple(_split(model.modules_to_save)),
-        "batch_size": train.per_device_train_batch_size,
-        "rows_per_example": rows_per_example(train.objective),
-        "seq_len": data.max_length,
-        "gradient_checkpointing": train.gradient_checkpointing or launch.activation_checkpointing,
-        "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
-        "packing": data.packing,
-        "optim": train.optim,
-        "grad_accum": train.gradient_accumulation_steps,
-        "loss_chunk_tokens": loss_chunk_tokens,
-    }
 
 
 def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments) -> None:
@@ -319,7 +239,7 @@ def run_trace(p: Plan) -> Any:
     from shardtune.planning.trace import trace_step
 
     vocab = int(p.config.vocab_size)
-    new = _CHAT_NEW_TOKENS if p.run.model.chat_template_format in ("chatml", "zephyr") else 0
+    new = CHAT_NEW_TOKENS if p.run.model.chat_template_format in ("chatml", "zephyr") else 0
     result = trace_step(
         p.run,
         p.config,
@@ -333,29 +253,6 @@ def run_trace(p: Plan) -> Any:
     if p.launch.offload and result.device == "cpu":
         result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")
     return result
-
-
-def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:
-    """A warning for `shardtune train` to print before loading when the planner's estimate exceeds `gpu_bytes`."""
-    launch = launch_from_env(env)
-    try:
-        shape = plan_shape(
-            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
-        )
-    except ConfigError:
-        return None  # loading the model will report it
-    kwargs = run_kwargs(cfg.model, cfg.data, cfg.train, launch)
-    est = estimate_memory(shape, **kwargs)
-    if est.fits(gpu_bytes):
-        return None
-    rec = recommend(kwargs, gpu_bytes, cfg.train.gradient_accumulation_steps, model=shape)
-    lines = [
-        (
-            f"This run needs about {est.total / GiB:.1f} GiB per GPU (estimate of `shardtune plan`), more than "
-            f"the {gpu_bytes / GiB:.1f} GiB this GPU has; it will likely run out of memory."
-        )
-    ]
-    return "\n".join(lines + recommendation_lines(rec))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,6 @@ from shardtune.plan import (
     make_plan,
     parse_bytes,
     read_accelerate_config,
-    warn_if_too_small,
 )
 from shardtune.planning import (
     ModelShape,
@@ -30,6 +29,7 @@ from shardtune.planning import (
 )
 from shardtune.planning.activations import layer_saved_bytes_per_token
 from shardtune.planning.estimate import SAVE_COPIES_ROW, SAVE_PHASE
+from shardtune.planning.fit import warn_if_too_small
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.model import quant_constant_bytes, resolve_lora_targets, shard_rows
 from shardtune.planning.recommend import recommend

@@ -49,7 +49,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
             if removed:
                 print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
         if info.device.type == "cuda" and not problem:
-            from shardtune.plan import warn_if_too_small
+            from shardtune.planning.fit import warn_if_too_small
 
             msg = warn_if_too_small(cfg, torch.cuda.get_device_properties(info.device).total_memory)
             if msg:

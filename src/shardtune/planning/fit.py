@@ -1,0 +1,130 @@
+"""Whether a training run fits its GPU: a `shardtune train` run's flags and launch as the planner's inputs
+(`run_kwargs`, `plan_shape`, `launch_from_env`), read by `shardtune plan` too, and `warn_if_too_small`, which
+`shardtune train` prints before loading when the estimate exceeds the GPU it found.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from shardtune import dtypes
+from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
+from shardtune.fsdp_settings import fsdp_settings_from_env
+from shardtune.loss import rows_per_example
+from shardtune.parallel import ZERO2_OF
+from shardtune.planning.estimate import estimate_memory
+from shardtune.planning.model import ModelShape, load_model_config
+from shardtune.planning.recommend import recommend
+from shardtune.planning.report import Launch, recommendation_lines
+from shardtune.planning.state import GiB
+from shardtune.precision import resolve_precision
+
+# chatml and zephyr add up to five tokens; the embeddings are then padded to a multiple of 8.
+CHAT_NEW_TOKENS = 5
+
+
+def launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> Launch:
+    """The planner's `Launch` for FSDP settings (from the environment or an accelerate YAML) and a world size."""
+    strategy = s.sharding_strategy
+    if s.reshard_after_forward is False:  # FSDP2's way of saying SHARD_GRAD_OP
+        strategy = ZERO2_OF.get(strategy, strategy)
+    return Launch(
+        world_size=world_size,
+        num_nodes=num_nodes,
+        sharding_strategy=strategy,
+        offload=s.offload_params,
+        mixed_precision=s.mixed_precision,
+        activation_checkpointing=s.activation_checkpointing,
+    )
+
+
+def launch_from_env(env: dict[str, str] | None = None) -> Launch:
+    """What `accelerate launch`/torchrun put in the environment (used by `shardtune train`)."""
+    env = dict(os.environ if env is None else env)
+    world = int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    return launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
+
+
+def _split(s: str | None) -> list[str]:
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
+    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens."""
+    shape = ModelShape.from_config(config)
+    if chat_template_format in ("chatml", "zephyr"):
+        padded = -(-(shape.vocab_size + CHAT_NEW_TOKENS) // 8) * 8
+        shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)
+    return shape
+
+
+def run_kwargs(
+    model: ModelArguments,
+    data: DataArguments,
+    train: TrainArguments,
+    launch: Launch,
+    attn_implementation: str | None = None,
+    loss_chunk_tokens: int = 1024,
+) -> dict[str, Any]:
+    """estimate_memory's keyword arguments for a run's flags and launch settings."""
+    precision = resolve_precision(
+        bf16=train.bf16, fp16=train.fp16, mixed_precision=launch.mixed_precision, peft=model.use_peft_lora
+    )
+    storage = model.bnb_4bit_quant_storage_dtype
+    # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
+    # compute dtype.
+    storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
+    return {
+        "world_size": launch.world_size,
+        "num_nodes": launch.num_nodes,
+        "sharding_strategy": launch.sharding_strategy,
+        "offload": launch.offload,
+        "bf16": precision.bf16,
+        "fp16": precision.fp16,
+        "use_4bit": model.use_4bit_quantization,
+        "use_8bit": model.use_8bit_quantization,
+        "nested_quant": model.use_nested_quant,
+        "quant_storage_dtype": storage,
+        "use_peft_lora": model.use_peft_lora,
+        "lora_r": model.lora_r,
+        "lora_target_modules": model.lora_target_modules,
+        # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
+        "lora_dropout": 0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
+        "use_dora": model.use_dora,
+        "modules_to_save": tuple(_split(model.modules_to_save)),
+        "batch_size": train.per_device_train_batch_size,
+        "rows_per_example": rows_per_example(train.objective),
+        "seq_len": data.max_length,
+        "gradient_checkpointing": train.gradient_checkpointing or launch.activation_checkpointing,
+        "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
+        "packing": data.packing,
+        "optim": train.optim,
+        "grad_accum": train.gradient_accumulation_steps,
+        "loss_chunk_tokens": loss_chunk_tokens,
+    }
+
+
+def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:
+    """A warning for `shardtune train` to print before loading when the planner's estimate exceeds `gpu_bytes`."""
+    launch = launch_from_env(env)
+    try:
+        shape = plan_shape(
+            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
+        )
+    except ConfigError:
+        return None  # loading the model will report it
+    kwargs = run_kwargs(cfg.model, cfg.data, cfg.train, launch)
+    est = estimate_memory(shape, **kwargs)
+    if est.fits(gpu_bytes):
+        return None
+    rec = recommend(kwargs, gpu_bytes, cfg.train.gradient_accumulation_steps, model=shape)
+    lines = [
+        (
+            f"This run needs about {est.total / GiB:.1f} GiB per GPU (estimate of `shardtune plan`), more than "
+            f"the {gpu_bytes / GiB:.1f} GiB this GPU has; it will likely run out of memory."
+        )
+    ]
+    return "\n".join(lines + recommendation_lines(rec))
