@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shardtune import dtypes
-from shardtune.precision import resolve_precision
+from shardtune.precision import Precision
 from shardtune.weights import load_checkpoint_into
 
 # How to ask for each precision, for the message when the storage dtype and the run's precision differ.
@@ -49,15 +49,13 @@ def quantization_problems(
     use_4bit: bool,
     use_8bit: bool,
     quant_storage_dtype: str,
-    bf16: bool,
-    fp16: bool,
+    precision: Precision,
     fsdp_enabled: bool,
-    mixed_precision: str,
 ) -> list[str]:
-    """Combinations that would train wrongly under FSDP, each with the flags to set."""
+    """Combinations that would train wrongly under FSDP, each with the flags to set. `precision`: the run's
+    (`RunConfig.precision`), whose compute dtype the messages ask for and whose `flags` say how it was asked for."""
     problems = []
     # The packed weights are FSDP parameters: they must be stored in the dtype FSDP computes in.
-    precision = resolve_precision(bf16=bf16, fp16=fp16, mixed_precision=mixed_precision)
     want = dtypes.name_of(precision.compute)
     if use_8bit:
         problems.append(

@@ -129,15 +129,13 @@ def _split_problems(cfg: RunConfig) -> list[str]:
 
 
 def _quantization_problems(cfg: RunConfig) -> list[str]:
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     return quantization_problems(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
         quant_storage_dtype=m.bnb_4bit_quant_storage_dtype,
-        bf16=t.bf16,
-        fp16=t.fp16,
+        precision=cfg.precision,
         fsdp_enabled=cfg.fsdp.enabled,
-        mixed_precision=cfg.fsdp.mixed_precision,
     )
 
 

@@ -15,13 +15,15 @@ NO_BNB = "import sys; sys.modules['bitsandbytes'] = None; sys.argv[0] = 'shardtu
 
 def test_problems_name_the_extra(monkeypatch):
     from shardtune.optimizers import optimizer_problems
+    from shardtune.precision import resolve_precision
     from shardtune.quant import quantization_problems
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
-    flags = {"use_8bit": False, "quant_storage_dtype": "bfloat16", "bf16": True, "fp16": False, "fsdp_enabled": True}
-    (problem,) = quantization_problems(use_4bit=True, mixed_precision="bf16", **flags)
+    bf16 = resolve_precision(bf16=True, fp16=False, mixed_precision="bf16")
+    flags = {"use_8bit": False, "quant_storage_dtype": "bfloat16", "precision": bf16, "fsdp_enabled": True}
+    (problem,) = quantization_problems(use_4bit=True, **flags)
     assert problem.startswith("--use_4bit_quantization True needs bitsandbytes") and "shardtune[qlora]" in problem
-    assert quantization_problems(use_4bit=False, mixed_precision="bf16", **flags) == []
+    assert quantization_problems(use_4bit=False, **flags) == []
     for optim in ("adamw_8bit", "paged_adamw_8bit"):
         (problem,) = optimizer_problems(optim, torch.device("cpu"))
         assert problem.startswith(f"--optim {optim} needs bitsandbytes") and "shardtune[qlora]" in problem

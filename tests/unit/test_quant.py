@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from shardtune import modeling, quant
 from shardtune.config import ConfigError, load_run_config
+from shardtune.precision import resolve_precision
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -49,8 +50,10 @@ def _problems(**kw):
         "fp16": False,
         "fsdp_enabled": True,
         "mixed_precision": "no",
+        **kw,
     }
-    return quant.quantization_problems(**{**args, **kw})
+    flags = {k: args.pop(k) for k in ("bf16", "fp16", "mixed_precision")}
+    return quant.quantization_problems(**args, precision=resolve_precision(**flags))
 
 
 def test_accepted_combinations_have_no_problems():
