@@ -8,7 +8,9 @@ tokenized separately and the completion starts where they stop agreeing (a templ
 may change the end of the prompt); each sequence is cut to --max_length keeping its start, and a pair whose prompt
 alone fills --max_length is dropped (it would have no completion token). With --drop_long_samples a pair with a
 sequence over --max_length is dropped instead of truncated. Conversations without a `prompt` column have it taken
-as the turns chosen and rejected share (TRL's `extract_prompt`).
+as the turns chosen and rejected share (TRL's `extract_prompt`); a conversation's `tools` and `chat_template_kwargs`
+columns go to its chat template as TRL passes them (so {"enable_thinking": false} puts a Qwen3 template's empty
+thinking block in the prompt, not in the completion).
 
 Row 2i is pair i's chosen sequence, row 2i+1 its rejected one; labels are shifted (labels[t] is the target of
 position t) and -100 on the prompt, so prompt tokens never count. For KTO, row 2i is example i's prompt+completion
@@ -140,7 +142,7 @@ def build_preference_datasets(
             opts["kto_group"] = kto_group
         key = hashlib.sha256(
             json.dumps(
-                ["preference-1", dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
+                ["preference-2", dataset_identity(ds, dataset_name, split), _tokenizer_fingerprint(tokenizer), opts],
                 default=str,
             ).encode()
         ).hexdigest()
@@ -228,8 +230,9 @@ def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_to
     if isinstance(chosen, list) and prompt is None:
         prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
     prompt_ids, (chosen_ids, rejected_ids) = _tokenize_completions(
-        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens
-    )
+        tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens,
+        template_kwargs(example, where),
+    )  # fmt: skip
     return prompt_ids, chosen_ids, rejected_ids
 
 
@@ -242,19 +245,40 @@ def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_specia
     if example.get("prompt") is None:
         raise ValueError(f"split {split!r}, row {row}: `prompt` is missing; KTO rows need a prompt.")
     prompt_ids, (completion_ids,) = _tokenize_completions(
-        tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens
-    )
+        tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens,
+        template_kwargs(example, f"split {split!r}, row {row}"),
+    )  # fmt: skip
     return prompt_ids, completion_ids, bool(label)
 
 
-def _tokenize_completions(tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool):
+def template_kwargs(example: dict, where: str) -> dict:
+    """What a conversational row gives its chat template besides the turns, as TRL 1.16 reads it: the `tools`
+    column (a list, or its JSON text) and the `chat_template_kwargs` column (e.g. {"enable_thinking": false}, with
+    which a Qwen3 template ends the prompt with the empty thinking block instead of counting it as completion)."""
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: `tools` is text but not JSON ({e}); give a list of tool schemas.") from e
+    extra = example.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: `chat_template_kwargs` must be a mapping of template variables, got {extra!r}.")
+    # datasets fills a key that only other rows have with None: such keys are not this row's settings.
+    return {**({"tools": tools} if tools else {}), **{k: v for k, v in extra.items() if v is not None}}
+
+
+def _tokenize_completions(
+    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, extra: dict | None = None
+):
     """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
-    prompt+completion stop agreeing (for all completions of the row), as in TRL."""
+    prompt+completion stop agreeing (for all completions of the row), as in TRL. extra: the row's chat template
+    variables (template_kwargs), for conversations."""
     where = f"split {split!r}, row {row}"
     if any(isinstance(c, list) for c in completions.values()):
         for part in (prompt, *completions.values()):
             validate_messages(part, split=split, row=row)
-        encode = _chat_encoder(tokenizer, where)
+        encode = _chat_encoder(tokenizer, where, extra or {})
         prompt_ids = encode(prompt, add_generation_prompt=True)
         full = [encode(prompt + c) for c in completions.values()]
     else:
@@ -326,7 +350,7 @@ def _split_from_docs(docs: list, rows_in: int, truncated: int, dropped: int, com
     return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
 
 
-def _chat_encoder(tokenizer, where: str):
+def _chat_encoder(tokenizer, where: str, extra: dict):
     if not tokenizer.chat_template:
         raise ValueError(
             f"{where}: conversational pairs need a chat template; pass --chat_template_format chatml or zephyr, "
@@ -336,7 +360,7 @@ def _chat_encoder(tokenizer, where: str):
     def encode(messages, add_generation_prompt: bool = False) -> list[int]:
         try:
             out = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt
+                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as e:  # a template's raise_exception names no row
             raise ValueError(f"{where}: the chat template could not render this conversation: {e}") from e
