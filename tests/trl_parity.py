@@ -42,8 +42,8 @@ def trl_first_step(trainer_cls, config_cls, *, policy, ref, data: Path, tok, bat
     from datasets import load_dataset
 
     ds = load_dataset("json", data_files=str(data), split="train")
-    args = config_cls(output_dir=str(out), per_device_train_batch_size=batch_size, save_strategy="no", **TRL_ARGS,
-                      **config)  # fmt: skip
+    args = config_cls(output_dir=str(out), per_device_train_batch_size=batch_size, save_strategy="no",
+                      **{**TRL_ARGS, **config})  # fmt: skip
     trainer = trainer_cls(model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(batch_size)])
     trainer.model.train()

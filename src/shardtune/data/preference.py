@@ -262,8 +262,9 @@ def template_kwargs(example: dict, where: str) -> dict:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: `tools` is text but not JSON ({e}); give a list of tool schemas.") from e
     extra = example.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"{where}: `chat_template_kwargs` must be a mapping of template variables, got {extra!r}.")
+    if not isinstance(extra, dict):  # a data mistake: ValueError, which the CLI reports with exit 2
+        bad = f"{where}: `chat_template_kwargs` must be a mapping of template variables, got {extra!r}."
+        raise ValueError(bad)  # noqa: TRY004
     # datasets fills a key that only other rows have with None: such keys are not this row's settings.
     return {**({"tools": tools} if tools else {}), **{k: v for k, v in extra.items() if v is not None}}
 
