@@ -396,3 +396,27 @@ def test_cli_reference_is_the_frozen_base(assets, cli, family):
             assert implied == pytest.approx(expected[side], abs=3 * t), (prefix, side)
     if family == "mixtral":
         assert "MixtralConfig: mixture of experts; the loss has no router load-balancing term" in cli["log"]
+
+
+def test_a_prompt_the_template_renders_otherwise_is_cut_as_trl_cuts_it_and_said(assets, monkeypatch):
+    """A template whose generation prompt ends with an empty thought block that the rendered conversation drops
+    (TRL's example: Gemma 4): the completion starts where the two renderings differ, as in TRL's tokens, and the
+    log says how many rows lost the prompt's end, and which tokens."""
+    from shardtune.data import preference
+
+    tok = _tokenizer(assets["root"] / "gemma2")
+    tok.chat_template = GEMMA.replace("'<start_of_turn>model\\n'", "'<start_of_turn>model\\n<thought></thought>'")
+    said = []
+    monkeypatch.setattr(preference, "warn0", said.append)
+    train, _ = build_pairs(tok, assets["pairs"], splits="train", max_length=MAX_LENGTH)
+    assert train.stats["prompt_ends_left_out"] == N_TRAIN and train.stats["prompt_end_example"] == "<thought></thought>"
+    assert len(said) == 1 and f"in {N_TRAIN} rows the tokenized prompt is not a prefix" in said[0]
+    model = AutoModelForCausalLM.from_pretrained(assets["root"] / "gemma2")
+    from datasets import load_dataset
+
+    ds = load_dataset("json", data_files=str(assets["pairs"] / "train.jsonl"), split="train")
+    args = trl.DPOConfig(output_dir=str(assets["root"] / "trl-cut"), report_to="none", use_cpu=True, max_length=None)
+    theirs = trl.DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok).train_dataset
+    for i, row in enumerate(theirs):
+        assert train.input_ids[2 * i] == row["prompt_ids"] + row["chosen_ids"]
+        assert [y for y in train.labels[2 * i + 1] if y != -100] == row["rejected_ids"]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..log import print0
+from ..log import print0, warn0
 from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
@@ -168,6 +168,15 @@ def _log_split(split: str, prepared: PreferenceSplit) -> None:
         f"({s['truncated']} truncated, {s['dropped']} dropped) of {s['rows_in']} rows, "
         f"{s['completion_tokens']} completion tokens"
     )
+    if s.get("prompt_ends_left_out"):
+        warn0(
+            f"data: split {split!r}: in {s['prompt_ends_left_out']} rows the tokenized prompt is not a prefix of the "
+            f"tokenized prompt+completion (e.g. its end {s['prompt_end_example']!r}): the chat template renders the "
+            "prompt alone differently, or tokens merge across the boundary. As TRL does, the completion starts where "
+            "they differ and that end of the prompt is left out, so the model trains on another context than it "
+            "sees at inference; use a template that renders the prompt the same way, or end prompts on a token "
+            "boundary."
+        )
 
 
 def _check_columns(columns: list[str], dataset_name: str, split: str, *, unpaired: bool) -> None:
@@ -198,10 +207,12 @@ def _check_columns(columns: list[str], dataset_name: str, split: str, *, unpaire
 
 
 def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
-    docs, truncated, dropped, completion = [], 0, 0, 0
+    docs, truncated, dropped, completion, left_out = [], 0, 0, 0, []
     max_length = opts["max_length"]
     for row, example in enumerate(ds):
-        prompt_ids, chosen_ids, rejected_ids = tokenize_pair(tokenizer, example, split, row, opts["add_special_tokens"])
+        prompt_ids, chosen_ids, rejected_ids = tokenize_pair(
+            tokenizer, example, split, row, opts["add_special_tokens"], left_out
+        )
         seqs = [prompt_ids + chosen_ids, prompt_ids + rejected_ids]
         too_long = max(len(s) for s in seqs) > max_length
         if len(prompt_ids) >= max_length or (too_long and opts["drop_long"]):
@@ -219,25 +230,34 @@ def _tokenize_pairs(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
             "is longer and --drop_long_samples is set); raise --max_length."
         )
     prepared = _split_from_docs(docs, len(ds), truncated, dropped, completion)
+    _count_left_out(prepared.stats, left_out, tokenizer)
     prepared.digest = _pairs_digest(prepared)
     return prepared
 
 
-def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
-    """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it."""
+def _count_left_out(stats: dict, left_out: list, tokenizer) -> None:
+    stats["prompt_ends_left_out"] = len(left_out)
+    if left_out:
+        stats["prompt_end_example"] = tokenizer.decode(left_out[0])
+
+
+def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool, left_out=None):
+    """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it. left_out: a list
+    that gets the prompt's end when it is not part of the sequence (see _tokenize_completions)."""
     prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
     where = f"split {split!r}, row {row}"
     if isinstance(chosen, list) and prompt is None:
         prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
     prompt_ids, (chosen_ids, rejected_ids) = _tokenize_completions(
         tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens,
-        template_kwargs(example, where),
+        template_kwargs(example, where), left_out,
     )  # fmt: skip
     return prompt_ids, chosen_ids, rejected_ids
 
 
-def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool):
-    """(prompt_ids, completion_ids, desirable) of one KTO row, as trl 1.16's KTOTrainer tokenizes it."""
+def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool, left_out=None):
+    """(prompt_ids, completion_ids, desirable) of one KTO row, as trl 1.16's KTOTrainer tokenizes it (left_out: as
+    tokenize_pair's)."""
     label = example["label"]
     if not isinstance(label, bool | np.bool_):  # a data mistake: ValueError, which the CLI reports with exit 2
         bad = f"split {split!r}, row {row}: `label` must be true or false (desirable or not), got {label!r}."
@@ -246,7 +266,7 @@ def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_specia
         raise ValueError(f"split {split!r}, row {row}: `prompt` is missing; KTO rows need a prompt.")
     prompt_ids, (completion_ids,) = _tokenize_completions(
         tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens,
-        template_kwargs(example, f"split {split!r}, row {row}"),
+        template_kwargs(example, f"split {split!r}, row {row}"), left_out,
     )  # fmt: skip
     return prompt_ids, completion_ids, bool(label)
 
@@ -270,11 +290,14 @@ def template_kwargs(example: dict, where: str) -> dict:
 
 
 def _tokenize_completions(
-    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, extra: dict | None = None
-):
+    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, extra: dict | None = None,
+    left_out: list | None = None,
+):  # fmt: skip
     """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
     prompt+completion stop agreeing (for all completions of the row), as in TRL. extra: the row's chat template
-    variables (template_kwargs), for conversations."""
+    variables (template_kwargs), for conversations. When they stop agreeing before the prompt's end (a template
+    that renders the prompt alone differently, or a token merged across the boundary), that end is in neither part:
+    it is appended to `left_out`, so that the caller can say so (TRL warns)."""
     where = f"split {split!r}, row {row}"
     if any(isinstance(c, list) for c in completions.values()):
         for part in (prompt, *completions.values()):
@@ -294,16 +317,18 @@ def _tokenize_completions(
         prompt_ids = encode(prompt)
         full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in completions.values()]
     n = min(_common_prefix(prompt_ids, f) for f in full)
+    if n < len(prompt_ids) and left_out is not None:
+        left_out.append(prompt_ids[n:])
     return prompt_ids[:n], [f[n:] for f in full]
 
 
 def _tokenize_unpaired(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
     """KTO rows: each example's prompt+completion, then its KL row (see the module docstring)."""
     max_length, group = opts["max_length"], opts["kto_group"]
-    kept, dropped = [], 0
+    kept, dropped, left_out = [], 0, []
     for row, example in enumerate(ds):
         prompt_ids, completion_ids, desirable = tokenize_unpaired(
-            tokenizer, example, split, row, opts["add_special_tokens"]
+            tokenizer, example, split, row, opts["add_special_tokens"], left_out
         )
         too_long = len(prompt_ids) + len(completion_ids) > max_length
         if len(prompt_ids) >= max_length or (too_long and opts["drop_long"]):
@@ -330,6 +355,7 @@ def _tokenize_unpaired(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit
     split_ = _split_from_docs(docs, len(ds), truncated, dropped, completion)
     split_.desirable = desirable
     split_.stats["desirable"] = int(desirable.sum())
+    _count_left_out(split_.stats, left_out, tokenizer)
     split_.digest = _pairs_digest(split_)
     return split_
 
