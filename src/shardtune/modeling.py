@@ -353,9 +353,11 @@ class CausalLMForTraining(nn.Module):
         # Plain attributes, not registered submodules: they are already registered under self.model.
         object.__setattr__(self, "_decoder", base.get_decoder())
         object.__setattr__(self, "_head", base.get_output_embeddings())
-        cfg = base.config
-        # Families whose forward changes the head's output: Granite divides by logits_scaling, Gemma 2 soft-caps
-        # (cap·tanh(z/cap)); Cohere's logit_scale multiplies.
+        # The language model's config: a multimodal class loaded as a causal LM (Gemma 3n and Gemma 4 are
+        # *ForConditionalGeneration) keeps these in its text_config, where its forward reads them.
+        cfg = base.config.get_text_config()
+        # Families whose forward changes the head's output: Granite divides by logits_scaling, Gemma 2, Gemma 3n and
+        # Gemma 4 soft-cap (cap·tanh(z/cap)); Cohere's logit_scale multiplies.
         self.logit_divisor = float(getattr(cfg, "logits_scaling", None) or 1.0)
         if getattr(cfg, "logit_scale", None):
             self.logit_divisor /= float(cfg.logit_scale)
