@@ -75,12 +75,19 @@ SETUPS = {
         None,
         {"final_logit_softcapping": 1.0, "initializer_range": 0.2},
     ),
+    # Gemma 4 loads as Gemma4ForConditionalGeneration (text only here), whose soft-cap lives in its text_config.
+    "gemma4": (
+        GEMMA,
+        ["<start_of_turn>", "<end_of_turn>"],
+        None,
+        {"final_logit_softcapping": 1.0, "initializer_range": 0.2},
+    ),
     # A large coefficient, so that a router loss leaking into the objective would be far outside the tolerances.
     "mixtral": (MISTRAL, [], None, {"router_aux_loss_coef": 1.0}),
 }
 # Which copy gets the noise in the KTO comparison: it decides the sign of the KL estimate, which TRL clamps at 0;
 # the side that gives these tiny models a positive estimate, so that the KL term is exercised (asserted below).
-KTO_NOISY = {"qwen3": "ref", "gemma2": "policy", "mixtral": "ref"}
+KTO_NOISY = {"qwen3": "ref", "gemma2": "policy", "gemma4": "ref", "mixtral": "ref"}
 CHAIN = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": MAX_LENGTH}
 
 
@@ -115,6 +122,20 @@ def _write_kto(pairs: Path, out: Path) -> Path:
     return out
 
 
+def _build_gemma4(out: Path, vocab: int, changes: dict) -> None:
+    """A tiny Gemma 4 as AutoModelForCausalLM loads one (Gemma4ForConditionalGeneration), without vision or audio
+    towers; tests/families.py's shapes, Gemma 4's per-layer inputs kept small."""
+    from transformers import Gemma4Config
+
+    text = {**FAMILIES["gemma3"].kwargs, "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
+            "hidden_size_per_layer_input": 8, "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **changes}  # fmt: skip
+    text.pop("sliding_window_pattern")
+    torch.manual_seed(0)
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out))
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("preference-families")
@@ -130,6 +151,9 @@ def assets(tmp_path_factory) -> dict:
             tok.eos_token = eos
         tok.chat_template = template
         tok.save_pretrained(str(root / name))
+        if name == "gemma4":
+            _build_gemma4(root / name, len(tok), changes)
+            continue
         family = FAMILIES[name]
         build_family_model(Family(name, family.config_class, {**family.kwargs, **changes}), root / name, len(tok))
     return {"root": root, "pairs": pairs, "kto": kto}
@@ -204,10 +228,12 @@ def test_first_step_equals_trl(assets, family, objective):
         assert ours[key] == pytest.approx(theirs[key], abs=bound), key
 
 
-def test_gemma2_soft_capping_is_in_the_logps(assets):
-    """The policy's and the reference's log-probs use the soft-capped logits of Gemma 2's own forward; without the
-    cap they would differ by far more than the tolerance."""
-    model_dir = assets["root"] / "gemma2"
+@pytest.mark.parametrize("family", ["gemma2", "gemma4"])
+def test_soft_capping_is_in_the_logps(assets, family):
+    """The policy's and the reference's log-probs use the soft-capped logits of the model's own forward (Gemma 4:
+    Gemma4ForConditionalGeneration, the cap in its text_config); without the cap they would differ by far more than
+    the tolerance."""
+    model_dir = assets["root"] / family
     tok = _tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     train, _ = build_pairs(tok, assets["pairs"], splits="train", max_length=MAX_LENGTH)
@@ -303,8 +329,9 @@ def test_tied_reference_with_trained_new_tokens_is_the_base(assets, family):
 # ---------------------------------------------------------------- through the CLI
 
 JOBS = {  # family: (objective, method)
-    "qwen3": ("dpo", "lora"),
-    "gemma2": ("dpo", "full"),
+    "qwen3": ("dpo", "lora"),  # the reference: the adapter disabled each step
+    "gemma2": ("dpo", "full"),  # precomputed once, before the tied weights change
+    "gemma4": ("dpo", "lora-precomputed"),  # the adapter disabled, precomputed once
     "mixtral": ("kto", "lora"),
 }
 
@@ -319,14 +346,16 @@ def _argv(root: Path, family: str, out: Path) -> list[str]:
         "model_name_or_path": root / family, "dataset_name": root / ("pairs" if objective == "dpo" else "kto"),
         "objective": objective, "beta": BETA, "max_length": MAX_LENGTH, "chat_template_format": "auto",
         "per_device_train_batch_size": per_device, "per_device_eval_batch_size": 2 * N_TEST, "max_steps": 3,
-        "learning_rate": 5e-2 if method == "lora" else 1e-2, "logging_steps": 1, "save_strategy": "no",
+        "learning_rate": 1e-2 if method == "full" else 5e-2, "logging_steps": 1, "save_strategy": "no",
         "eval_strategy": "steps", "eval_steps": 3,
-        "seed": 3, "output_dir": out, "use_peft_lora": method == "lora",
+        "seed": 3, "output_dir": out, "use_peft_lora": method != "full",
     }  # fmt: skip
     if objective == "kto":
         flags.update(KTO_WEIGHTS)
-    if method == "lora":
+    if method != "full":
         flags.update(lora_r=4, lora_alpha=16, lora_target_modules="all-linear")
+    if method == "lora-precomputed":
+        flags.update(precompute_ref_log_probs=True)
     return ["train", *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
 
 
