@@ -363,6 +363,10 @@ def _argv(root: Path, family: str, out: Path) -> list[str]:
 def cli(assets) -> dict:
     root = assets["root"]
     jobs = [{"name": f, "argv": _argv(root, f, root / "runs" / f)} for f in JOBS]
+    # Qwen3 with chatml: 4 new tokens whose rows LoRA trains on the tied embedding and head (their random first
+    # rows are not in the model folder, so this run is checked against its own step 1).
+    chatml = [*_argv(root, "qwen3", root / "runs" / "qwen3-chatml"), "--chat_template_format", "chatml"]
+    jobs.append({"name": "qwen3-chatml", "argv": chatml})
     return {"results": run_jobs(jobs, root, nproc=1), "log": (root / "log-1.txt").read_text()}
 
 
@@ -449,3 +453,18 @@ def test_a_prompt_the_template_renders_otherwise_is_cut_as_trl_cuts_it_and_said(
     for i, row in enumerate(theirs):
         assert train.input_ids[2 * i] == row["prompt_ids"] + row["chosen_ids"]
         assert [y for y in train.labels[2 * i + 1] if y != -100] == row["rejected_ids"]
+
+
+def test_cli_tied_new_token_rows_leave_the_reference_at_the_start(assets, cli):
+    """LoRA DPO on 1 FSDP2 process of a tied model with trained new-token rows: the reference implied by the rewards
+    of steps 2 and 3 (the same pairs: one batch per epoch) is step 1's policy, i.e. the starting model."""
+    assert cli["results"]["qwen3-chatml"] == 0, cli["results"]["qwen3-chatml"]
+    assert "Resized the embeddings from" in cli["log"]
+    steps = {r["step"]: r for r in train_records(assets["root"] / "runs" / "qwen3-chatml")}
+    assert steps[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    t = logps_tol(len(AutoTokenizer.from_pretrained(assets["root"] / "qwen3")) + 4, abs(steps[1]["logps/rejected"]))
+    assert max(abs(steps[3]["rewards/chosen"]), abs(steps[3]["rewards/rejected"])) > 10 * BETA * t  # it moved
+    for side in ("chosen", "rejected"):
+        for step in (2, 3):
+            implied = steps[step][f"logps/{side}"] - steps[step][f"rewards/{side}"] / BETA
+            assert implied == pytest.approx(steps[1][f"logps/{side}"], abs=2 * t), (step, side)
