@@ -250,7 +250,7 @@ def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_to
         prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
     prompt_ids, (chosen_ids, rejected_ids) = _tokenize_completions(
         tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens,
-        template_kwargs(example, where), left_out,
+        example, left_out,
     )  # fmt: skip
     return prompt_ids, chosen_ids, rejected_ids
 
@@ -266,7 +266,7 @@ def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_specia
         raise ValueError(f"split {split!r}, row {row}: `prompt` is missing; KTO rows need a prompt.")
     prompt_ids, (completion_ids,) = _tokenize_completions(
         tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens,
-        template_kwargs(example, f"split {split!r}, row {row}"), left_out,
+        example, left_out,
     )  # fmt: skip
     return prompt_ids, completion_ids, bool(label)
 
@@ -290,19 +290,19 @@ def template_kwargs(example: dict, where: str) -> dict:
 
 
 def _tokenize_completions(
-    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, extra: dict | None = None,
+    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, example: dict | None = None,
     left_out: list | None = None,
 ):  # fmt: skip
     """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
-    prompt+completion stop agreeing (for all completions of the row), as in TRL. extra: the row's chat template
-    variables (template_kwargs), for conversations. When they stop agreeing before the prompt's end (a template
+    prompt+completion stop agreeing (for all completions of the row), as in TRL. example: the row, whose chat template
+    variables (template_kwargs) a conversation is rendered with. When they stop agreeing before the prompt's end (a template
     that renders the prompt alone differently, or a token merged across the boundary), that end is in neither part:
     it is appended to `left_out`, so that the caller can say so (TRL warns)."""
     where = f"split {split!r}, row {row}"
     if any(isinstance(c, list) for c in completions.values()):
         for part in (prompt, *completions.values()):
             validate_messages(part, split=split, row=row)
-        encode = _chat_encoder(tokenizer, where, extra or {})
+        encode = _chat_encoder(tokenizer, where, template_kwargs(example or {}, where))
         prompt_ids = encode(prompt, add_generation_prompt=True)
         full = [encode(prompt + c) for c in completions.values()]
     else:
