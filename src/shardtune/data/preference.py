@@ -294,10 +294,10 @@ def _tokenize_completions(
     left_out: list | None = None,
 ):  # fmt: skip
     """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
-    prompt+completion stop agreeing (for all completions of the row), as in TRL. example: the row, whose chat template
-    variables (template_kwargs) a conversation is rendered with. When they stop agreeing before the prompt's end (a template
-    that renders the prompt alone differently, or a token merged across the boundary), that end is in neither part:
-    it is appended to `left_out`, so that the caller can say so (TRL warns)."""
+    prompt+completion stop agreeing (for all completions of the row), as in TRL. example: the row, whose chat
+    template variables (template_kwargs) a conversation is rendered with. When they stop agreeing before the prompt's
+    end (a template that renders the prompt alone differently, or a token merged across the boundary), that end is in
+    neither part: it is appended to `left_out`, so that the caller can say so (TRL warns)."""
     where = f"split {split!r}, row {row}"
     if any(isinstance(c, list) for c in completions.values()):
         for part in (prompt, *completions.values()):
