@@ -444,7 +444,12 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     plan = json.loads(buf.getvalue())
     weights = plan["device"]["frozen base weights"] + plan["device"]["trainable weights"]
     gib = 2**30
+    replay = _replayed(argv[1:])
     return {
+        # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
+        # setting this process ran with (shardtune.cuda_allocator): the replay's rules against the real allocator
+        "replayed_gib": {k: v / gib for k, v in replay.items()},
+        "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],
         "measured_gib": {**{k: v / gib for k, v in measured.items()}, "weights": at_first_step[0] / gib},
         "plan_gib": {
             "allocated": plan["allocated_bytes"] / gib,
@@ -454,12 +459,26 @@ def check_memory_vs_plan(ctx: dict) -> dict:
         "plan_terms_gib": {k: v / gib for k, v in plan["device"].items()},
         "allocated_over_plan": measured["allocated"] / plan["allocated_bytes"],
         "reserved_over_plan": measured["reserved"] / plan["reserved_bytes"],
-        # 1 + ALLOCATOR_OVERHEAD as this run measures it (a run that is not in docs/plan.md's published table)
+        # what ALLOCATOR_OVERHEAD(_EXPANDABLE) stands for, as this run measures it (no published row)
         "reserved_over_allocated": measured["reserved"] / measured["allocated"],
+        "expandable_segments": plan["allocator"]["expandable_segments"],
         "outside_allocator_gib": outside_allocator / gib,
         "host_peak_rss_gib": host_peak_rss / gib,
         "weights_over_plan": at_first_step[0] / weights,
     }
+
+
+def _replayed(train_argv: list[str]) -> dict[str, int]:
+    """`shardtune plan --trace` of the same flags, in a fresh process (a trace owns its fake process group):
+    the replayed max_memory_allocated/reserved for this process's allocator setting."""
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtune", "plan", *train_argv, "--json", "True", "--trace", "True"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    replay = json.loads(out)["trace"]["allocator_replay"]
+    return replay["expandable_segments" if json.loads(out)["allocator"]["expandable_segments"] else "default"]
 
 
 def check_reference_stack(ctx: dict) -> dict:

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardtune import optimizers
+from shardtune import cuda_allocator, optimizers
 from shardtune.accelerate_config import fsdp_settings_from_yaml, read_accelerate_yaml
 from shardtune.config import (
     ConfigError,
@@ -127,6 +127,7 @@ def read_accelerate_config(path: str) -> Launch:
 
 def _launch(plan: PlanArguments) -> Launch:
     launch = read_accelerate_config(plan.config_file) if plan.config_file else Launch()
+    launch.expandable_segments = cuda_allocator.expandable_segments()  # the environment the run would start in
     if plan.num_processes is not None:
         launch.world_size = plan.num_processes
     if plan.num_machines is not None:

@@ -21,7 +21,7 @@ import torch
 from shardtune.plan import format_plan, format_trace, main, make_plan
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
-from shardtune.planning.report import category_comparison, trace_comparison
+from shardtune.planning.report import category_comparison, trace_comparison, traced_run_kwargs
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"
@@ -306,15 +306,47 @@ def test_mixture_of_experts_traced_against_estimate(tmp_path):
     assert any(n.startswith("mixture of experts") for n in p.estimate.notes)
 
 
-def test_allocator_rounding_of_the_traced_peak(traced):
-    """The caching allocator's rounding of the storages alive at the traced peak (fresh segments, no cached
-    blocks): what it counts as allocated is the traced peak rounded up to 512 bytes per storage, and what it
-    reserves for them is a little more; the rest of ALLOCATOR_OVERHEAD is history (fragmentation), not derived."""
-    for case in ("dense LoRA, 2 ranks", "full fine-tuning, 8 ranks"):
-        t = traced[case].trace
-        a = t.allocator
-        assert a["requested"] == sum(t.step_by_identity.values())
-        assert 0 <= a["allocated"] - a["requested"] < 512 * 10_000
-        # at most 2 MiB per storage of 10 MiB or more (a few dozen here) and one partly filled segment per pool
-        # (2 and 20 MiB), against peaks of 2-8 GiB: under 2%
-        assert a["allocated"] < a["reserved"] < 1.02 * a["allocated"]
+def test_allocator_replay_of_the_traced_history(traced):
+    """The recorder sees what FSDP2's tracker sees: the replayed history's largest sum of requested bytes is the
+    traced step peak, to the byte. FSDP2's forward all-gather outputs are cached on their own stream as the
+    estimate derives it (planning.phases.forward_gather_cache), within 2% (where the small casts' blocks go). Expandable segments never reserve more than the default allocator."""
+    for case, p in traced.items():
+        t = p.trace
+        # The replay's history is steps 1-2, the tracker's step 3. With 4-bit weights and two micro-batches the
+        # tracker's peak is one 512-byte block above the replay's (not found which tensor; 1e-7 of the peak).
+        slack = 512 if "QLoRA" in case else 0
+        assert abs(t.replay.requested - t.peak_total) <= slack, case
+        assert abs(t.replay_expandable.requested - t.peak_total) <= slack, case
+        assert t.replay.allocated >= t.peak_total
+        assert t.replay_expandable.reserved <= t.replay.reserved, case
+        gather = next((n for n, name in t.streams.items() if name == "all-gather-copy-in"), None)
+        derived = p.estimate.allocator_terms["forward all-gather cache"]
+        if p.launch.world_size == 1:
+            assert derived == 0, case
+            continue
+        replayed = t.replay.by_stream[gather]
+        assert abs(replayed - derived) <= 0.02 * replayed, (case, replayed, derived)
+
+
+def test_estimated_reserved_against_the_replay(traced):
+    """The estimate's max_memory_reserved (the allocated peak, the forward all-gather cache, the root gradients'
+    own segments and the calibrated fragmentation) against the replay of the traced history, for both allocator
+    settings. The fragmentation constants are the largest of the full-depth calibration runs
+    (bench/allocator_replay.py), which are not these two- and four-block configs. The estimate may not be under
+    the replay by more than the allocated peak's own tolerance (BOUND), nor over it by more than its fragmentation
+    term (what a history with no fragmentation at all would leave) plus BOUND, and, when the root trains, the root
+    gradients' segments (see below)."""
+    from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE, estimate_memory
+
+    for case, p in traced.items():
+        for expandable, frag, replayed in (
+            (False, ALLOCATOR_OVERHEAD, p.trace.replay),
+            (True, ALLOCATOR_OVERHEAD_EXPANDABLE, p.trace.replay_expandable),
+        ):
+            kwargs = traced_run_kwargs(p.kwargs, p.trace.device)
+            est = estimate_memory(p.shape, **{**kwargs, "expandable_segments": expandable})
+            assert est.reserved >= (1 - BOUND) * replayed.reserved, (case, expandable)
+            # When the root trains, its gradients' own segments (exact at full depth, bench/allocator_replay.py)
+            # partly reuse what a two-block step leaves cached: only bounded by that term here.
+            over = est.allocator_terms["root gradients' segments"] + frag * replayed.reserved
+            assert est.reserved <= replayed.reserved + over + BOUND * replayed.reserved, (case, expandable)

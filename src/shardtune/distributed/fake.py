@@ -67,7 +67,6 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
             tracker.reset_mod_stats()
     peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
     peaks["step by identity"] = dict(tracker.peak_by_identity)
-    peaks["sizes at peak"] = tracker.sizes_at_peak
     return peaks
 
 
@@ -109,7 +108,6 @@ def _identity_tracker():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.peak_by_identity: dict[str, int] = {}
-            self.sizes_at_peak: list[int] = []  # bytes of each storage alive at the step's peak
             self._best = -1
             # What FSDP2's foreach_reduce makes (the gradients cast to the reduce dtype and the reduce-scatter
             # input, before the collective re-tags it) is gradient communication, not a temporary.
@@ -125,7 +123,6 @@ def _identity_tracker():
                         self.made_in_reduce[t.untyped_storage()] = True
             if self._alive_at_peak is not None:  # the op that set a new peak has returned: file its outputs too
                 self.peak_by_identity = _file_by_identity(self._alive_at_peak, self._root_mod, self.made_in_reduce)
-                self.sizes_at_peak = [w.size * w.element_size for _, w in self._alive_at_peak]
                 self._alive_at_peak = None
             return res
 

@@ -16,7 +16,14 @@ from typing import Any
 import shardtune.planning.activations as act
 from shardtune import parallel
 from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
-from shardtune.planning.phases import StepParts, peak_phase, step_phases, temporaries
+from shardtune.planning.phases import (
+    StepParts,
+    forward_gather_alive,
+    forward_gather_cache,
+    peak_phase,
+    step_phases,
+    temporaries,
+)
 from shardtune.planning.state import (
     TENSOR_FLAGS,
     GiB,
@@ -29,11 +36,19 @@ from shardtune.planning.state import (
     state_per_rank,
 )
 
-# nvidia-smi counts the CUDA context, cuBLAS workspaces and NCCL's buffers besides PyTorch's allocations.
-CUDA_CONTEXT_BYTES = int(0.8 * GiB)
-# PyTorch's caching allocator reserves more than the peak of live tensors (blocks split and cached between the
-# many differently sized activations); reserved ~ allocated * (1 + this).
-ALLOCATOR_OVERHEAD = 0.15
+# nvidia-smi counts the CUDA context (driver, lazily loaded kernels) and NCCL's buffers besides PyTorch's
+# allocations. Calibrated on public GPU measurements, none of them a figure docs/plan.md compares with: 1.06 GB
+# outside PyTorch on each of 8 H100s once NCCL is set up (NVIDIA/nccl#1685); on 4 A100s, 544-688 MB per NCCL
+# communicator (NVIDIA/nccl#964) beside a bare context of 426 MiB (torch 2.10, CUDA 13; unslothai/unsloth-zoo#1053),
+# 0.94-1.07 GiB in all.
+CUDA_CONTEXT_BYTES = int(1.0 * GiB)
+# The caching allocator's fragmentation beyond each stream's own high-water mark (_allocator_terms), as a
+# fraction of the streams' largest allocated sum, without and with expandable segments. Calibrated, not derived:
+# the largest over the calibration runs of bench/allocator_replay.py (shardtune's own steps on eight published
+# model configs at full depth, traced and replayed through the allocator's rules; none of them is a published
+# measurement docs/plan.md compares with). The replay's results are in docs/plan.md ("The caching allocator").
+ALLOCATOR_OVERHEAD = 0.32
+ALLOCATOR_OVERHEAD_EXPANDABLE = 0.14
 DEVICE_ROWS = (
     "frozen base weights",
     "quantization constants",
@@ -69,6 +84,9 @@ class MemoryEstimate:
     # Of the peak's activations and logits rows, what its backward makes (a block's recomputation and backward
     # working memory, the loss's backward): FSDP2's tracker calls these temporaries.
     temporaries: int = 0
+    # The caching allocator's terms of the "allocator overhead" row: FSDP2's forward all-gather cache (reserved on
+    # its own stream) less what of it is allocated at the peak, and the fragmentation of the rest.
+    allocator_terms: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated(self) -> int:
@@ -109,6 +127,7 @@ class MemoryEstimate:
             "notes": list(self.notes),
             "phase_bytes": dict(self.phase_bytes),
             "temporaries_bytes": self.temporaries,
+            "allocator": {"expandable_segments": self.settings.get("expandable_segments"), **self.allocator_terms},
         }
 
 
@@ -122,9 +141,18 @@ def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trai
     )
 
 
+def _cast_sizes(tensors: list[Tensor], group: str, compute_bytes: int, shard: int) -> tuple[int, ...]:
+    """Bytes of each of one group's shards that FSDP2 casts to the compute dtype before all-gathering it."""
+    return tuple(
+        sharded_bytes(t, shard, itemsize=compute_bytes)
+        for t in tensors
+        if t.group == group and not t.quantized and t.itemsize != compute_bytes
+    )
+
+
 def _fsdp_buffers(
     shape: ModelShape, tensors: list[Tensor], *, a: int, shard: int, strategy: str, prefetch: bool, offload: bool
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """The FSDP pieces of StepParts: one block's and the root's unsharded parameters in the compute dtype
     (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
     and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
@@ -136,6 +164,10 @@ def _fsdp_buffers(
     block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
     return {
         "root_gathered": _unsharded_bytes(tensors, "root", a),
+        # FSDP2 casts each shard stored in another dtype (fp32 adapters, full fine-tuning's fp32 weights) to the
+        # compute dtype on the all-gather copy-in stream before copying it in (_get_param_all_gather_inputs)
+        "root_casts": _cast_sizes(tensors, "root", a, shard),
+        "block_casts": _cast_sizes(tensors, "block", a, shard),
         "block_gathered": _unsharded_bytes(tensors, "block", a),
         "blocks_in_flight": min(in_flight, shape.num_layers),
         "kept_after_forward": shape.num_layers if keep_all else 1,
@@ -315,13 +347,16 @@ def estimate_memory(
     dropout_mask_bytes: int = act.CUDA_DROPOUT_MASK_BYTES,
     dropout_scratch_bytes: int = 0,
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
-    allocator_overhead: float = ALLOCATOR_OVERHEAD,
+    allocator_overhead: float | None = None,
+    gather_stream_cache: bool = True,
+    expandable_segments: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
     The defaults describe shardtune itself. base_dtype, adapter_dtype, loss_impl, prefetch and sharded_checkpoint
     describe other trainers (e.g. a base held in fp32 with bf16 autocast; the HF Trainer saving FSDP1 checkpoints
-    with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU), which the published comparisons use.
+    with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU; FSDP1, whose all-gathers use one
+    stream in forward and backward: gather_stream_cache=False), which the published comparisons use.
     """
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = as_shape(model)
@@ -341,7 +376,10 @@ def estimate_memory(
     by_phase = step_phases(parts)
     phase = peak_phase(by_phase)
     device = dict(by_phase[phase])
-    device["allocator overhead"] = int(allocator_overhead * sum(device.values()))
+    if allocator_overhead is None:
+        allocator_overhead = ALLOCATOR_OVERHEAD_EXPANDABLE if expandable_segments else ALLOCATOR_OVERHEAD
+    terms = _allocator_terms(parts, by_phase, allocator_overhead, gather_stream_cache)
+    device["allocator overhead"] = terms["reserved"] - sum(device.values())
     if sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
     device["CUDA context"] = cuda_context_bytes
@@ -350,7 +388,39 @@ def estimate_memory(
     notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint, bool(shape.num_experts))
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps)
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps, terms)
+
+
+def _allocator_terms(parts: StepParts, by_phase: dict, fragmentation: float, gather_stream: bool) -> dict[str, int]:
+    """What the caching allocator reserves at most over the step (bench/allocator_replay.py replays it from the
+    traced history). Its cached blocks serve one stream each, so each stream's pool holds at least its own
+    high-water mark:
+
+    - FSDP2's forward all-gather outputs have a stream of their own (planning.phases.forward_gather_cache);
+    - the other streams together hold their largest sum over the phases, plus `fragmentation` times the part of
+      it that comes and goes during the step (blocks cached in sizes the next request does not fit; calibrated,
+      see ALLOCATOR_OVERHEAD). The resident state (parameter shards, quantization constants, optimizer states) is
+      allocated once, tensor by tensor, into segments of its own size, and does not fragment;
+    - when the root trains, its unsharded gradients and their fp32 reduce-scatter input (embedding-sized: larger
+      than any block the step frees before them) take segments of their own, beyond what the blocks' backward
+      left cached.
+    """
+    cache = forward_gather_cache(parts) if gather_stream else 0
+    rest = max(
+        sum(rows.values()) - (forward_gather_alive(parts, ph) if gather_stream else 0) for ph, rows in by_phase.items()
+    )
+    root = parts.root_scatter
+    state = parts.state
+    resident = (state["frozen"] + state["trainable"] + state["optimizer"]) * parts.on_gpu + parts.quant_constants
+    frag = int(fragmentation * (rest - resident))
+    return {
+        "forward all-gather cache": cache,
+        "other streams": rest,
+        "resident": resident,
+        "root gradients' segments": root,
+        "fragmentation": frag,
+        "reserved": cache + rest + root + frag,
+    }
 
 
 def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, Any]:

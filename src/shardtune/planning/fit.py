@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from shardtune import dtypes
+from shardtune import cuda_allocator, dtypes
 from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
 from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.loss import rows_per_example
@@ -45,7 +45,9 @@ def launch_from_env(env: dict[str, str] | None = None) -> Launch:
     env = dict(os.environ if env is None else env)
     world = int(env.get("WORLD_SIZE", "1"))
     local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    return launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
+    launch = launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
+    launch.expandable_segments = cuda_allocator.expandable_segments(env)
+    return launch
 
 
 def _split(s: str | None) -> list[str]:
@@ -81,6 +83,7 @@ def run_kwargs(
         "world_size": launch.world_size,
         "num_nodes": launch.num_nodes,
         "sharding_strategy": launch.sharding_strategy,
+        "expandable_segments": launch.expandable_segments,
         "offload": launch.offload,
         "bf16": precision.bf16,
         "fp16": precision.fp16,

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardtune.planning.allocator import CachingAllocator
+
 FORWARD = "forward (first block's all-gather)"
 LATER_FORWARD = "forward (a later block's all-gather)"
 BLOCK_FORWARD = "a block's forward"
@@ -52,6 +54,8 @@ class StepParts:
     on_gpu: int  # 0 with CPU offload, else 1
     quant_constants: int
     root_gathered: int  # the root's unsharded parameters in the compute dtype
+    root_casts: tuple[int, ...]  # bytes of each root shard stored in another dtype, cast for its all-gather
+    block_casts: tuple[int, ...]  # a block's
     block_gathered: int  # one block's
     blocks_in_flight: int  # blocks gathered during backward (2 with prefetch; every block without resharding)
     kept_after_forward: int  # blocks still gathered after forward (1: the last; every block without resharding)
@@ -190,3 +194,51 @@ def _layer_phase(p: StepParts, block_grads: int) -> dict[str, int]:
 
 def peak_phase(phases: dict[str, dict[str, int]]) -> str:
     return max(phases, key=lambda k: sum(phases[k].values()))
+
+
+def forward_gather_cache(p: StepParts) -> int:
+    """Bytes the caching allocator reserves for FSDP2's forward all-gathers on their copy-in stream
+    (foreach_all_gather runs under `device_handle.stream(all_gather_copy_in_stream)`; a cached block serves only
+    its own stream, and backward all-gathers run on the default stream, so this memory is idle in backward).
+
+    Derived by running the allocator's rules (planning.allocator) on FSDP2's forward sequence: each group's
+    shards stored in another dtype are cast to the compute dtype, its flat output allocated and the casts freed;
+    a flat output lives until the next group's copy-out (see the forward phases above), so the root's and the
+    first block's exist together, and each later block's comes while the previous one's is alive. Three blocks
+    reach the steady state (a block reuses the blocks of the one two before it). Without a flat output (one rank
+    per shard group) FSDP2 copies no flat buffer there."""
+    if not p.flat_copy:
+        return 0
+    a = CachingAllocator()
+
+    def gather(group: object, casts: tuple[int, ...], flat: int) -> None:
+        for i, n in enumerate(casts):
+            a.malloc((group, i), n)
+        a.malloc(group, flat)
+        for i in range(len(casts)):
+            a.free((group, i))
+
+    gather("root", p.root_casts, p.root_gathered)
+    previous: object = "root"
+    for block in range(min(p.num_blocks, 3)):
+        gather(block, p.block_casts, p.block_gathered)
+        a.free(previous)
+        previous = block
+    return a.result().reserved
+
+
+def forward_gather_alive(p: StepParts, phase: str) -> int:
+    """Of `forward_gather_cache`, the flat all-gather outputs alive (allocated) at `phase`. Backward prefetches
+    also gather on that stream (FSDPCommContext.get_all_gather_streams: separate streams in FORWARD and
+    PRE_BACKWARD), and a prefetched block's flat output lives until its copy-out, when its backward starts."""
+    if not p.flat_copy:
+        return 0
+    prefetched = p.block_gathered if p.blocks_in_flight > 1 else 0
+    return {
+        FORWARD: p.root_gathered + p.block_gathered,
+        BLOCK_FORWARD: p.block_gathered,
+        LOSS_FORWARD: p.block_gathered,
+        LATER_FORWARD: 2 * p.block_gathered,
+        LAYER: prefetched,
+        BLOCK_SCATTER: prefetched,
+    }.get(phase, 0)

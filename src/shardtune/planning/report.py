@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardtune.config import RunConfig
-from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, MemoryEstimate, estimate_memory
+from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.model import ModelShape, base_param_count, lora_param_count, resolve_lora_targets
 from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
 from shardtune.planning.recommend import Recommendation
@@ -25,6 +25,7 @@ class Launch:
     offload: bool = False
     mixed_precision: str = "no"
     activation_checkpointing: bool = False
+    expandable_segments: bool = True  # the CUDA allocator's setting the processes run with (shardtune.cuda_allocator)
 
 
 @dataclass
@@ -146,16 +147,67 @@ def format_trace(p: Plan) -> str:
         lines.append(f"  {name:<32}{_gib(traced)}     {_gib(est)}")
     lines += ["", "Step peak by category              traced GiB   estimate GiB"]
     lines += [f"  {name:<32}{_gib(a)}     {_gib(b)}" for name, (a, b) in category_comparison(p).items()]
-    if t.allocator:
-        a = t.allocator
-        line = (
-            f"CUDA caching allocator on the tensors alive at the peak: {_gib(a['allocated']).strip()} GiB allocated, "
-            f"{_gib(a['reserved']).strip()} GiB reserved in fresh segments (+{_pct(a['reserved'], a['allocated'])}; "
-            f"the estimate's allocator overhead is +{ALLOCATOR_OVERHEAD:.0%}, not calibrated)"
-        )
-        lines += ["", line]
+    lines += _replay_lines(p)
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines)
+
+
+def _allocator_line(e: MemoryEstimate) -> str:
+    """What the allocator overhead row is made of, and the allocator setting it assumes."""
+    t = e.allocator_terms
+    setting = "expandable segments" if e.settings.get("expandable_segments") else "default segments"
+    parts = [f"fragmentation {t.get('fragmentation', 0) / GiB:.2f}"]
+    if t.get("forward all-gather cache"):
+        parts.insert(0, f"all-gather stream cache {t['forward all-gather cache'] / GiB:.2f}")
+    root = t.get("root gradients' segments", 0)
+    if root:
+        parts.append(f"root gradients' own segments {root / GiB:.2f}")
+    return f"  allocator ({setting}, PYTORCH_CUDA_ALLOC_CONF): " + ", ".join(parts) + " GiB"
+
+
+def _replay_lines(p: Plan) -> list[str]:
+    """The caching allocator replayed over the traced history, beside the estimate's allocator terms."""
+    t = p.trace
+    if t.replay is None:
+        return []
+    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, t.device))  # the settings the trace ran
+    terms = est.allocator_terms
+    gather = next((n for n, name in t.streams.items() if name == "all-gather-copy-in"), None)
+    replayed = t.replay_expandable if est.settings.get("expandable_segments") else t.replay
+    rows = [
+        ("max_memory_allocated", replayed.allocated, est.allocated),
+        ("max_memory_reserved", replayed.reserved, est.reserved),
+        ("  forward all-gather cache", replayed.by_stream.get(gather, 0), terms.get("forward all-gather cache", 0)),
+        ("  reserved, default allocator", t.replay.reserved, None),
+        ("  reserved, expandable segments", t.replay_expandable.reserved, None),
+    ]
+    lines = ["", "CUDA caching allocator, replayed  traced GiB   estimate GiB"]
+    for name, traced, estimate in rows:
+        lines.append(f"  {name:<32}{_gib(traced)}     {_gib(estimate) if estimate is not None else '':>8}")
+    setting = "expandable segments" if est.settings.get("expandable_segments") else "the default allocator"
+    dynamic = terms.get("other streams", 0) - terms.get("resident", 0)
+    fraction = terms["fragmentation"] / dynamic if dynamic > 0 else 0.0
+    lines.append(
+        f"  (reserved over allocated: traced +{_pct(replayed.reserved, replayed.allocated)}, estimate "
+        f"+{_pct(est.reserved, est.allocated)} with {setting}: fragmentation {fraction:.0%} of what the other "
+        "streams allocate and free, calibrated by bench/allocator_replay.py)"
+    )
+    return lines
+
+
+def _replay_json(p: Plan) -> dict[str, Any] | None:
+    t = p.trace
+    if t.replay is None:
+        return None
+    out = {}
+    for label, r in (("default", t.replay), ("expandable_segments", t.replay_expandable)):
+        out[label] = {
+            "max_memory_allocated": r.allocated,
+            "max_memory_reserved": r.reserved,
+            "reserved_by_stream": {t.streams.get(k, str(k)): v for k, v in r.by_stream.items()},
+        }
+    out["estimate"] = {"max_memory_reserved": p.estimate.reserved, **p.estimate.allocator_terms}
+    return out
 
 
 def _pct(a: int, b: int) -> str:
@@ -203,6 +255,7 @@ def format_plan(p: Plan) -> str:
         f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
         f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
         f"  peak during the {e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
+        _allocator_line(e),
         "",
         "Activations + logits (GiB)         checkpointing  no checkpointing",
     ]
@@ -266,7 +319,7 @@ def trace_json(p: Plan) -> dict[str, Any]:
         "peaks": {k: {"traced": a, "estimate": b} for k, (a, b) in trace_comparison(p).items()},
         "step_by_category": {k: {"traced": a, "estimate": b} for k, (a, b) in category_comparison(p).items()},
         "step_by_tracker_tag": p.trace.by_category("step"),
-        "allocator_at_peak": p.trace.allocator,
+        "allocator_replay": _replay_json(p),
         "state": p.trace.state,
         "device": p.trace.device,
     }

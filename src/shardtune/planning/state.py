@@ -23,8 +23,13 @@ from shardtune.planning.model import (
 )
 
 GiB = 1024**3
-# Each host process (Python, torch, CUDA runtime, data loading) before any model state.
-HOST_PROCESS_BYTES = 2 * GiB
+# Each host process (Python, torch, CUDA runtime, data loading) before any model state. Calibrated, from two
+# measurements none of which is a figure docs/plan.md compares with: the peak RSS of a process that has imported
+# shardtune's training stack is 513 MiB (torch 2.11, transformers 5.17, peft, datasets; 219 MiB for torch alone;
+# `python -c "import torch, transformers, peft, datasets; import shardtune.train" ` with resource.getrusage), and
+# initialising CUDA and making one tensor adds 1,734,560 KiB of peak RSS to a torch process (pytorch/pytorch#113326,
+# RTX 3090, torch 2.2, CUDA 11.8): 2.15 GiB.
+HOST_PROCESS_BYTES = int(2.15 * GiB)
 
 
 def as_shape(model: ModelShape | Mapping | Any) -> ModelShape:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from shardtune.planning.allocator import Replay
+
 # The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
 # activations; backward: temporaries), not by what it is, and has no row for frozen weights.
 CATEGORIES = {
@@ -50,8 +52,11 @@ class TraceResult:
     # parameter's gathered copy is a parameter and its unsharded .grad a gradient whichever phase made them;
     # the quantization constants are parameters.
     step_by_identity: dict[str, int] = field(default_factory=dict)
-    # The CUDA caching allocator's rounding of the storages alive at the step's peak (planning.allocator)
-    allocator: dict[str, int] = field(default_factory=dict)
+    # The CUDA caching allocator replayed over the history of the whole trace (planning.allocator): by default,
+    # and with expandable segments; reserved bytes by stream are filed under FSDP2's stream names.
+    replay: Replay | None = None
+    replay_expandable: Replay | None = None
+    streams: dict[int, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -169,17 +174,43 @@ def _fake_4bit_weights():
 
 
 def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
-    from shardtune import quant
-    from shardtune.distributed.fake import track_peak
+    """Record the allocation history of two steps and replay it, then trace a third step under FSDP2's tracker.
+
+    The history is recorded untracked: FSDP2's tracker keeps a micro-batch's leaf inputs alive after its backward
+    (see _tracked_step), which a real run frees. Two steps: the first creates the optimizer states (one
+    micro-batch), the second repeats a steady step (two micro-batches when the run accumulates: the second holds
+    every gradient from its start, and later ones repeat it); both shape what the allocator keeps cached."""
     from shardtune.distributed.loading import allocate_unread
-    from shardtune.optimizers import build_optimizer
-    from shardtune.planning.allocator import fresh_segments_overhead
+    from shardtune.planning.allocator import replay
+    from shardtune.planning.recorder import AllocationRecorder
 
     t = cfg.train
-    allocate_unread(model, info.device)
-    model.per_document_attention = False  # see the module docstring
+    micro_batches = min(t.gradient_accumulation_steps, 2)
+    recorder = AllocationRecorder(info.device.type)
+    with recorder.recording():
+        allocate_unread(model, info.device)
+        optimizer = _optimizer(model, t)
+        batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
+        model.per_document_attention = False  # see the module docstring
+        model.train()
+        for n in (1, micro_batches):
+            for _ in range(n):
+                _forward_backward(model, batch)
+            _clip(model, t.max_grad_norm)
+            _optimizer_step(model, optimizer)
+    result = _tracked_step(model, optimizer, batch, t.max_grad_norm, micro_batches)
+    result.device = info.device.type
+    result.replay = replay(recorder.events)
+    result.replay_expandable = replay(recorder.events, expandable=True)
+    result.streams = _stream_names(model, recorder.stream_numbers())
+    return result
+
+
+def _optimizer(model, t):
+    from shardtune.optimizers import build_optimizer
+
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = build_optimizer(
+    return build_optimizer(
         params,
         optim=t.optim,
         lr=t.learning_rate,
@@ -187,15 +218,26 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_epsilon,
     )
-    batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
-    model.train()
-    # The first step only has to create the optimizer states: one micro-batch. The traced step runs two when the
-    # run accumulates: the second holds every gradient from its start, and later ones repeat it.
-    _forward_backward(model, batch)
-    _clip(model, t.max_grad_norm)
-    _optimizer_step(model, optimizer)
-    micro = [lambda: _forward_backward(model, batch)] * (min(t.gradient_accumulation_steps, 2) - 1)
-    micro.append(lambda: (_forward_backward(model, batch), _clip(model, t.max_grad_norm)))
+
+
+def _stream_names(model, numbers: dict[object, int]) -> dict[int, str]:
+    """{stream number: name} for the default stream and FSDP2's communication streams (its FSDPCommContext)."""
+    ctx = model._get_fsdp_state()._comm_ctx
+    names = {0: "default"}
+    for attr in ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream"):
+        stream = getattr(ctx, attr, None)
+        if stream is not None and stream in numbers:
+            names[numbers[stream]] = attr.removesuffix("_stream").replace("_", "-")
+    return names
+
+
+def _tracked_step(model, optimizer, batch, max_grad_norm: float, micro_batches: int) -> TraceResult:
+    """One step's micro-batches under FSDP2's memory tracker: its peaks by category, and the state it leaves."""
+    from shardtune import quant
+    from shardtune.distributed.fake import track_peak
+
+    micro = [lambda: _forward_backward(model, batch)] * (micro_batches - 1)
+    micro.append(lambda: (_forward_backward(model, batch), _clip(model, max_grad_norm)))
     # One tracker per micro-batch: FSDP2's tracker (its ModTracker's register_multi_grad_hook on each module's
     # inputs) keeps a micro-batch's leaf inputs alive after its backward, here the embeddings' output, which
     # transformers makes a leaf requiring grad under checkpointing (enable_input_require_grads), with its .grad.
@@ -204,7 +246,6 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     # optimizer states, inputs.
     peaks = _worst(track_peak(model, optimizer, tuple(batch.values()), [run]) for run in micro)
     by_identity = peaks.pop("step by identity")
-    rounding = fresh_segments_overhead(peaks.pop("sizes at peak"))
     # Not traced: under fake tensors, foreach AdamW on DTensor parameters leaves its intermediates alive
     # (7x the trainable shard, against 2x states + 1x temporary in a real run).
     _optimizer_step(model, optimizer)
@@ -216,7 +257,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
         snap["Quantization constants"] = constants
         snap["Total"] = snap.get("Total", 0) + constants
     by_identity["parameters"] += constants
-    return TraceResult(peaks, state, info.device.type, by_identity, rounding)
+    return TraceResult(peaks, state, "", by_identity)
 
 
 def _worst(runs) -> dict:
@@ -225,12 +266,12 @@ def _worst(runs) -> dict:
     out: dict = {}
     for run in runs:
         for name, snap in run.items():
-            if name in ("step by identity", "sizes at peak"):
+            if name == "step by identity":
                 continue
             if snap.get("Total", 0) >= out.get(name, {}).get("Total", -1):
                 out[name] = snap
                 if name == "step":
-                    out["step by identity"], out["sizes at peak"] = run["step by identity"], run["sizes at peak"]
+                    out["step by identity"] = run["step by identity"]
     return out
 
 
