@@ -37,4 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardtune: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
+    # Before any command touches CUDA: the caching allocator reads its settings once, at its first use.
+    from shardtune.cuda_allocator import apply_default
+
+    apply_default()
     return int(getattr(importlib.import_module(module), func)(rest) or 0)

@@ -4,6 +4,7 @@ model, train, export. Each step is a call into the component that owns it (docs/
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardtune import hooks, modeling
+from shardtune import cuda_allocator, hooks, modeling
 from shardtune.config import ConfigError, RunConfig, load_run_config
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
@@ -119,6 +120,8 @@ def run(cfg: RunConfig) -> int:
     info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
     if info.is_main and (msg := bf16_check(info.device.type, cfg.precision.bf16)):  # AVX2-only CPUs emulate bf16
         warn0(msg)
+    if info.device.type == "cuda":
+        print0(f"CUDA allocator: {cuda_allocator.VARIABLE}={os.environ.get(cuda_allocator.VARIABLE, '')}")
     repo_id = checks.preflight_run(cfg, info)
     trackers = checks.open_trackers_for_run(cfg, info)
     try:
