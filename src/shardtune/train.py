@@ -4,7 +4,6 @@ model, train, export. Each step is a call into the component that owns it (docs/
 from __future__ import annotations
 
 import math
-import os
 import random
 import re
 import sys
@@ -121,7 +120,7 @@ def run(cfg: RunConfig) -> int:
     if info.is_main and (msg := bf16_check(info.device.type, cfg.precision.bf16)):  # AVX2-only CPUs emulate bf16
         warn0(msg)
     if info.device.type == "cuda":
-        print0(f"CUDA allocator: {cuda_allocator.VARIABLE}={os.environ.get(cuda_allocator.VARIABLE, '')}")
+        print0(f"CUDA allocator: {cuda_allocator.describe()}")
     repo_id = checks.preflight_run(cfg, info)
     trackers = checks.open_trackers_for_run(cfg, info)
     try:

@@ -16,10 +16,11 @@ from shardtune.planning.known_configs import known_config
 def test_default_applies_only_when_the_user_set_nothing():
     env: dict[str, str] = {}
     assert cuda_allocator.apply_default(env) is True
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
-    assert cuda_allocator.apply_default(mine) is False
-    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        mine = {name: "max_split_size_mb:512"}
+        assert cuda_allocator.apply_default(mine) is False
+        assert mine == {name: "max_split_size_mb:512"}
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,8 @@ def test_default_applies_only_when_the_user_set_nothing():
 def test_reading_the_setting(conf, expandable):
     env = {} if conf is None else {"PYTORCH_CUDA_ALLOC_CONF": conf}
     assert cuda_allocator.expandable_segments(env) is expandable
+    if conf:  # torch reads PYTORCH_ALLOC_CONF first
+        assert cuda_allocator.expandable_segments({**env, "PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is False
 
 
 def test_every_command_starts_with_the_setting(monkeypatch, tmp_path, capsys):
@@ -48,16 +51,16 @@ def test_every_command_starts_with_the_setting(monkeypatch, tmp_path, capsys):
     argv = ["plan", "--model_name_or_path", str(config), "--use_peft_lora", "True", "--bf16", "True", "--json", "True"]
 
     def plan_terms(conf: str | None) -> dict:
-        if conf is None:
-            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-        else:
+        for name in cuda_allocator.VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        if conf is not None:
             monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
         assert cli.main(argv) == 0
         out = json.loads(capsys.readouterr().out)
         return out
 
     default = plan_terms(None)
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
     off = plan_terms("expandable_segments:False")
     assert default["allocator"]["expandable_segments"] is True and off["allocator"]["expandable_segments"] is False
     for out, frag in ((default, ALLOCATOR_OVERHEAD_EXPANDABLE), (off, ALLOCATOR_OVERHEAD)):

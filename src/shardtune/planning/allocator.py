@@ -96,7 +96,7 @@ class CachingAllocator:
     - when no cached block fits, a new segment is reserved (`segment_size`);
     - a freed block merges with free neighbours of its segment.
 
-    With `expandable=True` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) each stream's pool is one segment
+    With `expandable=True` (expandable_segments:True in PYTORCH_ALLOC_CONF) each stream's pool is one segment
     of virtual addresses mapped in pages of 2 MiB (small pool) or 20 MiB (large pool): a request no cached block
     fits maps the pages it needs at the segment's end, merged with the free block already there (find_expandable_
     block, try_allocate_expandable_block, map_block), and any block is split when at least 512 bytes remain.

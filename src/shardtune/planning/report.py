@@ -162,7 +162,7 @@ def _allocator_line(e: MemoryEstimate) -> str:
     root = t.get("root gradients' segments", 0)
     if root:
         parts.append(f"root gradients' own segments {root / GiB:.2f}")
-    return f"  allocator ({setting}, PYTORCH_CUDA_ALLOC_CONF): " + ", ".join(parts) + " GiB"
+    return f"  allocator ({setting}, PYTORCH_ALLOC_CONF): " + ", ".join(parts) + " GiB"
 
 
 def _replay_lines(p: Plan) -> list[str]:
