@@ -222,7 +222,8 @@ def _optimizer(model, t):
 
 def _stream_names(model, numbers: dict[object, int]) -> dict[int, str]:
     """{stream number: name} for the default stream and FSDP2's communication streams (its FSDPCommContext)."""
-    ctx = model._get_fsdp_state()._comm_ctx
+    state = getattr(model, "_get_fsdp_state", None)
+    ctx = getattr(state(), "_comm_ctx", None) if state is not None else None
     names = {0: "default"}
     for attr in ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream"):
         stream = getattr(ctx, attr, None)
