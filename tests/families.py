@@ -24,11 +24,19 @@ class Family:
     config_class: str
     kwargs: dict = field(default_factory=dict)
     dense: bool = True  # no mixture of experts
+    # A multimodal class that AutoModelForCausalLM loads whole (Gemma 4: Gemma4ForConditionalGeneration): its
+    # config_class takes the language model's kwargs as text_config, without vision or audio towers.
+    multimodal: bool = False
 
     def config(self, vocab_size: int):
         import transformers
 
         cls = getattr(transformers, self.config_class)
+        if self.multimodal:
+            # Gemma 4's per-layer input embeddings have a vocabulary of their own: the same here.
+            text = {"vocab_size": vocab_size, "vocab_size_per_layer_input": vocab_size, "bos_token_id": 1,
+                    "eos_token_id": 2, "pad_token_id": 0, **self.kwargs}  # fmt: skip
+            return cls(text_config=text, vision_config=None, audio_config=None)
         return cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=None, **self.kwargs)
 
 
@@ -58,6 +66,20 @@ FAMILIES = {
             "gemma3",
             "Gemma3TextConfig",
             {**_LLAMA, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2},
+        ),
+        # Gemma 4 loads as Gemma4ForConditionalGeneration (soft-capping in its text_config when set), tied; per-layer
+        # inputs kept small.
+        Family(
+            "gemma4",
+            "Gemma4Config",
+            {
+                **_LLAMA,
+                "head_dim": 16,
+                "sliding_window": WINDOW,
+                "hidden_size_per_layer_input": 8,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            multimodal=True,
         ),
         Family("phi3", "Phi3Config", _LLAMA),
         Family("olmo2", "Olmo2Config", _LLAMA),

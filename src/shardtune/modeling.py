@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtune import dtypes, fastpath, quant
 from shardtune.log import print0
+from shardtune.validation import tied_head_saved_problem
 from shardtune.weights import causal_lm_class, layout_conversions
 
 
@@ -264,6 +265,9 @@ def attach_adapter(
         print0(f"Continuing training of the adapter in {adapter_path}.")
         return model
     mts = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()] or None
+    problem = tied_head_saved_problem(model, mts, adds_rows=bool(new_token_ids))
+    if problem:  # said by the preflight before loading when the chat format adds the rows; here for any other way
+        raise ValueError(problem)
     tti = None
     if new_token_ids:
         tti = {name: list(new_token_ids) for name in _token_modules(model, mts)}

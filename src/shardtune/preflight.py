@@ -17,6 +17,7 @@ from typing import Any
 
 from shardtune.hub import is_hub_id, is_transport_error
 from shardtune.log import warn0
+from shardtune.validation import chat_format_problem
 
 # One HEAD request, no retries: huggingface_hub retries a refused or unresolved connection five times over
 # ~23 s per file (measured), and a run reads several files, so an offline machine waited about a minute.
@@ -442,6 +443,7 @@ def model_input_problems(cfg) -> list[str]:
                 skeleton, m.lora_target_modules, explicit=explicit, model_name=m.model_name_or_path
             )
             problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
+            problems.append(chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))
     return [p for p in problems if p]
 
 

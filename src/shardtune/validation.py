@@ -1,5 +1,6 @@
 """Checks of a run's flags that need no files but the ones named (`validate`): every problem at once, each naming
-its flag and the fix. The model's files are checked later, before loading, by shardtune.preflight.
+its flag and the fix. The model's files are checked later, before loading, by shardtune.preflight; the rule for a
+tied head in --modules_to_save (tied_head_saved_problem) lives here, checked against the model there and in modeling.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from shardtune import optimizers
 from shardtune.arguments import DataArguments, RunConfig, TrainArguments
 from shardtune.data.sources import ACCEPTED, is_hub_dataset
+from shardtune.data.templates import CHAT_FORMATS
 from shardtune.errors import ConfigError
 from shardtune.hub import is_hub_id
 from shardtune.loss import OBJECTIVES
@@ -281,3 +283,42 @@ def _path_problems(cfg: RunConfig) -> list[str]:
     if ap and not (Path(ap).expanduser() / "adapter_config.json").exists():
         p.append(f"--adapter_path {ap}: no adapter_config.json there.")
     return p
+
+
+# ---------------------------------------------------------------- a tied head in --modules_to_save
+# Checked against the model: from its meta skeleton before loading (shardtune.preflight), and where the adapter is
+# attached (shardtune.modeling), which knows every added row.
+#
+# On a model whose output head is its input embedding (tie_word_embeddings), the rows of added tokens are trained as
+# PEFT trainable tokens on the embedding, and PEFT ties them to the head by wrapping the head too. A head that
+# --modules_to_save also trains in full is a wrapper PEFT cannot wrap: it failed inside PEFT at the first step
+# ("TrainableTokensLayer wraps an unknown layer type"). With the embedding saved in full as well, no token rows are
+# needed (both are trained in full, as two copies; a merged model is untied), and without added rows the head alone
+# is trained in full as PEFT does on any model.
+
+
+def tied_head_saved_problem(model, modules_to_save: list[str] | None, *, adds_rows: bool) -> str | None:
+    """Why --modules_to_save cannot train this model's output head in full, or None.
+
+    model: the base before the adapter (a meta skeleton is enough); adds_rows: the run adds embedding rows (new
+    tokens, or padding to a multiple of 8)."""
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if not adds_rows or out is None or out.weight is not emb.weight:
+        return None
+    names = {id(m): n.split(".")[-1] for n, m in model.named_modules() if m is emb or m is out}
+    emb_name, out_name = names.get(id(emb), "embed_tokens"), names.get(id(out), "lm_head")
+    full = set(modules_to_save or [])
+    if out_name not in full or emb_name in full:
+        return None
+    return (
+        f"--modules_to_save {out_name}: this model ties its output head to its input embedding, and the added "
+        f"tokens' rows are trained on the tied {emb_name} and {out_name} (PEFT trainable tokens), which cannot also "
+        f"train {out_name} in full. Use --modules_to_save {emb_name},{out_name} (both trained in full and saved in "
+        f"the adapter; a merged model is untied), or leave {out_name} out (the new tokens' rows are still trained)."
+    )
+
+
+def chat_format_problem(model, modules_to_save: str | None, chat_template_format: str) -> str | None:
+    """tied_head_saved_problem for a run whose --chat_template_format chatml or zephyr adds its tokens."""
+    names = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()]
+    return tied_head_saved_problem(model, names, adds_rows=chat_template_format in CHAT_FORMATS)

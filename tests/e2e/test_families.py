@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.config import ConfigError
 from tests.conftest import run_cli, train_records
 from tests.families import (
     FAMILIES,
@@ -40,7 +41,19 @@ CHAIN = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": 96, "vo
 # 12 test conversations, each at most one row of 96 positions: a bound on the eval loss's targets.
 EVAL_TOKENS = 12 * 96
 
-TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gpt2")
+TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gemma4", "gpt2")
+# Known gaps, each a strict xfail (it flips to a failure once fixed): `shardtune merge` grows Gemma 4's embedding for
+# the chat tokens (602 -> 608 rows) but not its per-layer input embedding (embed_tokens_per_layer, config
+# vocab_size_per_layer_input, which transformers' resize_token_embeddings grows too), so the merged model indexes
+# past it on a new token.
+MERGE_GAPS = {"gemma4": "merge leaves Gemma 4's embed_tokens_per_layer at the base's 602 rows"}
+# The merged model's forward on a chat token: index out of range in the per-layer embedding.
+MERGED_FAMILIES = [
+    pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=IndexError, reason=MERGE_GAPS[f]))
+    if f in MERGE_GAPS
+    else f
+    for f in FAMILIES
+]
 # (family, method, lora_dropout) trained on 2 ranks only, besides LoRA on every family.
 EXTRA = [
     ("mixtral", "lora", 0.1),  # the guide's flags on mixtures of experts
@@ -50,6 +63,7 @@ EXTRA = [
     ("gpt2", "dora", 0.0),
     ("qwen3", "full", 0.0),
     ("gemma3", "full", 0.0),
+    ("gemma4", "full", 0.0),  # tied, per-layer input embeddings trained in full
     ("llama-tied", "qlora", 0.0),
     ("gpt-neox", "qlora", 0.0),
     ("mixtral", "qlora", 0.0),  # refused before loading
@@ -119,11 +133,12 @@ def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
         assert got[n] == pytest.approx(trained, rel=tol(torch.float32, decoder_chain(**CHAIN, tokens=EVAL_TOKENS))), n
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MERGED_FAMILIES)
 def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     root = matrix["root"]
     peft, merged = peft_and_merged(root / family, root / "two" / family, root / "merged" / family)
     config = json.loads((root / "merged" / family / "config.json").read_text())
+    config = config.get("text_config", config)  # Gemma 4: the language model's config
     emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
     assert emb.shape == head.shape == (608, emb.shape[1]) and config["vocab_size"] == 608
     if family in TIED:  # the adapter leaves the head equal to the embedding: it stays tied
@@ -134,7 +149,7 @@ def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     assert merge_logit_error(peft, merged, ids) < tol(torch.float32, decoder_chain(**{**CHAIN, "vocab": 0, "seq": 8}))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", MERGED_FAMILIES)
 def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
     from shardtune.chat import generate_reply
     from shardtune.inference import load_for_chat
@@ -159,12 +174,24 @@ def test_chat_cli_on_tied_model_whose_tokenizer_had_chat_tokens(matrix):
     assert "Resized the embeddings from 602 to 608 rows" in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+# Known gap (strict xfail): the planner reads the model config's top-level fields; Gemma 4's are in its text_config,
+# and it refuses the model as "not a Llama-style decoder".
+PLAN_GAP = "shardtune plan does not read a multimodal config's text_config"
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=ConfigError, reason=PLAN_GAP))
+        if FAMILIES[f].multimodal
+        else f
+        for f in FAMILIES
+    ],
+)
 def test_plan_counts_the_familys_parameters(family, tmp_path):
     """The planner's parameter count equals the real model's numel (GPT-2, not Llama-shaped, is refused clearly)."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.config import ConfigError
     from shardtune.plan import plan_shape
     from shardtune.planning import base_param_count
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ from shardtune.loss import build_objective
 from shardtune.modeling import CausalLMForTraining
 from shardtune.recipe.objective import router_aux_note
 from tests.conftest import train_records
-from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, Family, build_family_model, run_jobs
+from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, build_family_model, run_jobs
 from tests.tolerance import decoder_chain, tol
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
@@ -122,20 +123,6 @@ def _write_kto(pairs: Path, out: Path) -> Path:
     return out
 
 
-def _build_gemma4(out: Path, vocab: int, changes: dict) -> None:
-    """A tiny Gemma 4 as AutoModelForCausalLM loads one (Gemma4ForConditionalGeneration), without vision or audio
-    towers; tests/families.py's shapes, Gemma 4's per-layer inputs kept small."""
-    from transformers import Gemma4Config
-
-    text = {**FAMILIES["gemma3"].kwargs, "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
-            "hidden_size_per_layer_input": 8, "layer_types": ["sliding_attention", "full_attention"],
-            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **changes}  # fmt: skip
-    text.pop("sliding_window_pattern")
-    torch.manual_seed(0)
-    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(out))
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("preference-families")
@@ -151,11 +138,8 @@ def assets(tmp_path_factory) -> dict:
             tok.eos_token = eos
         tok.chat_template = template
         tok.save_pretrained(str(root / name))
-        if name == "gemma4":
-            _build_gemma4(root / name, len(tok), changes)
-            continue
-        family = FAMILIES[name]
-        build_family_model(Family(name, family.config_class, {**family.kwargs, **changes}), root / name, len(tok))
+        family = FAMILIES[name]  # Gemma 4: Gemma4ForConditionalGeneration, changes in its text_config
+        build_family_model(replace(family, kwargs={**family.kwargs, **changes}), root / name, len(tok))
     return {"root": root, "pairs": pairs, "kto": kto}
 
 

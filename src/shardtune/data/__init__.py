@@ -21,7 +21,7 @@ from ..log import print0
 from .cache import CACHE_FORMAT, LazyRows, PackedStore, move_into_place, new_tmp_folder, open_cache, write_cache
 from .collate import iterate_batches, num_batches
 from .packing import IGNORE_INDEX, RaggedRows
-from .prepare import tokenize_to_parts
+from .prepare import read_columns, tokenize_to_parts
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .stream import StreamingSplit
 from .templates import CHAT_FORMATS, padded_vocab_size, setup_tokenizer
@@ -40,6 +40,10 @@ TOKENIZE_FLAGS = (
     "assistant_only_loss",
     "drop_long_samples",
 )
+
+# How conversations are rendered, in the cache key: 2 = with the row's tools and chat_template_kwargs columns (caches
+# of version 1 rendered rows that have them without, and are not reused).
+CHAT_RENDER = 2
 
 __all__ = [
     "CHAT_FORMATS",
@@ -124,7 +128,9 @@ def _stream_split(tokenizer, split: str, max_samples: int | None, window: int, o
         raise ValueError(f"--dataset_name {name!r}: split {split!r} is empty; give a split with rows.")
     column = _text_column(tokenizer, list(first), split, opts)
     print0(f"data: split {split!r} is streamed, packed {window} rows at a time (--packing_window).")
-    return StreamingSplit(tokenizer, name, split, column, opts, _pad_id(tokenizer), window, max_samples)
+    return StreamingSplit(
+        tokenizer, name, split, column, opts, _pad_id(tokenizer), window, max_samples, columns=tuple(first)
+    )
 
 
 def _prepare_split(
@@ -245,6 +251,8 @@ def _cache_key(tokenizer, ds, split: str, column: str, pad_id: int, opts: dict) 
         "split": split,
         "rows": len(ds),
         "column": column,
+        "columns_read": read_columns(column, ds.column_names),
+        "chat_render": CHAT_RENDER,
         "pad_id": pad_id,
         "eos_id": tokenizer.eos_token_id,
         "tokenizer": _tokenizer_fingerprint(tokenizer),

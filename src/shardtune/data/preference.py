@@ -9,8 +9,8 @@ may change the end of the prompt); each sequence is cut to --max_length keeping 
 alone fills --max_length is dropped (it would have no completion token). With --drop_long_samples a pair with a
 sequence over --max_length is dropped instead of truncated. Conversations without a `prompt` column have it taken
 as the turns chosen and rejected share (TRL's `extract_prompt`); a conversation's `tools` and `chat_template_kwargs`
-columns go to its chat template as TRL passes them (so {"enable_thinking": false} puts a Qwen3 template's empty
-thinking block in the prompt, not in the completion).
+columns go to its chat template as TRL passes them (templates.template_kwargs, the rule SFT rows follow too; so
+{"enable_thinking": false} puts a Qwen3 template's empty thinking block in the prompt, not in the completion).
 
 Row 2i is pair i's chosen sequence, row 2i+1 its rejected one; labels are shifted (labels[t] is the target of
 position t) and -100 on the prompt, so prompt tokens never count. For KTO, row 2i is example i's prompt+completion
@@ -36,7 +36,7 @@ from ..log import print0, warn0
 from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
-from .templates import validate_messages
+from .templates import template_kwargs, validate_messages
 
 if TYPE_CHECKING:
     from shardtune.config import DataArguments
@@ -269,24 +269,6 @@ def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_specia
         example, left_out,
     )  # fmt: skip
     return prompt_ids, completion_ids, bool(label)
-
-
-def template_kwargs(example: dict, where: str) -> dict:
-    """What a conversational row gives its chat template besides the turns, as TRL 1.16 reads it: the `tools`
-    column (a list, or its JSON text) and the `chat_template_kwargs` column (e.g. {"enable_thinking": false}, with
-    which a Qwen3 template ends the prompt with the empty thinking block instead of counting it as completion)."""
-    tools = example.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: `tools` is text but not JSON ({e}); give a list of tool schemas.") from e
-    extra = example.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):  # a data mistake: ValueError, which the CLI reports with exit 2
-        bad = f"{where}: `chat_template_kwargs` must be a mapping of template variables, got {extra!r}."
-        raise ValueError(bad)  # noqa: TRY004
-    # datasets fills a key that only other rows have with None: such keys are not this row's settings.
-    return {**({"tools": tools} if tools else {}), **{k: v for k, v in extra.items() if v is not None}}
 
 
 def _tokenize_completions(

@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from .packing import IGNORE_INDEX, Document, fit_documents, shifted_labels
-from .templates import assistant_spans, render_chat, token_target_mask, validate_messages
+from .templates import (
+    TEMPLATE_COLUMNS,
+    assistant_spans,
+    render_chat,
+    template_kwargs,
+    token_target_mask,
+    validate_messages,
+)
 
 _CHUNK = 1000  # rows tokenized per tokenizer call
 _TASK_ROWS = 20_000  # rows per task: a task's part files are copied whole, so this bounds the parent's memory
@@ -39,8 +46,25 @@ class TaskResult:
     target_tokens: int
 
 
-def documents(tokenizer, rows: list, split: str, column: str, opts: dict, first_row: int = 0) -> list[Document]:
-    """Render and tokenize rows (the values of `column`); targets mark the tokens that may be predicted."""
+def read_columns(column: str, columns) -> list[str]:
+    """The columns a split's rows are tokenized from: the text column, and for conversations the template columns
+    (tools, chat_template_kwargs) the split has."""
+    return [column, *(c for c in TEMPLATE_COLUMNS if column == "messages" and c in columns)]
+
+
+def row_settings(batch: dict, column: str) -> list[dict] | None:
+    """Each row's template columns from a batch of columns ({name: values}), or None when there are none."""
+    names = [c for c in batch if c != column]
+    if not names:
+        return None
+    return [dict(zip(names, values, strict=True)) for values in zip(*(batch[c] for c in names), strict=True)]
+
+
+def documents(
+    tokenizer, rows: list, split: str, column: str, opts: dict, first_row: int = 0, settings: list[dict] | None = None
+) -> list[Document]:
+    """Render and tokenize rows (the values of `column`); targets mark the tokens that may be predicted.
+    settings: each conversation row's template columns (row_settings), which its chat template is rendered with."""
     assistant_only = opts["assistant_only_loss"]
     if assistant_only and not getattr(tokenizer, "is_fast", False):
         raise ValueError("--assistant_only_loss needs a fast (Rust) tokenizer to map assistant text to tokens.")
@@ -50,7 +74,8 @@ def documents(tokenizer, rows: list, split: str, column: str, opts: dict, first_
     docs: list[Document] = []
     for start in range(0, len(rows), _CHUNK):
         row = first_row + start
-        texts, spans = _chunk_texts(tokenizer, rows[start : start + _CHUNK], split, column, row, assistant_only)
+        chunk = settings[start : start + _CHUNK] if settings is not None else None
+        texts, spans = _chunk_texts(tokenizer, rows[start : start + _CHUNK], chunk, split, column, row, assistant_only)
         enc = tokenizer(texts, add_special_tokens=opts["add_special_tokens"], return_offsets_mapping=assistant_only)
         for j, ids in enumerate(enc["input_ids"]):
             if not ids:
@@ -68,14 +93,17 @@ def documents(tokenizer, rows: list, split: str, column: str, opts: dict, first_
     return docs
 
 
-def _chunk_texts(tokenizer, values: list, split: str, column: str, first_row: int, assistant_only: bool):
+def _chunk_texts(tokenizer, values: list, settings, split: str, column: str, first_row: int, assistant_only: bool):
     texts, spans = [], []
     for j, value in enumerate(values):
         row = first_row + j
         if column == "messages":
             validate_messages(value, split=split, row=row)
-            text = render_chat(tokenizer, value, split=split, row=row)
-            spans.append(assistant_spans(tokenizer, value, text, split=split, row=row) if assistant_only else [])
+            kw = template_kwargs(settings[j] if settings else {}, f"split {split!r}, row {row}")
+            text = render_chat(tokenizer, value, split=split, row=row, kwargs=kw)
+            spans.append(
+                assistant_spans(tokenizer, value, text, split=split, row=row, kwargs=kw) if assistant_only else []
+            )
         else:
             if not isinstance(value, str) or not value:
                 raise ValueError(
@@ -93,7 +121,7 @@ _WORKER: dict = {}
 
 
 def _worker_state(tokenizer, ds, split: str, column: str, opts: dict, folder: str) -> dict:
-    ds = ds.select_columns([column])  # read only the column that is tokenized
+    ds = ds.select_columns(read_columns(column, ds.column_names))  # read only the columns that are tokenized
     return {"tokenizer": tokenizer, "ds": ds, "split": split, "column": column, "opts": opts, "folder": Path(folder)}
 
 
@@ -121,8 +149,9 @@ def _run_task(w: dict, index: int, start: int, stop: int) -> TaskResult:
     with open(ids_path, "wb") as f_ids, open(labels_path, "wb") as f_lab, open(lengths_path, "wb") as f_len:
         for a in range(start, stop, _CHUNK):
             b = min(a + _CHUNK, stop)
-            values = ds[a:b][w["column"]]
-            docs = documents(w["tokenizer"], values, w["split"], w["column"], opts, first_row=a)
+            batch = ds[a:b]
+            settings = row_settings(batch, w["column"])
+            docs = documents(w["tokenizer"], batch[w["column"]], w["split"], w["column"], opts, a, settings)
             docs, truncated, dropped = fit_documents(docs, opts["max_length"], opts["drop_long_samples"])
             result.truncated += truncated
             result.dropped += dropped

@@ -27,7 +27,7 @@ import numpy as np
 
 from .collate import collate_rows, epoch_order
 from .packing import best_fit_decreasing, build_rows, fit_documents
-from .prepare import documents
+from .prepare import documents, read_columns, row_settings
 from .sources import load_split
 
 if TYPE_CHECKING:  # torch is imported where batches are made: tokenizing processes never need it
@@ -46,6 +46,7 @@ class StreamingSplit:
     pad_id: int
     window: int
     max_samples: int | None = None
+    columns: tuple[str, ...] = ()  # the split's columns (those read_columns takes are read)
     stats: dict | None = None
     from_cache: bool = False
     cache_path: str | None = None
@@ -57,12 +58,17 @@ class StreamingSplit:
 
     def windows(self, *, epoch: int, seed: int, start_window: int = 0) -> Iterator[tuple[int, dict, np.ndarray]]:
         """(window index, its packed rows, their order) from start_window on; earlier rows are skipped unread."""
-        it = iter(self._rows().skip(start_window * self.window).select_columns([self.column]))
+        names = read_columns(self.column, self.columns)
+        it = iter(self._rows().skip(start_window * self.window).select_columns(names))
         for w in itertools.count(start_window):
-            values = [r[self.column] for r in itertools.islice(it, self.window)]
-            if not values:
+            batch = {c: [] for c in names}
+            for r in itertools.islice(it, self.window):
+                for c in names:
+                    batch[c].append(r[c])
+            if not batch[self.column]:
                 return
-            rows = self.pack(values, first_row=w * self.window, seed=seed + w)
+            rows = self.pack(batch[self.column], first_row=w * self.window, seed=seed + w,
+                             settings=row_settings(batch, self.column))  # fmt: skip
             n = len(rows["input_ids"])
             # Window 0 in the cached path's order (see the module docstring); the others from (seed, epoch, window).
             order = (
@@ -72,10 +78,11 @@ class StreamingSplit:
             )
             yield w, rows, order
 
-    def pack(self, values: list, *, first_row: int, seed: int) -> dict:
-        """Tokenize one window's values and pack them (or one document a row without --packing)."""
+    def pack(self, values: list, *, first_row: int, seed: int, settings: list[dict] | None = None) -> dict:
+        """Tokenize one window's values (settings: their rows' template columns) and pack them (or one document a
+        row without --packing)."""
         o = self.opts
-        docs = documents(self.tokenizer, values, self.split, self.column, o, first_row=first_row)
+        docs = documents(self.tokenizer, values, self.split, self.column, o, first_row, settings)
         docs, _, _ = fit_documents(docs, o["max_length"], o["drop_long_samples"])
         if o["packing"]:
             groups = best_fit_decreasing([len(d.ids) for d in docs], o["max_length"], seed) if docs else []

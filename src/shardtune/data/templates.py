@@ -8,6 +8,7 @@ end-of-turn special token right after the content. Templates that carry `{% gene
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,15 @@ DEFAULT_ZEPHYR_CHAT_TEMPLATE = (
     "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
 )
 ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+# A conversation row's columns that go to its chat template besides the turns (TRL 1.16's SFT, DPO and KTO trainers).
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")
+# Names a row's chat_template_kwargs cannot set: apply_chat_template's own arguments (shardtune passes them, or they
+# change what it returns) and the variables the renderer sets itself; as a template variable any of them would clash.
+_RESERVED_TEMPLATE_KWARGS = (
+    "conversation", "conversations", "messages", "tools", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+)  # fmt: skip
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -117,30 +127,68 @@ def validate_messages(messages, *, split: str, row: int) -> None:
             raise ValueError(f"{where}, message {i} ({role}) {problem}; every turn needs a non-empty string.")
 
 
-def render_chat(tokenizer, messages, *, split: str, row: int) -> str:
-    """Render one conversation with the tokenizer's chat template, exactly as the reference does."""
+def template_kwargs(example: dict, where: str) -> dict:
+    """What a conversation row gives its chat template besides the turns, as TRL 1.16 reads it (one rule for SFT and
+    preference rows): the `tools` column (a list of tool schemas, or its JSON text) and the `chat_template_kwargs`
+    column (a mapping of template variables, e.g. {"enable_thinking": false}, with which a Qwen3 template renders the
+    empty thinking block of a reply that does not think). Raises ValueError naming `where` (split and row) and the fix.
+    """
+    tools = example.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: `tools` is text but not JSON ({e}); give a list of tool schemas.") from e
+    if tools is not None and not isinstance(tools, list):  # a data mistake: ValueError, which the CLI reports (exit 2)
+        bad = f"{where}: `tools` must be a list of tool schemas (JSON objects) or its JSON text, got {tools!r}."
+        raise ValueError(bad)
+    extra = example.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        bad = (
+            f"{where}: `chat_template_kwargs` must be a mapping of template variables, got {extra!r}; give a JSON "
+            'object such as {"enable_thinking": false}.'
+        )
+        raise ValueError(bad)  # noqa: TRY004
+    clash = sorted(k for k in extra if k in _RESERVED_TEMPLATE_KWARGS)
+    if clash:
+        raise ValueError(
+            f"{where}: `chat_template_kwargs` sets {', '.join(clash)}, which shardtune sets itself when it renders the "
+            "conversation; remove it (tools go in the `tools` column)."
+        )
+    # datasets fills a key that only other rows have with None: such keys are not this row's settings. An empty tool
+    # list is no tools (as trl's apply_chat_template says: Llama's template renders tool boilerplate for []).
+    return {**({"tools": tools} if tools else {}), **{k: v for k, v in extra.items() if v is not None}}
+
+
+def render_chat(tokenizer, messages, *, split: str, row: int, kwargs: dict | None = None) -> str:
+    """Render one conversation with the tokenizer's chat template, exactly as the reference does; kwargs: the row's
+    template_kwargs."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **(kwargs or {}))
     except Exception as e:  # a template's raise_exception (e.g. roles must alternate) names no row
         raise ValueError(
             f"split {split!r}, row {row}: the chat template could not render this conversation: {e}"
         ) from e
 
 
-def assistant_spans(tokenizer, messages, text: str, *, split: str, row: int) -> list[tuple[int, int]]:
+def assistant_spans(
+    tokenizer, messages, text: str, *, split: str, row: int, kwargs: dict | None = None
+) -> list[tuple[int, int]]:
     """Character spans of `text` (the rendered conversation) that are assistant targets.
 
     A span covers an assistant message's content and the end-of-turn special token right after it; the role
-    header before it is not a target.
+    header before it is not a target. kwargs: the row's template_kwargs, with which every partial rendering is made
+    (so that it is a prefix of `text`).
     """
+    kwargs = kwargs or {}
     template = tokenizer.get_chat_template()
     if _GENERATION_RE.search(template):
-        return _generation_spans(tokenizer, messages, template)
+        return _generation_spans(tokenizer, messages, template, kwargs)
     specials = _special_strings(tokenizer)
     spans = []
     for k, m in enumerate(messages):
         if m["role"] == "assistant":
-            spans.append(_turn_span(tokenizer, messages, k, text, specials, split=split, row=row))
+            spans.append(_turn_span(tokenizer, messages, k, text, specials, kwargs, split=split, row=row))
     return spans
 
 
@@ -153,14 +201,15 @@ def token_target_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> 
     return mask
 
 
-def _generation_spans(tokenizer, messages, template: str) -> list[tuple[int, int]]:
+def _generation_spans(tokenizer, messages, template: str, kwargs: dict) -> list[tuple[int, int]]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
+    # As apply_chat_template calls it: the row's variables override the special tokens of the same name.
     _, indices = render_jinja_template(
         conversations=[messages],
         chat_template=template,
         return_assistant_tokens_mask=True,
-        **tokenizer.special_tokens_map,
+        **{**tokenizer.special_tokens_map, **kwargs},
     )
     return [tuple(span) for span in indices[0]]
 
@@ -173,18 +222,18 @@ def _special_strings(tokenizer) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
-def _render_prefix(tokenizer, messages, k: int, add_generation_prompt: bool = False) -> str:
+def _render_prefix(tokenizer, messages, k: int, kwargs: dict, add_generation_prompt: bool = False) -> str:
     if k == 0:
         return ""
     return tokenizer.apply_chat_template(
-        list(messages[:k]), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages[:k]), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
 
 
-def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], *, split: str, row: int):
+def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], kwargs: dict, *, split: str, row: int):
     where = f"split {split!r}, row {row}, message {k}"
-    before = _render_prefix(tokenizer, messages, k)
-    upto = _render_prefix(tokenizer, messages, k + 1)
+    before = _render_prefix(tokenizer, messages, k, kwargs)
+    upto = _render_prefix(tokenizer, messages, k + 1, kwargs)
     if not (upto.startswith(before) and text.startswith(upto)):
         raise ValueError(
             f"{where}: --assistant_only_loss cannot locate this assistant turn, because the chat template renders "
@@ -192,7 +241,7 @@ def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], *, s
             "train on all tokens (--assistant_only_loss False)."
         )
     header_end = len(before)
-    prompt = _render_prefix(tokenizer, messages, k, add_generation_prompt=True)
+    prompt = _render_prefix(tokenizer, messages, k, kwargs, add_generation_prompt=True)
     if prompt.startswith(before) and upto.startswith(prompt):
         header_end = len(prompt)
     content = messages[k]["content"]
