@@ -273,6 +273,8 @@ def _write_config(base: BaseCheckpoint, plan: MergePlan, folder: Path, untied: b
         if rows != text.get("vocab_size"):
             print0(f"vocabulary size {text.get('vocab_size')} -> {rows} (the adapter carries resized embeddings)")
             text["vocab_size"] = rows
+    # What transformers' resize_token_embeddings changes besides vocab_size (Gemma 4: vocab_size_per_layer_input).
+    text.update({k: v for k, v in plan.config_updates.items() if k != "vocab_size"})
     if untied:
         for cfg in {id(config): config, id(text): text}.values():
             cfg["tie_word_embeddings"] = False

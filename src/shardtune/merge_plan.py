@@ -12,7 +12,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,8 @@ class MergePlan:
     aliases: dict[str, str]  # tied output-embedding name -> the base tensor it is tied to
     input_embedding: str | None
     dtype: torch.dtype
+    # Config fields that follow the vocabulary when it grows (vocab_size; Gemma 4's vocab_size_per_layer_input).
+    config_updates: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- reading the adapter
@@ -169,7 +171,7 @@ def plan_merge(
     trust_remote_code: bool = False,
 ) -> MergePlan:
     """Map every adapter tensor to the base tensor it changes and check shapes, before any weight is read."""
-    in_name, aliases = _embedding_layout(base, trust_remote_code)
+    in_name, aliases, skeleton = _embedding_layout(base, trust_remote_code)
     plan = MergePlan({}, aliases, in_name, _output_dtype(base, dtype))
     names = {n: n for n in [*base.shapes, *aliases]} | _renamed_tensors(base, trust_remote_code)
     groups = parse_keys(weights)
@@ -184,11 +186,16 @@ def plan_merge(
             _plan_tokens(plan, target, parts["tokens"], names, peft_config)
     for name, edit in plan.edits.items():
         _fit_edit(name, edit, base.shapes[aliases.get(name, name)])
+    if skeleton is not None:
+        _grow_token_tables(plan, base, skeleton)
     return plan
 
 
-def _embedding_layout(base: BaseCheckpoint, trust_remote_code: bool) -> tuple[str | None, dict[str, str]]:
-    """Find the input embedding and, when the output embedding is tied to it, map the output name to it.
+def _embedding_layout(
+    base: BaseCheckpoint, trust_remote_code: bool
+) -> tuple[str | None, dict[str, str], torch.nn.Module | None]:
+    """Find the input embedding and, when the output embedding is tied to it, map the output name to it; also
+    return the model's skeleton (None when it cannot be built).
 
     The model is built on the meta device (no memory) so that any architecture transformers knows answers for
     itself; a tied output embedding is usually absent from the checkpoint, yet the adapter may still change it.
@@ -203,12 +210,49 @@ def _embedding_layout(base: BaseCheckpoint, trust_remote_code: bool) -> tuple[st
         warn0(f"could not build the base model's skeleton ({e}); assuming Llama-style embedding names.")
         in_name = next((n for n in base.shapes if n.endswith(("embed_tokens.weight", "wte.weight"))), None)
         tied = bool(base.config.get("tie_word_embeddings", False))
-        return in_name, ({"lm_head.weight": in_name} if tied and in_name else {})
+        return in_name, ({"lm_head.weight": in_name} if tied and in_name else {}), None
     modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     ie, oe = model.get_input_embeddings(), model.get_output_embeddings()
     in_name = _match_checkpoint_name(f"{modules[id(ie)]}.weight", base.shapes)
     tied = oe is not None and oe.weight is ie.weight
-    return in_name, ({f"{modules[id(oe)]}.weight": in_name} if tied and in_name else {})
+    return in_name, ({f"{modules[id(oe)]}.weight": in_name} if tied and in_name else {}), model
+
+
+def _grow_token_tables(plan: MergePlan, base: BaseCheckpoint, skeleton: torch.nn.Module) -> None:
+    """When the merged input embedding has more rows than the base's, grow every other table transformers'
+    resize_token_embeddings grows with it (Gemma 4's and Gemma 3n's per-layer input embeddings,
+    embed_tokens_per_layer), and note the config fields the resize changes (vocab_size_per_layer_input).
+
+    The skeleton (on meta) is resized by transformers itself, so that the merged folder is what
+    resize_token_embeddings makes of the base: its config and every token-indexed table agree, and a new token id
+    indexes each of them. Rows that the adapter trained are copied in by the token edit; others get the mean row.
+    """
+    name = plan.input_embedding
+    if name is None or name not in plan.edits:
+        return
+    rows = plan.edits[name].final_shape(base.shapes[name])[0]
+    if rows <= base.shapes[name][0]:
+        return
+    text = skeleton.config.get_text_config()
+    before = text.to_dict()
+    tables = {n: m.num_embeddings for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Embedding)}
+    skeleton.resize_token_embeddings(rows, mean_resizing=False)
+    plan.config_updates = {k: v for k, v in text.to_dict().items() if before.get(k) != v}
+    for module, m in skeleton.named_modules():
+        if not isinstance(m, torch.nn.Embedding) or tables.get(module) in (None, rows) or m.num_embeddings != rows:
+            continue
+        stored = _match_checkpoint_name(f"{module}.weight", base.shapes)
+        if stored is None or stored == name or stored in plan.aliases:
+            continue
+        edit = plan.edits.setdefault(stored, TensorEdit())
+        if edit.final_shape(base.shapes[stored])[0] < rows:
+            edit.grow_to = rows
+            trained = set() if edit.tokens is None else set(edit.tokens[0].tolist())
+            if not set(range(base.shapes[stored][0], rows)) <= trained:
+                warn0(
+                    f"the adapter carries no trained rows for the new tokens in {stored}; they are set to its mean "
+                    "row, so the merged model may differ from the trained one on those tokens."
+                )
 
 
 def _match_checkpoint_name(model_name: str, shapes: dict[str, tuple[int, ...]]) -> str | None:

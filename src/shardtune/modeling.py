@@ -292,14 +292,27 @@ def attach_adapter(
 
 
 def _token_modules(model: nn.Module, modules_to_save: list[str] | None) -> list[str]:
-    """Embedding (and untied output head) modules whose new-token rows must be trained, unless saved in full."""
+    """Modules whose new-token rows must be trained, unless saved in full: the input embedding, every other
+    embedding looked up by token id, and an untied output head.
+
+    Token-indexed embeddings besides the input one (Gemma 4's and Gemma 3n's per-layer input embeddings,
+    embed_tokens_per_layer) are the nn.Embedding modules that have as many rows as the input embedding after the
+    resize: transformers' resize_token_embeddings grows them with it. Left out, their new rows would be a random
+    resize that the adapter does not save, and the reloaded model would differ from the trained one on new tokens."""
     names = []
     full = set(modules_to_save or [])
-    emb_name = _module_name(model, model.get_input_embeddings())
+    emb = model.get_input_embeddings()
+    emb_name = _module_name(model, emb)
     if emb_name and emb_name.split(".")[-1] not in full:
         names.append(emb_name.split(".")[-1])
+    for name, mod in model.named_modules():
+        leaf = name.split(".")[-1]
+        if mod is emb or not isinstance(mod, nn.Embedding) or leaf in full or leaf in names:
+            continue
+        if mod.num_embeddings == emb.num_embeddings:
+            names.append(leaf)
     out = model.get_output_embeddings()
-    tied = out is not None and out.weight is model.get_input_embeddings().weight
+    tied = out is not None and out.weight is emb.weight
     if out is not None and not tied:
         out_name = _module_name(model, out)
         if out_name and out_name.split(".")[-1] not in full:

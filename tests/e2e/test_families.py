@@ -42,18 +42,6 @@ CHAIN = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": 96, "vo
 EVAL_TOKENS = 12 * 96
 
 TIED = ("llama-tied", "qwen3", "gemma2", "gemma3", "gemma4", "gpt2")
-# Known gaps, each a strict xfail (it flips to a failure once fixed): `shardtune merge` grows Gemma 4's embedding for
-# the chat tokens (602 -> 608 rows) but not its per-layer input embedding (embed_tokens_per_layer, config
-# vocab_size_per_layer_input, which transformers' resize_token_embeddings grows too), so the merged model indexes
-# past it on a new token.
-MERGE_GAPS = {"gemma4": "merge leaves Gemma 4's embed_tokens_per_layer at the base's 602 rows"}
-# The merged model's forward on a chat token: index out of range in the per-layer embedding.
-MERGED_FAMILIES = [
-    pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=IndexError, reason=MERGE_GAPS[f]))
-    if f in MERGE_GAPS
-    else f
-    for f in FAMILIES
-]
 # (family, method, lora_dropout) trained on 2 ranks only, besides LoRA on every family.
 EXTRA = [
     ("mixtral", "lora", 0.1),  # the guide's flags on mixtures of experts
@@ -133,7 +121,7 @@ def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
         assert got[n] == pytest.approx(trained, rel=tol(torch.float32, decoder_chain(**CHAIN, tokens=EVAL_TOKENS))), n
 
 
-@pytest.mark.parametrize("family", MERGED_FAMILIES)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     root = matrix["root"]
     peft, merged = peft_and_merged(root / family, root / "two" / family, root / "merged" / family)
@@ -141,6 +129,9 @@ def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     config = config.get("text_config", config)  # Gemma 4: the language model's config
     emb, head = merged.get_input_embeddings().weight, merged.get_output_embeddings().weight
     assert emb.shape == head.shape == (608, emb.shape[1]) and config["vocab_size"] == 608
+    if "vocab_size_per_layer_input" in config:  # Gemma 4: its per-layer input embedding grows with the vocabulary
+        per_layer = merged.get_per_layer_input_embeddings().weight
+        assert config["vocab_size_per_layer_input"] == per_layer.shape[0] == 608
     if family in TIED:  # the adapter leaves the head equal to the embedding: it stays tied
         assert config["tie_word_embeddings"] is True and head is emb
     ids = torch.tensor([[1, 40, 77, 602, 605, 607, 9, 300]])  # includes the chat tokens and a padding row
@@ -149,7 +140,7 @@ def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     assert merge_logit_error(peft, merged, ids) < tol(torch.float32, decoder_chain(**{**CHAIN, "vocab": 0, "seq": 8}))
 
 
-@pytest.mark.parametrize("family", MERGED_FAMILIES)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
     from shardtune.chat import generate_reply
     from shardtune.inference import load_for_chat
