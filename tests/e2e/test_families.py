@@ -165,20 +165,7 @@ def test_chat_cli_on_tied_model_whose_tokenizer_had_chat_tokens(matrix):
     assert "Resized the embeddings from 602 to 608 rows" in proc.stderr + proc.stdout
 
 
-# Known gap (strict xfail): the planner reads the model config's top-level fields; Gemma 4's are in its text_config,
-# and it refuses the model as "not a Llama-style decoder".
-PLAN_GAP = "shardtune plan does not read a multimodal config's text_config"
-
-
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=ConfigError, reason=PLAN_GAP))
-        if FAMILIES[f].multimodal
-        else f
-        for f in FAMILIES
-    ],
-)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_plan_counts_the_familys_parameters(family, tmp_path):
     """The planner's parameter count equals the real model's numel (GPT-2, not Llama-shaped, is refused clearly)."""
     from transformers import AutoModelForCausalLM

@@ -49,6 +49,11 @@ class ModelShape:
     num_experts: int = 0
     expert_intermediate_size: int = 0
     experts_per_token: int = 0  # the router's top-k
+    # A second token-indexed embedding (Gemma 4 and Gemma 3n: embed_tokens_per_layer, rows
+    # vocab_size_per_layer_input, width num_layers · hidden_size_per_layer_input), in the root FSDP unit beside
+    # embed_tokens; it grows with the vocabulary when tokens are added, and its new rows are trainable tokens too.
+    per_layer_vocab_size: int = 0
+    per_layer_width: int = 0
 
     def block_linears(self) -> tuple[str, ...]:
         """The nn.Linear layers of one block: attention only when the MLP is a mixture of experts."""
@@ -87,12 +92,24 @@ class ModelShape:
         }
 
     def with_vocab(self, vocab_size: int) -> ModelShape:
-        return ModelShape(**{**asdict(self), "vocab_size": vocab_size})
+        """The shape after transformers' resize_token_embeddings, which gives the per-layer embedding as many rows."""
+        per_layer = {"per_layer_vocab_size": vocab_size} if self.per_layer_width else {}
+        return ModelShape(**{**asdict(self), "vocab_size": vocab_size, **per_layer})
+
+    def token_tables(self) -> dict[str, tuple[int, int]]:
+        """The embeddings looked up by token id, whose new-token rows are trained (not the tied output head)."""
+        tables = {"embed_tokens": (self.vocab_size, self.hidden_size)}
+        if self.per_layer_width:
+            tables["embed_tokens_per_layer"] = (self.per_layer_vocab_size, self.per_layer_width)
+        return tables
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """Read the shapes from a transformers config (or a config.json dict)."""
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        """Read the shapes from a transformers config (or a config.json dict); for a multimodal config (Gemma 4),
+        from its language model's text_config. The vision and audio towers are not counted."""
+        model_type = (config.get if isinstance(config, dict) else lambda k: getattr(config, k, None))("model_type")
+        text = _text_config(config)
+        get = _reader(text)
         missing = [
             k
             for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -102,15 +119,16 @@ class ModelShape:
             raise ConfigError(
                 [
                     (
-                        f"model_type {get('model_type')!r} is not a Llama-style decoder: its config has no "
+                        f"model_type {model_type!r} is not a Llama-style decoder: its config has no "
                         f"{', '.join(missing)}; shardtune plan supports Llama-style models (llama, mistral, "
                         "qwen2, ...)."
                     )
                 ]
             )
         heads = int(get("num_attention_heads"))
+        per_layer_input = int(get("hidden_size_per_layer_input") or 0)
         shape = cls(
-            model_type=str(get("model_type") or "llama"),
+            model_type=str(model_type or "llama"),
             hidden_size=int(get("hidden_size")),
             num_layers=int(get("num_hidden_layers")),
             num_heads=heads,
@@ -124,9 +142,57 @@ class ModelShape:
             num_experts=int(get("num_local_experts") or get("num_experts") or 0),
             expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
             experts_per_token=int(get("num_experts_per_tok") or 0),
+            per_layer_vocab_size=int(get("vocab_size_per_layer_input") or 0) if per_layer_input else 0,
+            per_layer_width=int(get("num_hidden_layers")) * per_layer_input,
         )
-        real = None if isinstance(config, dict) else _real_param_count(config)
+        real = None if isinstance(config, dict) else _real_param_count(text)
+        if real is not None and text is not config:
+            _warn_uncounted_towers(config, real)
         return shape if real is None else replace(shape, extra_params=real - base_param_count(shape))
+
+
+def _text_config(config: Any) -> Any:
+    """The language model's config of a multimodal config (Gemma 4's text_config), else the config itself."""
+    if isinstance(config, dict):
+        text = config.get("text_config")
+        return text if isinstance(text, dict) and config.get("hidden_size") is None else config
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def _reader(config: Any):
+    """config.get for a dict; for a config object, getattr, where a field that differs between layers (Gemma 4's
+    head_dim: its full-attention layers are wider) reads as the first layer's. The other layers' extra
+    parameters are counted in extra_params."""
+    if isinstance(config, dict):
+        return config.get
+    try:
+        from transformers.integrations.heterogeneity.configuration_utils import (
+            AmbiguousGlobalPerLayerAttributeError as Ambiguous,
+        )
+    except ImportError:  # a transformers without per-layer configs
+        Ambiguous = AttributeError  # noqa: N806
+
+    def get(key: str, default: Any = None) -> Any:
+        try:
+            return getattr(config, key, default)
+        except Ambiguous:
+            return getattr(config.per_layer_config[0], key, default)
+
+    return get
+
+
+def _warn_uncounted_towers(config: Any, text_params: int) -> None:
+    """A multimodal class that AutoModelForCausalLM loads whole also holds vision/audio towers, frozen and on the
+    GPU in training; the planner counts the language model only."""
+    whole = _real_param_count(config)
+    if whole is not None and whole > text_params:
+        from shardtune.log import warn0
+
+        warn0(
+            f"{getattr(config, 'model_type', 'the model')}: its vision/audio towers ({(whole - text_params) / 1e6:.1f}M "
+            "parameters, held frozen in training) are not counted in this plan; only the language model is."
+        )
 
 
 def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> Any:
@@ -168,7 +234,8 @@ def base_param_count(shape: ModelShape) -> int:
     block = sum(i * o for name, (i, o) in dims.items() if name in shape.block_linears()) + 2 * shape.hidden_size
     block += sum(math.prod(shp) for shp in shape.expert_tensors().values())
     head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
-    llama = shape.num_layers * block + shape.vocab_size * shape.hidden_size + shape.hidden_size + head
+    embeddings = sum(rows * width for rows, width in shape.token_tables().values())
+    llama = shape.num_layers * block + embeddings + shape.hidden_size + head
     return llama + shape.extra_params
 
 
@@ -319,7 +386,7 @@ def model_tensors(
         out.append(Tensor(name, shp, _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out.append(Tensor(f"{norm}.weight", (h,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
-    root = [("embed_tokens.weight", (v, h)), ("norm.weight", (h,))]
+    root = [(f"{name}.weight", shp) for name, shp in shape.token_tables().items()] + [("norm.weight", (h,))]
     if not shape.tie_word_embeddings:
         root.append(("lm_head.weight", (v, h)))
     for name, shp in root:
@@ -331,9 +398,11 @@ def model_tensors(
             key = "embed_tokens.weight" if module == "embed_tokens" else f"{module}.weight"
             for t in [t for t in out if t.name == key and t.group == "root"]:
                 out.append(Tensor(f"{module}.modules_to_save.weight", t.shape, trainable_bytes, True, "root"))
-        token_modules = ["embed_tokens"] + ([] if shape.tie_word_embeddings else ["lm_head"])
-        for module in [m for m in token_modules if m not in modules_to_save] if shape.new_token_rows else []:
-            delta = (shape.new_token_rows, h)
+        widths = {name: shp[1] for name, shp in shape.token_tables().items()}
+        if not shape.tie_word_embeddings:
+            widths["lm_head"] = h
+        for module in [m for m in widths if m not in modules_to_save] if shape.new_token_rows else []:
+            delta = (shape.new_token_rows, widths[module])
             out.append(Tensor(f"{module}.token_adapter.trainable_tokens_delta", delta, trainable_bytes, True, "root"))
     return out
 
