@@ -121,6 +121,22 @@ def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
         assert got[n] == pytest.approx(trained, rel=tol(torch.float32, decoder_chain(**CHAIN, tokens=EVAL_TOKENS))), n
 
 
+def test_gemma4_trains_and_saves_its_per_layer_token_rows(matrix):
+    """Gemma 4's per-layer input embedding (embed_tokens_per_layer) grows with the chat tokens (602 -> 608 rows):
+    its new rows are trainable tokens, saved with the adapter, and the role tokens the data uses moved."""
+    from safetensors.torch import load_file
+
+    adapter = load_file(str(matrix["root"] / "two" / "gemma4" / "adapter_model.safetensors"))
+    base = load_file(str(matrix["root"] / "gemma4" / "model.safetensors"))
+    key = "base_model.model.model.language_model.embed_tokens_per_layer.token_adapter.trainable_tokens_delta"
+    rows, table = adapter[key], base["model.language_model.embed_tokens_per_layer.weight"]
+    assert rows.shape == (608 - 602, table.shape[1])
+    # The resize starts new rows at the mean row (a sample with 1e-9 of the rows' covariance); AdamW moves every
+    # element it updates by about lr = 5e-3 per step. 603-605: <|im_start|>user/assistant/system, in every row.
+    moved = (rows - table.mean(0)).abs().amax(1)
+    assert (moved[1:4] > 1e-3).all(), moved
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
     root = matrix["root"]

@@ -168,15 +168,15 @@ def _reader(config: Any):
         return config.get
     try:
         from transformers.integrations.heterogeneity.configuration_utils import (
-            AmbiguousGlobalPerLayerAttributeError as Ambiguous,
+            AmbiguousGlobalPerLayerAttributeError as ambiguous,
         )
     except ImportError:  # a transformers without per-layer configs
-        Ambiguous = AttributeError  # noqa: N806
+        ambiguous = AttributeError
 
     def get(key: str, default: Any = None) -> Any:
         try:
             return getattr(config, key, default)
-        except Ambiguous:
+        except ambiguous:
             return getattr(config.per_layer_config[0], key, default)
 
     return get
