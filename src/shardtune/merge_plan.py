@@ -236,7 +236,11 @@ def _grow_token_tables(plan: MergePlan, base: BaseCheckpoint, skeleton: torch.nn
     text = skeleton.config.get_text_config()
     before = text.to_dict()
     tables = {n: m.num_embeddings for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Embedding)}
-    skeleton.resize_token_embeddings(rows, mean_resizing=False)
+    try:
+        skeleton.resize_token_embeddings(rows, mean_resizing=False)
+    except (NotImplementedError, AttributeError, ValueError) as e:  # remote code that does not resize
+        warn0(f"could not resize the base model's skeleton ({e}); only {name} grows with the vocabulary.")
+        return
     plan.config_updates = {k: v for k, v in text.to_dict().items() if before.get(k) != v}
     for module, m in skeleton.named_modules():
         if not isinstance(m, torch.nn.Embedding) or tables.get(module) in (None, rows) or m.num_embeddings != rows:
