@@ -193,6 +193,12 @@ def check_4bit_layout(config) -> None:
         )
 
 
+# Set by resize_embeddings on every embedding that transformers' resize grew: its rows before. Gemma 3n's per-layer
+# input embedding has fewer rows than the vocabulary (vocab_size_per_layer_input), and the resize grows it to the
+# new vocabulary, so rows of old token ids are new there too and are trained and saved like the new tokens' rows.
+BASE_ROWS_ATTR = "shardtune_base_rows"
+
+
 def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> int:
     """Resize the embeddings to hold n_tokens, rounded up to a multiple of 8 as the reference does."""
     current = model.get_input_embeddings().weight.shape[0]
@@ -200,8 +206,12 @@ def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> 
     if n_tokens <= current:
         return current
     is_meta = model.get_input_embeddings().weight.is_meta
+    before = {n: m.num_embeddings for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     # mean_resizing samples new rows from the old ones' distribution; on meta there is nothing to sample.
     model.resize_token_embeddings(n_tokens, pad_to_multiple_of=multiple_of, mean_resizing=not is_meta)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and before.get(name, module.num_embeddings) < module.num_embeddings:
+            setattr(module, BASE_ROWS_ATTR, before[name])
     print0(f"Resized the embeddings from {current} to {target} rows for the chat template's tokens.")
     return target
 
@@ -270,7 +280,7 @@ def attach_adapter(
         raise ValueError(problem)
     tti = None
     if new_token_ids:
-        tti = {name: list(new_token_ids) for name in _token_modules(model, mts)}
+        tti = {name: sorted(set(new_token_ids) | set(grown)) for name, grown in _token_modules(model, mts).items()}
     cfg = LoraConfig(
         r=lora_r,
         lora_alpha=lora_alpha,
@@ -291,33 +301,34 @@ def attach_adapter(
     return model
 
 
-def _token_modules(model: nn.Module, modules_to_save: list[str] | None) -> list[str]:
+def _token_modules(model: nn.Module, modules_to_save: list[str] | None) -> dict[str, range]:
     """Modules whose new-token rows must be trained, unless saved in full: the input embedding, every other
-    embedding looked up by token id, and an untied output head.
+    embedding looked up by token id, and an untied output head; each with the rows its resize added (Gemma 3n's
+    per-layer table: from vocab_size_per_layer_input on), which are trained with the new tokens' rows.
 
     Token-indexed embeddings besides the input one (Gemma 4's and Gemma 3n's per-layer input embeddings,
     embed_tokens_per_layer) are the nn.Embedding modules that have as many rows as the input embedding after the
     resize: transformers' resize_token_embeddings grows them with it. Left out, their new rows would be a random
     resize that the adapter does not save, and the reloaded model would differ from the trained one on new tokens."""
-    names = []
+    tables: dict[str, range] = {}
     full = set(modules_to_save or [])
     emb = model.get_input_embeddings()
     emb_name = _module_name(model, emb)
     if emb_name and emb_name.split(".")[-1] not in full:
-        names.append(emb_name.split(".")[-1])
+        tables[emb_name.split(".")[-1]] = range(0)
     for name, mod in model.named_modules():
         leaf = name.split(".")[-1]
-        if mod is emb or not isinstance(mod, nn.Embedding) or leaf in full or leaf in names:
+        if mod is emb or not isinstance(mod, nn.Embedding) or leaf in full or leaf in tables:
             continue
         if mod.num_embeddings == emb.num_embeddings:
-            names.append(leaf)
+            tables[leaf] = range(getattr(mod, BASE_ROWS_ATTR, mod.num_embeddings), mod.num_embeddings)
     out = model.get_output_embeddings()
     tied = out is not None and out.weight is emb.weight
     if out is not None and not tied:
         out_name = _module_name(model, out)
         if out_name and out_name.split(".")[-1] not in full:
-            names.append(out_name.split(".")[-1])
-    return names
+            tables[out_name.split(".")[-1]] = range(0)
+    return tables
 
 
 def _module_name(root: nn.Module, target: nn.Module) -> str | None:

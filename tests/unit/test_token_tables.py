@@ -182,3 +182,54 @@ def test_plan_says_the_vision_tower_is_not_counted(caplog):
         counted = base_param_count(plan_shape(config, "none"))
     tower = whole - counted
     assert tower > 0 and f"vision/audio towers ({tower / 1e6:.1f}M parameters" in caplog.text
+
+
+def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
+    """Gemma 3n's per-layer table is shorter than the vocabulary (vocab_size_per_layer_input 600 of 604 tokens:
+    ids 600-603 read row 0). transformers' resize grows it to the new vocabulary, so rows 600-607 are all new there:
+    shardtune trains and saves them, and the reloaded adapter and the merged folder equal the trained model."""
+    import transformers
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import export, modeling
+    from shardtune.demo import build_tokenizer
+    from shardtune.merge import merge_adapter
+
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=604, vocab_size_per_layer_input=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size_per_layer_input=8, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, laurel_rank=4,
+        altup_num_inputs=2, activation_sparsity_pattern=[0.0, 0.0], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    base = modeling.load_base_model(
+        str(tmp_path / "base"), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=None
+    )
+    assert modeling.resize_embeddings(base, 606) == ROWS
+    model = modeling.attach_adapter(
+        base, lora_r=4, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", use_dora=False,
+        modules_to_save=None, new_token_ids=list(range(604, ROWS)),  # as the builder: every row the base lacks
+    )  # fmt: skip
+    spec = model.peft_config["default"].trainable_token_indices
+    assert spec == {"embed_tokens": list(range(604, ROWS)), "embed_tokens_per_layer": list(range(600, ROWS))}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    export.save_adapter(model, state, build_tokenizer(tmp_path / "tok", vocab_size=600), tmp_path / "out")
+    ids = torch.tensor([[1, 40, 599, 600, 603, 604, 607, 9]])
+    trained = _logits(model.eval(), ids)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    reloaded.resize_token_embeddings(ROWS)
+    reloaded = PeftModel.from_pretrained(reloaded, tmp_path / "out").eval()
+    assert torch.equal(_per_layer(reloaded), _per_layer(model))  # every row the resize drew, as trained
+    out = merge_adapter(tmp_path / "base", tmp_path / "out", tmp_path / "merged", dtype="fp32")
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert json.loads((out / "config.json").read_text())["vocab_size_per_layer_input"] == ROWS
+    chain = decoder_chain(hidden=64, intermediate=128, layers=2, seq=ids.shape[1])  # fp32, the widest sum is 128
+    assert _rel_error(_logits(reloaded, ids), trained) <= tol(torch.float32, chain)
+    assert _rel_error(_logits(merged, ids), trained) <= tol(torch.float32, chain)
