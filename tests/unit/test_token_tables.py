@@ -25,6 +25,20 @@ IDS = torch.tensor([[1, 40, 602, 77, 603, 604, 605, 606, 607, 9]])
 CHAIN = decoder_chain(hidden=2048, intermediate=128, layers=2, seq=IDS.shape[1])
 
 
+def _train_and_save(model, tok, out) -> None:
+    """Stand-in for training: every trainable value moves (lora_B leaves zero, token rows leave the resize's);
+    then the adapter is saved with shardtune's export."""
+    from shardtune import export
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    export.save_adapter(model, state, tok, out)
+
+
 def _logits(model, ids=IDS) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -38,7 +52,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def trained(tmp_path_factory):
     """A LoRA adapter built as shardtune's training builds it (load, resize, attach), its trainable values moved
     as training would move them, and saved with shardtune's export."""
-    from shardtune import export, modeling
+    from shardtune import modeling
 
     root = tmp_path_factory.mktemp("gemma4-tokens")
     tok = build_chat_tokenizer(root / "base")
@@ -54,14 +68,7 @@ def trained(tmp_path_factory):
         base, lora_r=4, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", use_dora=False,
         modules_to_save=None, new_token_ids=list(range(OLD, ROWS)),
     )  # fmt: skip
-    # Stand-in for training: every trainable value moves (lora_B leaves zero, token rows leave the resize's).
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    export.save_adapter(model, state, tok, root / "out")
+    _train_and_save(model, tok, root / "out")
     return {"root": root, "model": model.eval(), "tok": tok}
 
 
@@ -192,7 +199,7 @@ def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardtune import export, modeling
+    from shardtune import modeling
     from shardtune.demo import build_tokenizer
     from shardtune.merge import merge_adapter
 
@@ -214,13 +221,7 @@ def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
     )  # fmt: skip
     spec = model.peft_config["default"].trainable_token_indices
     assert spec == {"embed_tokens": list(range(604, ROWS)), "embed_tokens_per_layer": list(range(600, ROWS))}
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    export.save_adapter(model, state, build_tokenizer(tmp_path / "tok", vocab_size=600), tmp_path / "out")
+    _train_and_save(model, build_tokenizer(tmp_path / "tok", vocab_size=600), tmp_path / "out")
     ids = torch.tensor([[1, 40, 599, 600, 603, 604, 607, 9]])
     trained = _logits(model.eval(), ids)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
