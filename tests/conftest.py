@@ -128,3 +128,28 @@ def build_data(builder, **flat):
     if "num_proc" in flat:
         flat["dataset_num_proc"] = flat.pop("num_proc")
     return builder(DataArguments(**flat), **call)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind():
+    """A test module that leaves torch.distributed initialised (or a single-process run's launcher variables set)
+    breaks the modules after it that start their own group (plan --trace's fake group, accelerate in the TRL
+    parity tests): fail the module that leaks, and clean up so that the rest still runs."""
+    import torch.distributed as dist
+
+    before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    yield
+    leaked = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        leaked.append("a process group")
+    after = {k: os.environ.get(k) for k in before}
+    if after != before:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        leaked.append(f"launcher variables {sorted(k for k in before if before[k] != after[k])}")
+    if leaked:
+        pytest.fail(f"this test module left {' and '.join(leaked)} behind", pytrace=False)

@@ -33,6 +33,10 @@ class DistInfo:
         return self.local_rank == 0
 
 
+# The launcher variables init_distributed set itself (a plain single process), taken back by shutdown().
+_SET_FOR_ONE_PROCESS: list[str] = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,14 +53,18 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
 
         stop_with_parent()
     if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
+        single = {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+        }
+        # Undone by shutdown(): a caller running shardtune in its own process (a notebook, a test) must not be left
+        # looking like a distributed worker, which accelerate and torch.distributed would then act on.
+        _SET_FOR_ONE_PROCESS.extend(k for k in single if k not in os.environ)
+        os.environ.update(single)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -124,10 +132,13 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def shutdown() -> None:
-    """Leave together: a rank tearing down its groups while a peer is still in a collective can abort at exit."""
+    """Leave together: a rank tearing down its groups while a peer is still in a collective can abort at exit.
+    Then take back the environment init_distributed set for a plain single process."""
     if dist.is_initialized():
         try:
             dist.barrier()
         except (RuntimeError, dist.DistBackendError):  # a peer is already gone; nothing to wait for
             pass
         dist.destroy_process_group()
+    while _SET_FOR_ONE_PROCESS:
+        os.environ.pop(_SET_FOR_ONE_PROCESS.pop(), None)
