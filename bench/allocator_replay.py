@@ -99,7 +99,7 @@ def one(model: str, flags: str) -> dict:
         path.write_text(json.dumps(known_config(model)))
         p = make_plan(["--model_name_or_path", str(path), *shlex.split(flags), "--trace", "True"])
     t = p.trace
-    gather = next((n for n, name in t.streams.items() if name == "all-gather-copy-in"), None)
+    gather = t.gather_stream
     terms = p.estimate.allocator_terms
     out = {"phase": p.estimate.peak_phase, "derived_gather_cache": terms["forward all-gather cache"]}
     root, resident = terms["root gradients' segments"], terms["resident"]
@@ -114,8 +114,6 @@ def one(model: str, flags: str) -> dict:
             "root_segments": root,
             "residual": (r.reserved - g_res - root - rest) / (rest - resident),
             "reserved_by_stream": {t.streams.get(k, str(k)): v for k, v in r.by_stream.items()},
-            "own_peak_by_stream": {t.streams.get(k, str(k)): v for k, v in r.peak_by_stream.items()},
-            "over_own_peaks": r.reserved / sum(r.peak_by_stream.values()) - 1,
         }
     return out
 

@@ -477,8 +477,9 @@ def _replayed(train_argv: list[str]) -> dict[str, int]:
         text=True,
         check=True,
     ).stdout
-    replay = json.loads(out)["trace"]["allocator_replay"]
-    return replay["expandable_segments" if json.loads(out)["allocator"]["expandable_segments"] else "default"]
+    plan = json.loads(out)
+    setting = "expandable_segments" if plan["allocator"]["expandable_segments"] else "default"
+    return plan["trace"]["allocator_replay"][setting]
 
 
 def check_reference_stack(ctx: dict) -> dict:

@@ -21,7 +21,7 @@ import torch
 from shardtune.plan import format_plan, format_trace, main, make_plan
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
-from shardtune.planning.report import category_comparison, trace_comparison, traced_run_kwargs
+from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"
@@ -319,12 +319,11 @@ def test_allocator_replay_of_the_traced_history(traced):
         assert abs(t.replay_expandable.requested - t.peak_total) <= slack, case
         assert t.replay.allocated >= t.peak_total
         assert t.replay_expandable.reserved <= t.replay.reserved, case
-        gather = next((n for n, name in t.streams.items() if name == "all-gather-copy-in"), None)
         derived = p.estimate.allocator_terms["forward all-gather cache"]
         if p.launch.world_size == 1:
             assert derived == 0, case
             continue
-        replayed = t.replay.by_stream[gather]
+        replayed = t.replay.by_stream[t.gather_stream]
         assert abs(replayed - derived) <= 0.02 * replayed, (case, replayed, derived)
 
 
@@ -336,15 +335,14 @@ def test_estimated_reserved_against_the_replay(traced):
     the replay by more than the allocated peak's own tolerance (BOUND), nor over it by more than its fragmentation
     term (what a history with no fragmentation at all would leave) plus BOUND, and, when the root trains, the root
     gradients' segments (see below)."""
-    from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE, estimate_memory
+    from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE
 
     for case, p in traced.items():
         for expandable, frag, replayed in (
             (False, ALLOCATOR_OVERHEAD, p.trace.replay),
             (True, ALLOCATOR_OVERHEAD_EXPANDABLE, p.trace.replay_expandable),
         ):
-            kwargs = traced_run_kwargs(p.kwargs, p.trace.device)
-            est = estimate_memory(p.shape, **{**kwargs, "expandable_segments": expandable})
+            est = traced_estimate(p, expandable_segments=expandable)
             assert est.reserved >= (1 - BOUND) * replayed.reserved, (case, expandable)
             # When the root trains, its gradients' own segments (exact at full depth, bench/allocator_replay.py)
             # partly reuse what a two-block step leaves cached: only bounded by that term here.

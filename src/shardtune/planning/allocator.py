@@ -68,18 +68,16 @@ class _Block:
 class Replay:
     """Peaks of a replayed allocation history: `allocated` and `reserved` as torch.cuda.max_memory_allocated and
     max_memory_reserved would report them (blocks and segments, in bytes), `requested` the largest sum of the
-    bytes asked for (the tensors' own sizes, what FSDP2's memory tracker counts), and `segments` how many times the history asked the driver for memory (cudaMalloc, or a
-    mapping of pages with expandable segments)."""
+    bytes asked for (the tensors' own sizes, what FSDP2's memory tracker counts), and `segments` how many times
+    the history asked the driver for memory (cudaMalloc, or a mapping of pages with expandable segments)."""
 
     allocated: int = 0
     reserved: int = 0
     requested: int = 0
     segments: int = 0
     by_stream: dict[int, int] = field(default_factory=dict)  # reserved bytes per stream at the end
-    allocated_by_stream: dict[int, int] = field(default_factory=dict)  # at the allocated peak
     # {stream: the largest allocated on all other streams together}: what the other streams' pools had to hold
     peak_without: dict[int, int] = field(default_factory=dict)
-    peak_by_stream: dict[int, int] = field(default_factory=dict)  # each stream's own largest allocated
 
 
 class CachingAllocator:
@@ -129,15 +127,11 @@ class CachingAllocator:
         self.allocated += block.size
         self.requested += nbytes
         self._by_stream[stream] = self._by_stream.get(stream, 0) + block.size
-        if self._by_stream[stream] > self.peak.peak_by_stream.get(stream, 0):
-            self.peak.peak_by_stream[stream] = self._by_stream[stream]
         for s, n in self._by_stream.items():
             if self.allocated - n > self.peak.peak_without.get(s, 0):
                 self.peak.peak_without[s] = self.allocated - n
         self.peak.requested = max(self.peak.requested, self.requested)
-        if self.allocated > self.peak.allocated:
-            self.peak.allocated = self.allocated
-            self.peak.allocated_by_stream = dict(self._by_stream)
+        self.peak.allocated = max(self.peak.allocated, self.allocated)
 
     def free(self, key: object) -> None:
         block, nbytes = self._live.pop(key)
@@ -146,9 +140,6 @@ class CachingAllocator:
         self.requested -= nbytes
         block.allocated = False
         self._insert(self._merged(block))
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._live
 
     def result(self) -> Replay:
         out = dataclasses.replace(self.peak, by_stream={})
@@ -177,8 +168,6 @@ class CachingAllocator:
         else:
             segment = (stream, small, 0)
             tail = self._last.get(segment)
-            if tail is not None and not tail.allocated:
-                self._remove(tail)
             have = tail.size if tail is not None and not tail.allocated else 0
             n = _round_up(size - have, SMALL_BUFFER if small else LARGE_BUFFER)
             end = tail.addr + tail.size if tail is not None else 0
@@ -186,8 +175,7 @@ class CachingAllocator:
             if tail is not None:
                 tail.next = block
             self._last[segment] = block
-            if have:
-                block = self._merged(block)
+            block = self._merged(block)  # with the free block at the segment's end, if there is one
         self.peak.segments += 1
         self.peak.reserved += n  # nothing is released here: reserved only grows
         return block
@@ -197,8 +185,7 @@ class CachingAllocator:
         for side in (block.prev, block.next):
             if side is None or side.allocated:
                 continue
-            if side.key in self._by_key and self._by_key[side.key] is side:
-                self._remove(side)
+            self._remove(side)
             if side is block.prev:
                 block.addr, block.prev = side.addr, side.prev
                 if side.prev is not None:

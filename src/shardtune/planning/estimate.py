@@ -42,11 +42,12 @@ from shardtune.planning.state import (
 # communicator (NVIDIA/nccl#964) beside a bare context of 426 MiB (torch 2.10, CUDA 13; unslothai/unsloth-zoo#1053),
 # 0.94-1.07 GiB in all.
 CUDA_CONTEXT_BYTES = int(1.0 * GiB)
-# The caching allocator's fragmentation beyond each stream's own high-water mark (_allocator_terms), as a
-# fraction of the streams' largest allocated sum, without and with expandable segments. Calibrated, not derived:
-# the largest over the calibration runs of bench/allocator_replay.py (shardtune's own steps on eight published
-# model configs at full depth, traced and replayed through the allocator's rules; none of them is a published
-# measurement docs/plan.md compares with). The replay's results are in docs/plan.md ("The caching allocator").
+# The caching allocator's fragmentation beyond the streams' high-water marks (_allocator_terms), as a fraction of
+# what the step allocates and frees (the other streams' largest sum less the resident state), without and with
+# expandable segments. Calibrated, not derived: the largest residual of the nine calibration runs of
+# bench/allocator_replay.py (shardtune's own steps on published model configs at full depth, traced and replayed
+# through the allocator's rules; none of them is a measurement docs/plan.md compares with), 31.9% and 13.3%,
+# rounded up. The replay's results are in docs/plan.md ("The caching allocator").
 ALLOCATOR_OVERHEAD = 0.32
 ALLOCATOR_OVERHEAD_EXPANDABLE = 0.14
 DEVICE_ROWS = (
@@ -84,8 +85,9 @@ class MemoryEstimate:
     # Of the peak's activations and logits rows, what its backward makes (a block's recomputation and backward
     # working memory, the loss's backward): FSDP2's tracker calls these temporaries.
     temporaries: int = 0
-    # The caching allocator's terms of the "allocator overhead" row: FSDP2's forward all-gather cache (reserved on
-    # its own stream) less what of it is allocated at the peak, and the fragmentation of the rest.
+    # The caching allocator's terms behind the "allocator overhead" row (_allocator_terms): FSDP2's forward
+    # all-gather cache, the other streams' largest allocated sum, its resident part, the root gradients' own
+    # segments, the fragmentation, and the reserved bytes they add up to.
     allocator_terms: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -199,7 +199,7 @@ def peak_phase(phases: dict[str, dict[str, int]]) -> str:
 def forward_gather_cache(p: StepParts) -> int:
     """Bytes the caching allocator reserves for FSDP2's forward all-gathers on their copy-in stream
     (foreach_all_gather runs under `device_handle.stream(all_gather_copy_in_stream)`; a cached block serves only
-    its own stream, and backward all-gathers run on the default stream, so this memory is idle in backward).
+    its own stream, so at a backward peak this memory holds at most the prefetched block: forward_gather_alive).
 
     Derived by running the allocator's rules (planning.allocator) on FSDP2's forward sequence: each group's
     shards stored in another dtype are cast to the compute dtype, its flat output allocated and the casts freed;

@@ -133,7 +133,9 @@ class AllocationRecorder(TorchDispatchMode):
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages under `t`: its own, or its inner tensors' for a wrapper subclass such as DTensor (whose
-    local shard is what the device holds)."""
+    local shard is what the device holds). The same walk as torch.distributed._tools.common_utils'
+    get_untyped_storages, which the tracker uses; written here because only shardtune.distributed imports
+    torch.distributed (tests/unit/test_structure.py)."""
     if not is_traceable_wrapper_subclass(t):
         return [t.untyped_storage()]
     names, _ = t.__tensor_flatten__()

@@ -101,9 +101,14 @@ TRACE_PHASES = {
 }
 
 
+def traced_estimate(p: Plan, **overrides: Any) -> MemoryEstimate:
+    """The estimate for the settings the trace ran (traced_run_kwargs), which the trace is compared with."""
+    return estimate_memory(p.shape, **{**traced_run_kwargs(p.kwargs, p.trace.device), **overrides})
+
+
 def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     """{traced peak: (traced bytes, estimated bytes)}, for rank 0 and the settings the trace ran."""
-    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    est = traced_estimate(p)
     out = {}
     for name, keys in TRACE_PHASES.items():
         estimated = est.allocated if keys is None else max(est.phase_bytes.get(k, 0) for k in keys)
@@ -127,7 +132,7 @@ def category_comparison(p: Plan) -> dict[str, tuple[int, int]]:
     """{category: (traced bytes, estimated bytes)} at the step's peak, rank 0. The traced optimizer states leave
     out AdamW's step counters (4 bytes per trainable tensor): the trace holds them on CPU, a GPU run on the host.
     Not compared: the traced buffers (the rotary inv_freq table, a few KiB), which the estimate leaves out."""
-    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, p.trace.device))
+    est = traced_estimate(p)
     got = dict(p.trace.step_by_identity)
     got["optimizer states"] -= 4 * p.trace.state["trainable_tensors"]
     out = {c: (got[c], sum(est.device.get(r, 0) for r in rows)) for c, rows in ESTIMATE_CATEGORIES.items()}
@@ -170,9 +175,9 @@ def _replay_lines(p: Plan) -> list[str]:
     t = p.trace
     if t.replay is None:
         return []
-    est = estimate_memory(p.shape, **traced_run_kwargs(p.kwargs, t.device))  # the settings the trace ran
+    est = traced_estimate(p)
     terms = est.allocator_terms
-    gather = next((n for n, name in t.streams.items() if name == "all-gather-copy-in"), None)
+    gather = t.gather_stream
     replayed = t.replay_expandable if est.settings.get("expandable_segments") else t.replay
     rows = [
         ("max_memory_allocated", replayed.allocated, est.allocated),
@@ -206,7 +211,8 @@ def _replay_json(p: Plan) -> dict[str, Any] | None:
             "max_memory_reserved": r.reserved,
             "reserved_by_stream": {t.streams.get(k, str(k)): v for k, v in r.by_stream.items()},
         }
-    out["estimate"] = {"max_memory_reserved": p.estimate.reserved, **p.estimate.allocator_terms}
+    est = traced_estimate(p)
+    out["estimate"] = {"max_memory_reserved": est.reserved, **est.allocator_terms}
     return out
 
 

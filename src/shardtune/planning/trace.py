@@ -60,6 +60,11 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def gather_stream(self) -> int | None:
+        """The replay's number of FSDP2's all-gather copy-in stream (where forward all-gathers allocate)."""
+        return next((n for n, name in self.streams.items() if name == "all-gather-copy-in"), None)
+
+    @property
     def peak_total(self) -> int:
         return self.peaks["step"]["Total"]
 
