@@ -28,7 +28,7 @@ from shardtune.planning import (
     model_state_bytes_per_rank,
 )
 from shardtune.planning.activations import layer_saved_bytes_per_token
-from shardtune.planning.estimate import SAVE_COPIES_ROW, SAVE_PHASE
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_COPIES_ROW, SAVE_PHASE
 from shardtune.planning.fit import warn_if_too_small
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.model import quant_constant_bytes, resolve_lora_targets, shard_rows
@@ -606,54 +606,86 @@ GUIDE_QLORA_OFFLOAD = Published(
 PUBLISHED.append(GUIDE_QLORA_OFFLOAD)
 
 
-def _estimate_gib(pub: Published) -> float:
+def _shape_and_settings(pub: Published) -> tuple[ModelShape, dict]:
     config = YI_34B if pub.model == "01-ai/Yi-34B" else known_config(pub.model)
     shape = ModelShape.from_config(config)
-    if pub.vocab_size:
-        shape = shape.with_vocab(pub.vocab_size)
-    return getattr(estimate_memory(shape, **pub.settings), pub.metric) / GiB
+    return (shape.with_vocab(pub.vocab_size) if pub.vocab_size else shape), pub.settings
+
+
+def _estimate_gib(pub: Published) -> float:
+    shape, settings = _shape_and_settings(pub)
+    return getattr(estimate_memory(shape, **settings), pub.metric) / GiB
 
 
 def _midpoint(measured: float | tuple[float, float]) -> float:
     return sum(measured) / 2 if isinstance(measured, tuple) else measured
 
 
-@pytest.mark.parametrize("pub", PUBLISHED, ids=lambda p: p.name)
-def test_estimate_within_15_percent_of_published(pub):
+def tolerance(pub: Published) -> float:
+    """The relative error a published row is held to: the figure's own precision where it gives one (half of a
+    published range, of its midpoint), else 15%. Not fitted (bench/plan_loo.py uses the same)."""
+    if isinstance(pub.measured_gib, tuple):
+        low, high = pub.measured_gib
+        return min(0.15, (high - low) / 2 / _midpoint(pub.measured_gib))
+    return 0.15
+
+
+# The guide's three rows peak in the epoch-end checkpoint save, which is counted with the step's fragmentation rule
+# (estimate._with_checkpoint_save): each is over its figure by more than the figure's tolerance (+8.2%, +18.7%,
+# +28.8% with ALLOCATOR_OVERHEAD = 0.32; docs/plan.md, "The checkpoint save"). Reported as misses, not fitted away:
+# strict, so a change that brings one back within its tolerance has to say so here.
+_SAVE_MISSES = {
+    "guide: 70B LoRA, 8xH100, batch 8",
+    "guide: 70B QLoRA, 2 GPUs, batch 2, no offload",
+    "guide: 70B QLoRA, 2 GPUs, batch 2, CPU offload",
+}
+
+
+def _known_miss(pub: Published):
+    reason = "the checkpoint save with the step's fragmentation is over the figure: see _SAVE_MISSES"
+    return pytest.param(pub, marks=pytest.mark.xfail(strict=True, reason=reason)) if pub.name in _SAVE_MISSES else pub
+
+
+@pytest.mark.parametrize("pub", [_known_miss(p) for p in PUBLISHED], ids=lambda p: p.name)
+def test_estimate_within_tolerance_of_published(pub):
     est, mid = _estimate_gib(pub), _midpoint(pub.measured_gib)
-    assert mid * 0.85 <= est <= mid * 1.15, f"{pub.name}: estimated {est:.2f} GiB, measured {pub.measured_gib}"
+    assert abs(est / mid - 1) <= tolerance(pub), f"{pub.name}: estimated {est:.2f} GiB, measured {pub.measured_gib}"
 
 
-def test_guide_lora_at_its_midpoint_with_an_fp32_base():
+def test_guide_lora_needs_its_fp32_base():
     """The guide's LoRA run (72-80 GB per H100) held its base in fp32: its utils.py loads the model with
     `dtype=quant_storage_dtype or torch.float32` (quoted in the guide) and sets quant_storage_dtype only with
     --use_4bit_quantization, which this run turns off; `mixed_precision: bf16` then casts to bf16 for compute only.
-    Compared with the midpoint within the figure's own precision (the guide gives 72-80: half that range, 5.3% of
-    its midpoint, is the most any comparison with it can resolve); a bf16 base would be 17% under."""
+    Its tolerance is the figure's own precision (half the published 72-80 range, 5.3% of its midpoint); a bf16
+    base would be far under it, the training step alone with the fp32 base within it."""
     pub = PUBLISHED[0]
-    assert pub.settings["base_dtype"] == "float32"
-    low, high = pub.measured_gib
+    assert pub.settings["base_dtype"] == "float32" and tolerance(pub) == pytest.approx(4 / 76)
     mid = _midpoint(pub.measured_gib)
-    assert abs(_estimate_gib(pub) - mid) <= (high - low) / 2
     bf16_base = replace(pub, settings={**pub.settings, "base_dtype": "bfloat16"})
     assert _estimate_gib(bf16_base) < 0.85 * mid
+    step_only = replace(pub, settings={**pub.settings, "sharded_checkpoint": False})
+    assert abs(_estimate_gib(step_only) / mid - 1) <= tolerance(pub)
 
 
-def test_guide_qlora_offload_within_15_percent():
-    """With offload the guide's peak is its epoch-end SHARDED_STATE_DICT checkpoint, not the training step."""
-    assert 19.6 * 0.85 <= _estimate_gib(GUIDE_QLORA_OFFLOAD) <= 19.6 * 1.15
+def test_guide_qlora_offload_peaks_in_the_save():
+    """With offload the guide's peak is its epoch-end SHARDED_STATE_DICT checkpoint, not the training step: the
+    step alone is far under the figure (13.8 GiB of 19.6)."""
+    shape, settings = _shape_and_settings(GUIDE_QLORA_OFFLOAD)
+    est = estimate_memory(shape, **settings)
+    assert est.peak_phase == SAVE_PHASE
     step_only = replace(GUIDE_QLORA_OFFLOAD, settings={**GUIDE_QLORA_OFFLOAD.settings, "sharded_checkpoint": False})
-    assert _estimate_gib(step_only) < 19.6 * 0.85  # the training step alone: 14.4 GiB
+    assert _estimate_gib(step_only) < 19.6 * 0.85
 
 
 def test_checkpoint_save_rows():
-    """The save holds the resident state, the constants, the root unsharded and a copy of every shard."""
+    """The save holds the resident state, the constants, the root unsharded and a copy of every shard; what it
+    allocates beyond the resident state fragments by the step's rule."""
     shape = ModelShape.from_config(known_config(L70)).with_vocab(32008)
     kw = {**_GUIDE, **_Q, "world_size": 2, "batch_size": 2}
     state = model_state_bytes_per_rank(shape, world_size=2, **_Q)
     for offload in (True, False):
         est = estimate_memory(shape, offload=offload, **kw)
-        assert est.peak_phase == SAVE_PHASE and est.device["allocator overhead"] == 0 and est.reserved == est.allocated
+        assert est.peak_phase == SAVE_PHASE
         assert est.device[SAVE_COPIES_ROW] == state["frozen"] + state["trainable"]
         root = (2 * shape.vocab_size + 1) * shape.hidden_size * 2  # embeddings, head, final norm in bf16
         assert est.device["FSDP all-gather buffers"] == root
@@ -663,8 +695,12 @@ def test_checkpoint_save_rows():
         )
         assert est.device["gradients"] == est.device["activations"] == 0  # zero_grad ran; the step is over
         assert est.device["quantization constants"] == state["quant_constants"]
-    lora = estimate_memory(known_config(L70), world_size=8, batch_size=8, base_dtype="float32", **_GUIDE)
-    assert lora.peak_phase != SAVE_PHASE and lora.device[SAVE_COPIES_ROW] == 0  # the step needs more
+        # the default allocator's fragmentation of what the save allocates and frees: its gathered units and copies
+        assert est.device["allocator overhead"] == int(ALLOCATOR_OVERHEAD * (root + est.device[SAVE_COPIES_ROW]))
+        assert est.reserved - est.allocated == est.device["allocator overhead"]
+    # the guide's LoRA run at batch 12: the step reserves more than the save
+    lora = estimate_memory(known_config(L70), world_size=8, batch_size=12, base_dtype="float32", **_GUIDE)
+    assert lora.peak_phase != SAVE_PHASE and lora.device[SAVE_COPIES_ROW] == 0
     assert SAVE_COPIES_ROW not in estimate_memory(shape, world_size=2, **_Q).device
 
 
