@@ -15,8 +15,10 @@ expandable segments. The script prints, per run:
   states);
 - reserved: the replayed max_memory_reserved, and with expandable_segments:True.
 
-The estimate's allocator terms (planning.estimate: FORWARD_GATHER_CACHE rule, ALLOCATOR_OVERHEAD) are set from
-this table; docs/plan.md ("Where each constant comes from") quotes the run.
+The estimate's allocator terms are checked against this table (planning.phases.forward_gather_cache, the derived
+gather cache) or set from it (planning.estimate.ALLOCATOR_OVERHEAD and ALLOCATOR_OVERHEAD_EXPANDABLE: the largest
+residuals, rounded up); docs/plan.md ("The caching allocator") quotes the run, and bench/plan_loo.py holds each
+run out of that rule in turn.
 
     python bench/allocator_replay.py            # the calibration set, ~4 min on 2 CPU cores
     python bench/allocator_replay.py --quick    # the first two runs
