@@ -1,13 +1,16 @@
 """The caching allocator replay (shardtune.planning.allocator) against the rules of torch's
 c10/cuda/CUDACachingAllocator.cpp, each case worked out by hand from those rules, and the recorder
-(shardtune.planning.recorder) against a history whose allocations, frees and streams are known."""
+(shardtune.planning.recorder) against a history whose allocations, frees and streams are known; and the
+leave-one-out procedure of the fragmentation constant over the published rows (bench/plan_loo.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from bench.plan_loo import fit, leave_one_out, relative_errors, with_constant
 from shardtune.planning.allocator import CachingAllocator, block_size, replay, segment_size
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD
+from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -127,8 +130,6 @@ def test_recorder_sees_allocations_frees_resizes_and_streams():
 def test_leave_one_out_holds_each_row_out():
     """Worked by hand: rows A and B are best at 0.5, C at 1.0. On every row 0.5 is best (mean 0.1); without A (or
     B) 1.0 is (mean 0.1 against 0.15), so A's held-out error is its error at 1.0; without C the fit stays at 0.5."""
-    from bench.plan_loo import fit, leave_one_out
-
     grid = (0.0, 0.5, 1.0)
     errors = [[0.2, 0.0, 0.2], [0.2, 0.0, -0.2], [0.6, 0.3, 0.0]]
     assert grid[fit(errors, grid)] == 0.5
@@ -143,9 +144,6 @@ def test_leave_one_out_over_the_published_rows():
     estimate), the held-out error of a row is its estimate with the constant refitted without it, and the mean
     held-out error is at least the in-sample one (each refit is the best on the other rows, the full fit the best
     on all)."""
-    from bench.plan_loo import fit, leave_one_out, relative_errors, with_constant
-    from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint
-
     grid = tuple(i / 20 for i in range(13)) + (ALLOCATOR_OVERHEAD,)  # 0 to 0.6, and the shipped constant
     errors = relative_errors(PUBLISHED, grid, with_constant)
     for pub, row in zip(PUBLISHED, errors, strict=True):
