@@ -170,19 +170,22 @@ def save_replay(shape, settings: dict) -> dict:  # settings: a MemoryEstimate's 
 
 def _saves() -> None:
     from shardtune.planning import estimate_memory
+    from shardtune.planning.estimate import SAVE_PHASE
     from tests.unit.test_plan import PUBLISHED, _shape_and_settings
 
     print("FSDP1 SHARDED_STATE_DICT save, GiB: replayed on a cold allocator (allocated, reserved, reserved beyond")
-    print("allocated) | the estimate's save (allocated, fragmentation by the step's rule) and the peak phase")
+    print("allocated) | the estimate: the save's live bytes, which it reserves (no fragmentation term), and the")
+    print("run's reserved peak with its phase")
     for pub in (p for p in PUBLISHED if p.settings.get("sharded_checkpoint")):
         shape, settings = _shape_and_settings(pub)
         e = estimate_memory(shape, **settings)
         r = save_replay(shape, e.settings)
-        save = estimate_memory(shape, **{**settings, "allocator_overhead": 0.0})  # the save's live bytes
+        save = estimate_memory(shape, **{**settings, "allocator_overhead": 0.0})  # the peak is the save: its bytes
+        assert save.peak_phase == SAVE_PHASE, pub.name
         print(
             f"{pub.name:48} {r['allocated'] / GiB:6.2f} {r['reserved'] / GiB:6.2f} "
             f"{(r['reserved'] - r['allocated']) / GiB:5.2f} | {save.allocated / GiB:6.2f} "
-            f"{e.device['allocator overhead'] / GiB:5.2f} ({e.peak_phase})"
+            f"{e.reserved / GiB:6.2f} ({e.peak_phase})"
         )
 
 

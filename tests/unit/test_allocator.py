@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 from bench.plan_loo import fit, leave_one_out, relative_errors, with_constant
+from shardtune.planning import estimate_memory
 from shardtune.planning.allocator import CachingAllocator, block_size, replay, segment_size
-from shardtune.planning.estimate import ALLOCATOR_OVERHEAD
-from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_PHASE
+from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint, _shape_and_settings
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -148,7 +149,14 @@ def test_leave_one_out_over_the_published_rows():
     errors = relative_errors(PUBLISHED, grid, with_constant)
     for pub, row in zip(PUBLISHED, errors, strict=True):
         assert row[-1] == _estimate_gib(pub) / _midpoint(pub.measured_gib) - 1
-        assert (row[0] == row[-2]) == (pub.metric == "allocated")  # only reserved figures depend on the constant
+        # only reserved figures depend on the constant, and not where the checkpoint save (no fragmentation term)
+        # is the peak at both ends of the grid (the guide's QLoRA run with offload)
+        shape, settings = _shape_and_settings(pub)
+        save_at_both = all(
+            estimate_memory(shape, **{**settings, "allocator_overhead": grid[k]}).peak_phase == SAVE_PHASE
+            for k in (0, -2)
+        )
+        assert (row[0] == row[-2]) == (pub.metric == "allocated" or save_at_both), pub.name
     loo = leave_one_out(errors, grid)
     full = fit(errors, grid)
     for i, (pub, r) in enumerate(zip(PUBLISHED, loo, strict=True)):
