@@ -15,11 +15,18 @@ expandable segments. The script prints, per run:
   states);
 - reserved: the replayed max_memory_reserved, and with expandable_segments:True.
 
-The estimate's allocator terms (planning.estimate: FORWARD_GATHER_CACHE rule, ALLOCATOR_OVERHEAD) are set from
-this table; docs/plan.md ("Where each constant comes from") quotes the run.
+The estimate's allocator terms are checked against this table (planning.phases.forward_gather_cache, the derived
+gather cache) or set from it (planning.estimate.ALLOCATOR_OVERHEAD and ALLOCATOR_OVERHEAD_EXPANDABLE: the largest
+residuals, rounded up); docs/plan.md ("The caching allocator") quotes the run, and bench/plan_loo.py holds each
+run out of that rule in turn.
 
     python bench/allocator_replay.py            # the calibration set, ~4 min on 2 CPU cores
     python bench/allocator_replay.py --quick    # the first two runs
+    python bench/allocator_replay.py --save     # the guide's checkpoint saves on a cold allocator (seconds)
+
+`--save` replays, instead, the FSDP1 SHARDED_STATE_DICT save that the guide's three published runs end with
+(planning.estimate._sharded_save) on an allocator that holds nothing but the resident state: what the save's own
+sequence fragments, without the training step's cached blocks that a real save runs through (not modelled).
 
 Fake tensors allocate nothing, so the figures do not depend on the CPU; the traced dtype is the runs' (bf16).
 """
@@ -118,14 +125,82 @@ def one(model: str, flags: str) -> dict:
     return out
 
 
+def save_replay(shape, settings: dict) -> dict:  # settings: a MemoryEstimate's (every argument of the estimate)
+    """FSDP1's SHARDED_STATE_DICT `model.state_dict()` through the caching allocator's rules: the resident state
+    allocated first, tensor by tensor (each shard, its two AdamW states when it trains, the quantization constants
+    as one block); then the root unit unsharded (its pre-hook runs first), each block unsharded, its parameters'
+    chunks cloned and the block resharded, and last the root's chunks cloned and the root resharded."""
+    from shardtune.planning.allocator import CachingAllocator
+    from shardtune.planning.model import sharded_bytes
+    from shardtune.planning.state import TENSOR_FLAGS, quant_constants, run_tensors, shard_group_size
+
+    s = settings
+    tensors = run_tensors(shape, **{k: s[k] for k in TENSOR_FLAGS})
+    shard = shard_group_size(s["world_size"], s["num_nodes"], s["sharding_strategy"].upper())
+    a, keys = CachingAllocator(), iter(range(1 << 62))
+
+    def malloc(n: int) -> int:
+        key = next(keys)
+        a.malloc(key, n)
+        return key
+
+    def unit(group: str) -> list:
+        return [t for t in tensors if t.group == group]
+
+    if not s["offload"]:
+        for group, copies in (("block", shape.num_layers), ("root", 1)):
+            for _ in range(copies):
+                for t in unit(group):
+                    for _ in range(3 if t.trainable else 1):
+                        malloc(sharded_bytes(t, shard))
+    malloc(quant_constants(shape, s["use_4bit"], s["use_8bit"], s["nested_quant"]))
+    resident = a.allocated
+    root = malloc(sum(t.numel * t.itemsize for t in unit("root")))
+    for _ in range(shape.num_layers):
+        gathered = malloc(sum(t.numel * t.itemsize for t in unit("block")))
+        for t in unit("block"):
+            malloc(sharded_bytes(t, shard))
+        a.free(gathered)
+    for t in unit("root"):
+        malloc(sharded_bytes(t, shard))
+    a.free(root)
+    r = a.result()
+    return {"resident": resident, "allocated": r.allocated, "reserved": r.reserved}
+
+
+def _saves() -> None:
+    from shardtune.planning import estimate_memory
+    from shardtune.planning.estimate import SAVE_PHASE
+    from tests.unit.test_plan import PUBLISHED, _shape_and_settings
+
+    print("FSDP1 SHARDED_STATE_DICT save, GiB: replayed on a cold allocator (allocated, reserved, reserved beyond")
+    print("allocated) | the estimate: the save's live bytes, which it reserves (no fragmentation term), and the")
+    print("run's reserved peak with its phase")
+    for pub in (p for p in PUBLISHED if p.settings.get("sharded_checkpoint")):
+        shape, settings = _shape_and_settings(pub)
+        e = estimate_memory(shape, **settings)
+        r = save_replay(shape, e.settings)
+        save = estimate_memory(shape, **{**settings, "allocator_overhead": 0.0})  # the peak is the save: its bytes
+        assert save.peak_phase == SAVE_PHASE, pub.name
+        print(
+            f"{pub.name:48} {r['allocated'] / GiB:6.2f} {r['reserved'] / GiB:6.2f} "
+            f"{(r['reserved'] - r['allocated']) / GiB:5.2f} | {save.allocated / GiB:6.2f} "
+            f"{e.reserved / GiB:6.2f} ({e.peak_phase})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--save", action="store_true", help="replay the guide's checkpoint saves instead")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="bench/results/allocator_replay.json")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(*args.one)))
+        return
+    if args.save:
+        _saves()
         return
     runs = dict(list(RUNS.items())[:2]) if args.quick else RUNS
     results = {}

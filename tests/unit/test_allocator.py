@@ -1,12 +1,17 @@
 """The caching allocator replay (shardtune.planning.allocator) against the rules of torch's
 c10/cuda/CUDACachingAllocator.cpp, each case worked out by hand from those rules, and the recorder
-(shardtune.planning.recorder) against a history whose allocations, frees and streams are known."""
+(shardtune.planning.recorder) against a history whose allocations, frees and streams are known; and the
+leave-one-out procedure of the fragmentation constant over the published rows (bench/plan_loo.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from bench.plan_loo import fit, leave_one_out, relative_errors, with_constant
+from shardtune.planning import estimate_memory
 from shardtune.planning.allocator import CachingAllocator, block_size, replay, segment_size
+from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_PHASE
+from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint, _shape_and_settings
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -118,3 +123,43 @@ def test_recorder_sees_allocations_frees_resizes_and_streams():
     assert kinds == [(4000, 0), (4000, 0), (0, -1), (512, 1), (0, -1), (64, 0), (0, -1)]
     keys = [k for k, _, _ in rec.events]
     assert keys[1] == keys[2] and keys[3] == keys[4] == keys[5] and keys[6] == keys[0]
+
+
+# --- the fragmentation constant's leave-one-out error over the published rows (bench/plan_loo.py) ---------------
+
+
+def test_leave_one_out_holds_each_row_out():
+    """Worked by hand: rows A and B are best at 0.5, C at 1.0. On every row 0.5 is best (mean 0.1); without A (or
+    B) 1.0 is (mean 0.1 against 0.15), so A's held-out error is its error at 1.0; without C the fit stays at 0.5."""
+    grid = (0.0, 0.5, 1.0)
+    errors = [[0.2, 0.0, 0.2], [0.2, 0.0, -0.2], [0.6, 0.3, 0.0]]
+    assert grid[fit(errors, grid)] == 0.5
+    loo = leave_one_out(errors, grid)
+    assert [r["fit_without"] for r in loo] == [1.0, 1.0, 0.5]
+    assert [r["held_out_error"] for r in loo] == [0.2, -0.2, 0.3]
+    assert [r["in_sample_error"] for r in loo] == [0.0, 0.0, 0.3]
+
+
+def test_leave_one_out_over_the_published_rows():
+    """On the published rows: the errors are the estimates' with each constant (at the shipped one, the tests'
+    estimate), the held-out error of a row is its estimate with the constant refitted without it, and the mean
+    held-out error is at least the in-sample one (each refit is the best on the other rows, the full fit the best
+    on all)."""
+    grid = tuple(i / 20 for i in range(13)) + (ALLOCATOR_OVERHEAD,)  # 0 to 0.6, and the shipped constant
+    errors = relative_errors(PUBLISHED, grid, with_constant)
+    for pub, row in zip(PUBLISHED, errors, strict=True):
+        assert row[-1] == _estimate_gib(pub) / _midpoint(pub.measured_gib) - 1
+        # only reserved figures depend on the constant, and not where the checkpoint save (no fragmentation term)
+        # is the peak at both ends of the grid (the guide's QLoRA run with offload)
+        shape, settings = _shape_and_settings(pub)
+        save_at_both = all(
+            estimate_memory(shape, **{**settings, "allocator_overhead": grid[k]}).peak_phase == SAVE_PHASE
+            for k in (0, -2)
+        )
+        assert (row[0] == row[-2]) == (pub.metric == "allocated" or save_at_both), pub.name
+    loo = leave_one_out(errors, grid)
+    full = fit(errors, grid)
+    for i, (pub, r) in enumerate(zip(PUBLISHED, loo, strict=True)):
+        assert r["in_sample_error"] == errors[i][full]
+        assert r["held_out_error"] == with_constant(pub, r["fit_without"]) / _midpoint(pub.measured_gib) - 1
+    assert sum(abs(r["held_out_error"]) for r in loo) >= sum(abs(r["in_sample_error"]) for r in loo)
