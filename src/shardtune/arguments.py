@@ -91,6 +91,11 @@ class DataArguments:
     append_concat_token: bool = _f(False, "Append EOS after each document before packing.")
     add_special_tokens: bool = _f(False, "Let the tokenizer add its special tokens (BOS) to each document.")
     assistant_only_loss: bool = _f(False, "Compute the loss on assistant turns only.")
+    completion_only_loss: bool | None = _f(
+        None,
+        "Rows with `prompt` and `completion` columns (TRL's prompt-completion format): compute the loss on the "
+        "completion only. Unset: on for such rows, as TRL's SFTTrainer; False: on every token.",
+    )
     drop_long_samples: bool = _f(False, "Drop documents longer than max_length instead of truncating them.")
     dataset_cache_dir: str | None = _f(
         None, "Where tokenized data is cached (default: <output_dir>/../.shardtune_cache)."
