@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shardtune import cuda_allocator, hooks, modeling
+from shardtune.arguments import interval_steps
 from shardtune.config import ConfigError, RunConfig, load_run_config
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
@@ -271,12 +272,12 @@ def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int
         steps_per_epoch=steps_per_epoch,
         seed=t.seed,
         pad_id=pad_id,
-        logging_steps=max(1, int(t.logging_steps)),
+        logging_steps=interval_steps(t.logging_steps, total),
         logging_strategy=t.logging_strategy,
         eval_strategy=t.eval_strategy,
-        eval_steps=int(t.eval_steps or t.logging_steps),
+        eval_steps=interval_steps(t.eval_steps or t.logging_steps, total),
         save_strategy=t.save_strategy,
-        save_steps=max(1, int(t.save_steps)),
+        save_steps=interval_steps(t.save_steps, total),
         max_nonfinite_steps=t.max_nonfinite_steps,
     )
 
