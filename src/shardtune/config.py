@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 from shardtune import dtypes
 from shardtune.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.errors import ConfigError
-from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env
+from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env, parallelism_plan
 from shardtune.log import print0, warn0
 from shardtune.validation import validate
 
@@ -338,7 +338,13 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     """Flags + environment → validated RunConfig (raises ConfigError listing every problem)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     model, data, train = parse_args(argv)
-    fsdp = fsdp_settings_from_env(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    fsdp = fsdp_settings_from_env(env)
+    # accelerate's parallelism_config (PARALLELISM_CONFIG_*, from any launcher): the strategy its sizes mean, or why not.
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    fsdp.sharding_strategy, problems = parallelism_plan(fsdp, world, local)
+    if problems:
+        raise ConfigError([f"the accelerate config's {p}" for p in problems])
     cfg = RunConfig(model, data, train, fsdp, explicit=explicit_flags(argv))
     validate(cfg)
     print0(precision_line(cfg))
