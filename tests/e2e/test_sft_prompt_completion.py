@@ -169,6 +169,16 @@ def test_tool_call_turns_without_generation_markers(assets):
         assert list(mine.labels[i]) == [ids[t + 1] if mask[t + 1] else -100 for t in range(len(ids) - 1)] + [-100]
 
 
+@pytest.mark.parametrize("data", ["plain", "chat"])
+def test_streamed_rows_equal_the_cached_rows(assets, data):
+    tok = _tokenizer(assets)
+    cached = _ours(tok, assets[data])
+    _, rows, _ = next(_ours(tok, assets[data], streaming=True).windows(epoch=0, seed=0))
+    mine = sorted((tuple(rows["input_ids"].array(k)), tuple(rows["labels"].array(k))) for k in range(len(cached)))
+    want = sorted((tuple(cached.input_ids[k]), tuple(cached.labels[k])) for k in range(len(cached)))
+    assert len(rows["input_ids"]) == len(cached) and mine == want
+
+
 def test_a_prompt_filling_max_length_is_dropped():
     """As TRL drops the examples that truncation leaves without a target."""
     kept_doc = Document(np.arange(6, dtype=np.int32), np.array([0, 0, 1, 1, 1, 1], dtype=bool))
@@ -185,9 +195,37 @@ def test_a_prompt_filling_max_length_is_dropped():
          "split 'train', row 0, `completion`, message 0 (assistant) has no content and its `tool_calls` is not a non-empty list"),
         (PLAIN, {"assistant_only_loss": True}, "split 'train', row 0: --assistant_only_loss needs conversations"),
         ([{"text": "plain"}], {"completion_only_loss": True}, "--completion_only_loss needs prompt/completion rows"),
+        ([{**PLAIN[0], "label": True}], {}, "split 'train' has prompt, completion and label columns, KTO's"),
     ],
 )  # fmt: skip
 def test_malformed_rows_name_the_row_and_the_fix(assets, tmp_path, rows, flags, want):
     with pytest.raises(ValueError) as e:
         _ours(_tokenizer(assets), _write(tmp_path, rows), **flags)
     assert str(e.value).startswith(want), str(e.value)
+
+
+def test_cli_trains_on_prompt_completion_rows(assets, tmp_path, capsys, monkeypatch):
+    """One short run through the CLI: conversational prompt/completion rows with a tool call, checkpoints at a ratio
+    of the steps (--save_steps 0.5 of 4: steps 2 and 4), the precision in one line."""
+    from shardtune import cli
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)  # a run in this process sets them; undone after the test
+    model = tmp_path / "model"  # the fixture's model with the tool template as its own
+    tok = _tokenizer(assets, PLAIN_TEMPLATE)
+    tok.save_pretrained(str(model))
+    for f in assets["model"].iterdir():
+        if not (model / f.name).exists():
+            (model / f.name).symlink_to(f)
+    argv = ["train", "--model_name_or_path", model, "--dataset_name", assets["chat"], "--splits", "train",
+            "--chat_template_format", "auto", "--max_length", 128, "--max_steps", 4, "--save_steps", 0.5,
+            "--per_device_train_batch_size", 1, "--logging_steps", 1, "--use_peft_lora", True,
+            "--lora_target_modules", "q_proj", "v_proj", "--output_dir", tmp_path / "out"]  # fmt: skip
+    assert cli.main([str(a) for a in argv]) == 0
+    err = capsys.readouterr().err
+    assert [x for x in err.splitlines() if x.startswith("precision:")] == [
+        "precision: compute float32, storage float32 (neither --bf16 nor --fp16)"
+    ]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]

@@ -180,6 +180,12 @@ def _text_column(tokenizer, columns: list[str], split: str, opts: dict) -> str:
     rows are chats rendered with a template, else the --dataset_text_field column."""
     field, fmt = opts["dataset_text_field"], opts["chat_template_format"]
     if "prompt" in columns and "completion" in columns:
+        if "label" in columns:
+            raise ValueError(
+                f"split {split!r} has prompt, completion and label columns, KTO's unpaired format (the label says "
+                "whether a completion is desirable): train it with --objective kto, or remove the label column to "
+                "fine-tune on every completion."
+            )
         return PROMPT_COMPLETION
     if opts.get("completion_only_loss"):
         raise ValueError(
