@@ -22,7 +22,7 @@ from shardtune import dtypes
 from shardtune.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.errors import ConfigError
 from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env, parallelism_plan
-from shardtune.log import print0, warn0
+from shardtune.log import warn0
 from shardtune.validation import validate
 
 __all__ = [
@@ -220,8 +220,9 @@ def _given(argv: list[str]) -> list[tuple[str, str, str]]:
 
 
 def _repeated(given: list[tuple[str, str, Any]], where: str = "the command line") -> tuple[list[str], list[str]]:
-    """A setting given twice (under two aliases, or the same flag twice): different values are an error (argparse
-    would keep the last silently), the same value a note."""
+    """A setting given twice under two spellings (aliases): different values are an error (argparse would keep the
+    last silently), the same value a note. One flag repeated keeps argparse's rule, the last wins (a command line
+    that appends an override), said in a note."""
     by_name: dict[str, list[tuple[str, Any]]] = {}
     for canonical, spelling, value in given:
         by_name.setdefault(canonical, []).append((spelling, value))
@@ -230,7 +231,11 @@ def _repeated(given: list[tuple[str, str, Any]], where: str = "the command line"
         if len(seen) < 2:
             continue
         said = " and ".join(f"--{s} {v}" for s, v in seen)
-        if len({str(v).strip().lower() for _, v in seen}) > 1:
+        values = {str(v).strip().lower() for _, v in seen}
+        if len({s for s, _ in seen}) == 1:
+            if len(values) > 1:
+                notes.append(f"{where}: --{seen[0][0]} is given {len(seen)} times; the last, {seen[-1][1]}, is used.")
+        elif len(values) > 1:
             problems.append(f"{where}: {said} both set --{canonical}, to different values; give it once.")
         else:
             notes.append(f"{where}: {said} both set --{canonical} (the same value); give it once.")
@@ -323,7 +328,8 @@ def _checkpointing_kwargs_problems(value: str, model: ModelArguments, explicit: 
 
 
 def precision_line(cfg: RunConfig) -> str:
-    """The one line every run logs: the dtypes it computes and stores weights in, and who asked for them."""
+    """The one line every `train` run logs (shardtune.train): the dtypes it computes and stores weights in, and who
+    asked for them."""
     pr, m = cfg.precision, cfg.model
     line = f"precision: compute {dtypes.name_of(pr.compute)}, storage {dtypes.name_of(pr.storage)} ({pr.flags}"
     if cfg.fsdp.enabled and pr.flags.startswith("--") and cfg.fsdp.mixed_precision == "no":
@@ -347,5 +353,4 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
         raise ConfigError([f"the accelerate config's {p}" for p in problems])
     cfg = RunConfig(model, data, train, fsdp, explicit=explicit_flags(argv))
     validate(cfg)
-    print0(precision_line(cfg))
     return cfg

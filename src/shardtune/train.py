@@ -16,7 +16,7 @@ import torch
 
 from shardtune import cuda_allocator, hooks, modeling
 from shardtune.arguments import interval_steps
-from shardtune.config import ConfigError, RunConfig, load_run_config
+from shardtune.config import ConfigError, RunConfig, load_run_config, precision_line
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
 from shardtune.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
+    print0(precision_line(cfg))
     from shardtune.preflight import model_input_problems
 
     problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
