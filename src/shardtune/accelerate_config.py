@@ -17,6 +17,7 @@ from shardtune.fsdp_settings import (
     as_bool,
     mixed_precision_value,
     parallelism_from_env,
+    parallelism_plan,
     reshard_setting,
     strategy_name,
 )
@@ -323,4 +324,9 @@ def fsdp_settings_from_yaml(path: str | os.PathLike) -> FSDPSettings:
     s.transformer_cls_to_wrap = v["fsdp_transformer_layer_cls_to_wrap"] or None
     s.mixed_precision = mixed_precision_value(cfg.get("mixed_precision"))
     s.parallelism = parallelism_from_env(_parallelism_env(cfg))
+    if s.parallelism:  # the strategy its sizes map to on the file's processes, as `shardtune train` maps it
+        world = int(cfg.get("num_processes") or 1)
+        s.sharding_strategy, problems = parallelism_plan(s, world, world // max(int(cfg.get("num_machines") or 1), 1))
+        if problems:
+            raise ConfigError([f"{path}: {p}" for p in problems])
     return s

@@ -117,6 +117,17 @@ def test_a_consistent_layout_launches_under_shardtune_launch(tmp_path, capsys):
     assert load_run_config(TRAIN, env=_train_env(env)).fsdp.sharding_strategy == "HYBRID_SHARD"
 
 
+def test_plan_reads_the_mapped_strategy(tmp_path):
+    """`shardtune plan --config_file` estimates the layout the run will have."""
+    from shardtune.accelerate_config import fsdp_settings_from_yaml
+
+    assert fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})).sharding_strategy == (
+        "HYBRID_SHARD"
+    )
+    with pytest.raises(ConfigError, match="context parallelism is not implemented"):
+        fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2}))
+
+
 def test_yaml_mistakes_name_the_key(tmp_path):
     path = _yaml(tmp_path, {"dp_shard_size": 4}, version=1)
     cfg = yaml.safe_load(path.read_text())
