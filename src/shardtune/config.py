@@ -205,6 +205,21 @@ def join_list_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _bare_optional_bools(argv: list[str], classes: tuple) -> list[str]:
+    """`--completion_only_loss` alone → `--completion_only_loss True`: argparse gives a plain boolean flag a value of
+    its own, but wants one after a `bool | None` flag (unset means "decide from the data")."""
+    aliases, types = _aliases(), _field_types(classes)
+    optional = {n for n, t in types.items() if t == {"bool", "None"}}
+    out = []
+    for i, tok in enumerate(argv):
+        out.append(tok)
+        name = tok[2:] if tok.startswith("--") else ""
+        nxt = argv[i + 1] if i + 1 < len(argv) else "--"
+        if aliases.get(name, name) in optional and nxt.startswith("--"):
+            out.append("True")
+    return out
+
+
 def _given(argv: list[str]) -> list[tuple[str, str, str]]:
     """(canonical name, spelling, value) of every flag of argv; a flag without a value is a boolean's True."""
     aliases, out = _aliases(), []
@@ -260,7 +275,7 @@ def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "sh
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         parsed = _parse_file(parser, argv[0], extra)
     else:
-        argv = join_list_values(join_negative_values(argv))
+        argv = _bare_optional_bools(join_list_values(join_negative_values(argv)), (*ARG_CLASSES, *extra))
         problems, notes = _repeated(_given(argv))
         if problems:
             raise ConfigError(problems)

@@ -154,6 +154,13 @@ def test_list_flags_take_several_words(argv, field, want):
     assert getattr(model if hasattr(model, field) else train, field) == want
 
 
+def test_an_optional_boolean_alone_is_true():
+    _, data, train = parse_args([*BASE, "--completion_only_loss", "--hub_private_repo"])
+    assert (data.completion_only_loss, train.hub_private_repo) == (True, True)
+    assert parse_args([*BASE, "--completion_only_loss", "False"])[1].completion_only_loss is False
+    assert parse_args(BASE)[1].completion_only_loss is None
+
+
 # ------------------------------------------------------------------------------------- precision
 
 
