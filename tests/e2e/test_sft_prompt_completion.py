@@ -63,8 +63,9 @@ def assets(tmp_path_factory) -> dict:
     tok.eos_token = "<|im_end|>"
     tok.save_pretrained(str(root / "model"))
     build_family_model("qwen3", root / "model", len(tok))
+    messages = [{"messages": r["prompt"] + r["completion"], "tools": r["tools"]} for r in CHAT]
     return {"root": root, "model": root / "model", "plain": _write(root / "plain", PLAIN),
-            "chat": _write(root / "chat", CHAT)}  # fmt: skip
+            "chat": _write(root / "chat", CHAT), "messages": _write(root / "messages", messages)}  # fmt: skip
 
 
 def _tokenizer(assets, template: str = MARKED_TEMPLATE):
@@ -100,6 +101,9 @@ CASES = [  # (data, shardtune's flags, TRL's SFTConfig)
     ("chat", {}, {}),
     ("chat", {"completion_only_loss": False}, {"completion_only_loss": False}),
     ("chat", {"assistant_only_loss": True}, {"assistant_only_loss": True}),
+    # The same conversations as `messages` rows (TRL's conversational language modeling), tool calls included.
+    ("messages", {"add_special_tokens": False}, {}),
+    ("messages", {"add_special_tokens": False, "assistant_only_loss": True}, {"assistant_only_loss": True}),
 ]
 
 
@@ -111,10 +115,11 @@ def test_tokens_and_labels_equal_trl(assets, data, ours, theirs):
     trl_rows = _trl(assets, tok, assets[data], **theirs)
     assert len(trl_rows) == len(mine) == len(PLAIN if data == "plain" else CHAT)
     for i, row in enumerate(trl_rows):
+        labels = row.get("labels", row["input_ids"])  # without a mask TRL trains on every token
         assert list(mine.input_ids[i]) == row["input_ids"], i
-        assert list(mine.labels[i]) == list(row["labels"][1:]) + [-100], i
-        on_prompt = row["labels"][0] != -100
-        assert on_prompt == (ours.get("completion_only_loss") is False), i  # the prompt's first token
+        assert list(mine.labels[i]) == list(labels[1:]) + [-100], i
+        if data != "messages":  # the prompt's first token is a target only with --completion_only_loss False
+            assert (labels[0] != -100) == (ours.get("completion_only_loss") is False), i
 
 
 @pytest.mark.parametrize("data", ["plain", "chat"])
@@ -160,7 +165,7 @@ def test_tool_call_turns_without_generation_markers(assets):
     from the rendering alone and the labels equal transformers' assistant mask of the marked template."""
     plain, marked = _tokenizer(assets, PLAIN_TEMPLATE), _tokenizer(assets, MARKED_TEMPLATE)
     rows = [{"messages": r["prompt"] + r["completion"], "tools": r["tools"]} for r in CHAT]
-    mine = _ours(plain, _write(assets["root"] / "messages", rows), assistant_only_loss=True, add_special_tokens=False)
+    mine = _ours(plain, assets["messages"], assistant_only_loss=True, add_special_tokens=False)
     for i, r in enumerate(rows):
         ref = marked.apply_chat_template(r["messages"], tools=json.loads(r["tools"]) or None, tokenize=True,
                                          return_dict=True, return_assistant_tokens_mask=True)  # fmt: skip
