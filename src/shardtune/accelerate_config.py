@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import ConfigError
-from shardtune.fsdp_settings import FSDPSettings, as_bool, mixed_precision_value, reshard_setting, strategy_name
+from shardtune.fsdp_settings import (
+    FSDPSettings,
+    as_bool,
+    mixed_precision_value,
+    parallelism_from_env,
+    parallelism_plan,
+    reshard_setting,
+    strategy_name,
+)
 from shardtune.parallel import STRATEGIES
 from shardtune.precision import MIXED_PRECISION
 
@@ -99,6 +107,20 @@ _FSDP_ENV: tuple[tuple[str, str, bool], ...] = (
     ("fsdp_activation_checkpointing_offload", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", True),
     ("fsdp_ignored_modules", "FSDP_IGNORED_MODULES", False),
 )
+# `accelerate launch`'s parallelism_config_* flags and their defaults (accelerate/commands/launch.py).
+PARALLELISM_LAUNCH_DEFAULTS: dict[str, Any] = {
+    "parallelism_config_dp_replicate_size": 1,
+    "parallelism_config_dp_shard_size": 1,
+    "parallelism_config_tp_size": 1,
+    "parallelism_config_cp_size": 1,
+    "parallelism_config_cp_backend": "torch",
+    "parallelism_config_cp_comm_strategy": "allgather",
+    "parallelism_config_sp_size": 1,
+    "parallelism_config_sp_backend": "deepspeed",
+    "parallelism_config_sp_seq_length": None,
+    "parallelism_config_sp_seq_length_is_variable": True,
+    "parallelism_config_sp_attn_implementation": "sdpa",
+}
 _DYNAMO_DEFAULTS = {
     "dynamo_backend": "no",
     "dynamo_mode": "default",
@@ -151,6 +173,46 @@ def _fsdp_problems(fsdp: Mapping[str, Any], path: str) -> list[str]:
     return p
 
 
+def _parallelism_problems(cfg: Mapping[str, Any], path: str) -> list[str]:
+    """parallelism_config's keys (accelerate's, with their parallelism_config_ prefix, which accelerate does not add)
+    and accelerate's own rule that it needs fsdp_version 2; the sizes are checked against the processes by
+    fsdp_settings.parallelism_plan, where every launcher's run reads them."""
+    pc = cfg.get("parallelism_config")
+    if not pc:
+        return []
+    if not isinstance(pc, Mapping):
+        return [f"{path}: parallelism_config must be a mapping of parallelism_config_* keys to values"]
+    p = _unknown([k for k in pc if k not in PARALLELISM_LAUNCH_DEFAULTS], list(PARALLELISM_LAUNCH_DEFAULTS),
+                 f"{path}: parallelism_config")  # fmt: skip
+    for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        v = pc.get(f"parallelism_config_{k}", 1)
+        if isinstance(v, bool) or not str(v).strip().isdigit():
+            p.append(f"{path}: parallelism_config.parallelism_config_{k} {v!r} is not a whole number; give a size")
+    version = str(_normalize_fsdp(cfg.get("fsdp_config") or {}).get("fsdp_version", "1"))
+    if version != "2":
+        p.append(
+            f"{path}: parallelism_config needs fsdp_config.fsdp_version: 2 (accelerate refuses it with FSDP1); set "
+            "fsdp_version: 2, or remove parallelism_config and set fsdp_sharding_strategy"
+        )
+    return p
+
+
+def _parallelism_env(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """The PARALLELISM_CONFIG_* variables `accelerate launch` sets for a parallelism_config
+    (prepare_extend_env_parallelism_config): every size with its default, the backends, and the cp/sp extras."""
+    pc = cfg.get("parallelism_config") or {}
+    if not pc:
+        return {}
+    v = {**PARALLELISM_LAUNCH_DEFAULTS, **pc}
+    names = ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend"]
+    if int(v["parallelism_config_cp_size"]) > 1:
+        names.append("cp_comm_strategy")
+    if int(v["parallelism_config_sp_size"]) > 1:
+        names += ["sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation"]
+    env = {f"PARALLELISM_CONFIG_{n.upper()}": str(v[f"parallelism_config_{n}"]) for n in names}
+    return {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", **env}
+
+
 def _yaml_problems(cfg: Mapping[str, Any], path: str) -> list[str]:
     p = _unknown([k for k in cfg if k not in _TOP_KEYS], sorted(_TOP_KEYS), path)
     env = cfg.get("compute_environment", "LOCAL_MACHINE")
@@ -165,11 +227,7 @@ def _yaml_problems(cfg: Mapping[str, Any], path: str) -> list[str]:
     mp = mixed_precision_value(cfg.get("mixed_precision"))
     if mp not in MIXED_PRECISION:
         p.append(f"{path}: mixed_precision {mp!r} is not supported; use 'no', fp16 or bf16")
-    if cfg.get("parallelism_config"):
-        p.append(
-            f"{path}: parallelism_config is not supported; remove it and set fsdp_config.fsdp_sharding_strategy"
-            " (HYBRID_SHARD shards within a machine and replicates across machines)"
-        )
+    p += _parallelism_problems(cfg, path)
     fsdp = cfg.get("fsdp_config") or {}
     if not isinstance(fsdp, Mapping):
         return p + [f"{path}: fsdp_config must be a mapping of fsdp_* keys to values"]
@@ -237,7 +295,7 @@ def accelerate_env(cfg: Mapping[str, Any]) -> dict[str, str]:
     for key, var, lower in _FSDP_ENV:
         if values[key] is not None:
             env[var] = str(values[key]).lower() if lower else str(values[key])
-    return env
+    return {**env, **_parallelism_env(cfg)}
 
 
 def fsdp_settings_from_yaml(path: str | os.PathLike) -> FSDPSettings:
@@ -265,4 +323,10 @@ def fsdp_settings_from_yaml(path: str | os.PathLike) -> FSDPSettings:
             setattr(s, field_, str(v[key]).upper())
     s.transformer_cls_to_wrap = v["fsdp_transformer_layer_cls_to_wrap"] or None
     s.mixed_precision = mixed_precision_value(cfg.get("mixed_precision"))
+    s.parallelism = parallelism_from_env(_parallelism_env(cfg))
+    if s.parallelism:  # the strategy its sizes map to on the file's processes, as `shardtune train` maps it
+        world = int(cfg.get("num_processes") or 1)
+        s.sharding_strategy, problems = parallelism_plan(s, world, world // max(int(cfg.get("num_machines") or 1), 1))
+        if problems:
+            raise ConfigError([f"{path}: {p}" for p in problems])
     return s

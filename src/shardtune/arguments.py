@@ -6,6 +6,7 @@ precision. Parsing is shardtune.config, checking shardtune.validation.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,8 @@ class ModelArguments:
     lora_dropout: float = _f(0.1, "Dropout on the LoRA input.")
     lora_target_modules: str = _f(
         "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj",
-        "Comma-separated module names to adapt, or all-linear for every linear layer but the output head.",
+        "Module names to adapt (commas or spaces), one regular expression (full-matched against module paths, as "
+        "PEFT), or all-linear for every linear layer but the output head.",
     )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
     dora_dropout: str = _f(
@@ -73,6 +75,12 @@ class ModelArguments:
     )
     use_4bit_quantization: bool = _f(False, "Load the frozen base in 4-bit (bitsandbytes, QLoRA).")
     use_reentrant: bool = _f(False, "Reentrant activation checkpointing.")
+    torch_dtype: str | None = _f(
+        None,
+        "TRL's and transformers' spelling of the training precision: bfloat16 (= --bf16 True), float16 "
+        "(= --fp16 True) or float32 (neither).",
+        aliases=["--dtype"],
+    )
     use_unsloth: bool = _f(False, "Accepted for compatibility with the reference script; not supported.")
     trust_remote_code: bool = _f(False, "Run model code from the hub repository (off by default).")
 
@@ -91,6 +99,11 @@ class DataArguments:
     append_concat_token: bool = _f(False, "Append EOS after each document before packing.")
     add_special_tokens: bool = _f(False, "Let the tokenizer add its special tokens (BOS) to each document.")
     assistant_only_loss: bool = _f(False, "Compute the loss on assistant turns only.")
+    completion_only_loss: bool | None = _f(
+        None,
+        "Rows with `prompt` and `completion` columns (TRL's prompt-completion format): compute the loss on the "
+        "completion only. Unset: on for such rows, as TRL's SFTTrainer; False: on every token.",
+    )
     drop_long_samples: bool = _f(False, "Drop documents longer than max_length instead of truncating them.")
     dataset_cache_dir: str | None = _f(
         None, "Where tokenized data is cached (default: <output_dir>/../.shardtune_cache)."
@@ -141,21 +154,28 @@ class TrainArguments:
     bf16: bool = _f(False, "bf16 weights and compute (the frozen base is held in bf16).")
     fp16: bool = _f(False, "fp16 compute.")
     gradient_checkpointing: bool = _f(False, "Recompute each decoder block's activations in backward.")
+    gradient_checkpointing_kwargs: str | None = _f(
+        None, "As transformers: JSON such as '{\"use_reentrant\": false}' (its one key sets --use_reentrant)."
+    )
     checkpoint_every_n_layers: int = _f(
         1,
         "With --gradient_checkpointing (or fsdp_activation_checkpointing): recompute only every N-th decoder "
         "block; the others keep their activations. Faster, and the memory grows with the blocks not recomputed.",
     )
     torch_compile: bool = _f(False, "Compile each decoder block with torch.compile.")
-    logging_steps: float = _f(10, "Log every N optimizer steps.")
+    logging_steps: float = _f(
+        10, "Log every N optimizer steps; below 1, a ratio of the total steps (ceil(ratio × steps), as transformers)."
+    )
     logging_strategy: str = _f("steps", "steps, epoch or no.", choices=["steps", "epoch", "no"])
     log_level: str = _f("passive", "debug, info, warning, error, critical or passive (= info).")
     eval_strategy: str = _f(
         "no", "no, steps or epoch.", aliases=["--evaluation_strategy"], choices=["no", "steps", "epoch"]
     )
-    eval_steps: float | None = _f(None, "Evaluate every N steps (default: --logging_steps).")
+    eval_steps: float | None = _f(
+        None, "Evaluate every N steps, or below 1 a ratio of the total steps (default: --logging_steps)."
+    )
     save_strategy: str = _f("steps", "no, steps or epoch.", choices=["no", "steps", "epoch"])
-    save_steps: float = _f(500, "Save a checkpoint every N steps.")
+    save_steps: float = _f(500, "Save a checkpoint every N steps, or below 1 a ratio of the total steps.")
     save_total_limit: int | None = _f(None, "Keep at most N checkpoints.")
     resume_from_checkpoint: str | None = _f(None, "A checkpoint folder, or `latest`.")
     push_to_hub: bool = _f(False, "Upload the result to the Hugging Face Hub.")
@@ -169,7 +189,8 @@ class TrainArguments:
     hub_token: str | None = _f(None, "Hub token (default: the logged-in token).")
     report_to: str = _f(
         "none",
-        "Experiment trackers, as transformers: none, all (every installed one), or a comma list of tensorboard, "
+        "Experiment trackers, as transformers: none, all (every installed one), or a list (commas or spaces) of "
+        "tensorboard, "
         "wandb, mlflow. W&B and MLflow read their usual environment (WANDB_PROJECT, WANDB_MODE, "
         "MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, ...); see docs/monitoring.md.",
     )
@@ -235,6 +256,18 @@ class RunConfig:
         return resolve_precision(
             bf16=t.bf16, fp16=t.fp16, mixed_precision=self.fsdp.mixed_precision, peft=self.model.use_peft_lora
         )
+
+
+# Flags that are a number of steps, or below 1 a ratio of the total steps (transformers' TrainingArguments).
+STEP_INTERVALS = ("logging_steps", "eval_steps", "save_steps")
+
+
+def interval_steps(value: float, total_steps: int) -> int:
+    """A --logging_steps/--eval_steps/--save_steps value as steps: below 1, ceil(ratio × total steps) (at least 1),
+    as transformers' Trainer; otherwise the whole number it is (validation refuses 2.5)."""
+    if value < 1:
+        return max(1, math.ceil(value * total_steps))
+    return int(value)
 
 
 # The flag groups, in the order parse_args returns them.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
+from shardtune import dtypes
 from shardtune.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.errors import ConfigError
-from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env
+from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env, parallelism_plan
+from shardtune.log import warn0
 from shardtune.validation import validate
 
 __all__ = [
@@ -70,7 +73,12 @@ def _unknown_flag_problems(remaining: list[str], extra: tuple = ()) -> list[str]
 
 _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 # Fields that hold a comma-separated list: a run file may give them as a YAML/JSON list.
-_LIST_FIELDS = ("lora_target_modules", "modules_to_save", "splits")
+_LIST_FIELDS = ("lora_target_modules", "modules_to_save", "splits", "report_to")
+# List flags that the command line may give as several words, as transformers' and TRL's list flags are given
+# (`--lora_target_modules q_proj v_proj`, `--report_to wandb tensorboard`): the words are joined with commas.
+_LIST_FLAGS = ("lora_target_modules", "modules_to_save", "report_to")
+# Fields a run file may give as a mapping (transformers' dict fields); the flag takes its JSON text.
+_JSON_FIELDS = ("gradient_checkpointing_kwargs",)
 
 
 def _field_types(classes: tuple) -> dict[str, set[str]]:
@@ -109,14 +117,14 @@ def _coerce(key: str, value: Any, types: set[str]) -> tuple[Any, str | None]:
             return number, None
     if key in _LIST_FIELDS and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value), None
+    if key in _JSON_FIELDS and isinstance(value, dict):
+        return json.dumps(value), None
     if not isinstance(value, str):
         return value, f"{key}: {value!r} is not a string; quote it."
     return value, None
 
 
 def _read_file(path: str) -> Any:
-    import json
-
     import yaml
 
     p = Path(path)
@@ -134,6 +142,11 @@ def _parse_file(parser: HfArgumentParser, path: str, extra: tuple) -> tuple:
     if not isinstance(data, dict):
         raise ConfigError([f"config file {path} must hold a mapping of flag names to values"])
     aliases = _aliases()
+    problems, notes = _repeated([(aliases.get(k, k), k, v) for k, v in data.items()], path)
+    if problems:
+        raise ConfigError(problems)
+    for note in notes:
+        warn0(note)
     data = {aliases.get(k, k): v for k, v in data.items()}
     unknown = [k for k in data if k not in known_flags(extra)]
     if unknown:
@@ -175,6 +188,75 @@ def join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def join_list_values(argv: list[str]) -> list[str]:
+    """`--lora_target_modules q_proj v_proj` → `--lora_target_modules q_proj,v_proj` (and --modules_to_save,
+    --report_to): the words after a list flag, up to the next flag, are its items."""
+    aliases, out, state = _aliases(), [], None  # state: None (not a list flag), "flag" (its value next), "value"
+    for tok in argv:
+        if tok.startswith("--"):
+            name = tok[2:].split("=", 1)[0]
+            state = ("value" if "=" in tok else "flag") if aliases.get(name, name) in _LIST_FLAGS else None
+            out.append(tok)
+        elif state == "value":
+            out[-1] = f"{out[-1]},{tok}"
+        else:
+            state = "value" if state == "flag" else None
+            out.append(tok)
+    return out
+
+
+def _bare_optional_bools(argv: list[str], classes: tuple) -> list[str]:
+    """`--completion_only_loss` alone → `--completion_only_loss True`: argparse gives a plain boolean flag a value of
+    its own, but wants one after a `bool | None` flag (unset means "decide from the data")."""
+    aliases, types = _aliases(), _field_types(classes)
+    optional = {n for n, t in types.items() if t == {"bool", "None"}}
+    out = []
+    for i, tok in enumerate(argv):
+        out.append(tok)
+        name = tok[2:] if tok.startswith("--") else ""
+        nxt = argv[i + 1] if i + 1 < len(argv) else "--"
+        if aliases.get(name, name) in optional and nxt.startswith("--"):
+            out.append("True")
+    return out
+
+
+def _given(argv: list[str]) -> list[tuple[str, str, str]]:
+    """(canonical name, spelling, value) of every flag of argv; a flag without a value is a boolean's True."""
+    aliases, out = _aliases(), []
+    for i, tok in enumerate(argv):
+        if not tok.startswith("--"):
+            continue
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            value = nxt if nxt is not None and not nxt.startswith("--") else "True"
+        out.append((aliases.get(name, name), name, value))
+    return out
+
+
+def _repeated(given: list[tuple[str, str, Any]], where: str = "the command line") -> tuple[list[str], list[str]]:
+    """A setting given twice under two spellings (aliases): different values are an error (argparse would keep the
+    last silently), the same value a note. One flag repeated keeps argparse's rule, the last wins (a command line
+    that appends an override), said in a note."""
+    by_name: dict[str, list[tuple[str, Any]]] = {}
+    for canonical, spelling, value in given:
+        by_name.setdefault(canonical, []).append((spelling, value))
+    problems, notes = [], []
+    for canonical, seen in by_name.items():
+        if len(seen) < 2:
+            continue
+        said = " and ".join(f"--{s} {v}" for s, v in seen)
+        values = {str(v).strip().lower() for _, v in seen}
+        if len({s for s, _ in seen}) == 1:
+            if len(values) > 1:
+                notes.append(f"{where}: --{seen[0][0]} is given {len(seen)} times; the last, {seen[-1][1]}, is used.")
+        elif len(values) > 1:
+            problems.append(f"{where}: {said} both set --{canonical}, to different values; give it once.")
+        else:
+            notes.append(f"{where}: {said} both set --{canonical} (the same value); give it once.")
+    return problems, notes
+
+
 def explicit_flags(argv: list[str]) -> frozenset[str]:
     """Canonical names of the flags that argv (or its run file) gives, as opposed to the defaults."""
     aliases = _aliases()
@@ -191,20 +273,99 @@ def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "sh
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        return _parse_file(parser, argv[0], extra)
-    *parsed, remaining = parser.parse_args_into_dataclasses(
-        args=join_negative_values(argv), return_remaining_strings=True
-    )
-    if remaining:
-        raise ConfigError(_unknown_flag_problems(remaining, extra))
+        parsed = _parse_file(parser, argv[0], extra)
+    else:
+        argv = _bare_optional_bools(join_list_values(join_negative_values(argv)), (*ARG_CLASSES, *extra))
+        problems, notes = _repeated(_given(argv))
+        if problems:
+            raise ConfigError(problems)
+        for note in notes:
+            warn0(note)
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if remaining:
+            raise ConfigError(_unknown_flag_problems(remaining, extra))
+    apply_spellings(parsed[0], parsed[2], explicit_flags(argv))
     return tuple(parsed)
+
+
+def apply_spellings(model: ModelArguments, train: TrainArguments, explicit: frozenset[str]) -> None:
+    """TRL's and transformers' spellings mapped onto shardtune's flags (--torch_dtype onto --bf16/--fp16,
+    --gradient_checkpointing_kwargs onto --use_reentrant), or refused with the fix; a clash is an error."""
+    p = []
+    if model.torch_dtype is not None:
+        p += _torch_dtype_problems(model.torch_dtype, train)
+    if train.gradient_checkpointing_kwargs is not None:
+        p += _checkpointing_kwargs_problems(train.gradient_checkpointing_kwargs, model, explicit)
+    if p:
+        raise ConfigError(p)
+
+
+def _torch_dtype_problems(value: str, train: TrainArguments) -> list[str]:
+    name = dtypes.canonical(value)
+    fix = "give bfloat16 (= --bf16 True), float16 (= --fp16 True) or float32"
+    if name not in dtypes.FLOATING:
+        why = "the dtype of the model's config" if name == "auto" else "not a training dtype"
+        return [f"--torch_dtype {value}: {why}; shardtune trains in the precision you name: {fix}."]
+    clash = {"bfloat16": train.fp16, "float16": train.bf16, "float32": train.bf16 or train.fp16}[name]
+    if clash:
+        other = "--fp16 True" if train.fp16 else "--bf16 True"
+        return [f"--torch_dtype {value} and {other} disagree; give one of them."]
+    train.bf16, train.fp16 = train.bf16 or name == "bfloat16", train.fp16 or name == "float16"
+    return []
+
+
+def _checkpointing_kwargs_problems(value: str, model: ModelArguments, explicit: frozenset[str]) -> list[str]:
+    example = """'{"use_reentrant": false}'"""
+    try:
+        kwargs = json.loads(value)
+    except ValueError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        return [f"--gradient_checkpointing_kwargs {value!r} is not a JSON object; write e.g. {example}."]
+    other = sorted(k for k in kwargs if k != "use_reentrant")
+    if other:
+        msg = (
+            f"--gradient_checkpointing_kwargs: {', '.join(other)} is not supported (shardtune's activation "
+            f"checkpointing takes use_reentrant only); remove it, e.g. {example}."
+        )
+        return [msg]
+    reentrant = kwargs.get("use_reentrant", model.use_reentrant)
+    if not isinstance(reentrant, bool):
+        return [f"--gradient_checkpointing_kwargs: use_reentrant must be true or false, got {reentrant!r}."]
+    if "use_reentrant" in explicit and reentrant != model.use_reentrant:
+        msg = (
+            f"--gradient_checkpointing_kwargs use_reentrant {str(reentrant).lower()} and --use_reentrant "
+            f"{model.use_reentrant} disagree; give one of them."
+        )
+        return [msg]
+    model.use_reentrant = reentrant
+    return []
+
+
+def precision_line(cfg: RunConfig) -> str:
+    """The one line every `train` run logs (shardtune.train): the dtypes it computes and stores weights in, and who
+    asked for them."""
+    pr, m = cfg.precision, cfg.model
+    line = f"precision: compute {dtypes.name_of(pr.compute)}, storage {dtypes.name_of(pr.storage)} ({pr.flags}"
+    if cfg.fsdp.enabled and pr.flags.startswith("--") and cfg.fsdp.mixed_precision == "no":
+        line += "; overrides the accelerate config's mixed_precision: no"
+    line += ")"
+    if m.use_4bit_quantization:
+        line += f"; the frozen base in 4-bit {m.bnb_4bit_quant_type}, computed in {m.bnb_4bit_compute_dtype}"
+    return line
 
 
 def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> RunConfig:
     """Flags + environment → validated RunConfig (raises ConfigError listing every problem)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     model, data, train = parse_args(argv)
-    fsdp = fsdp_settings_from_env(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    fsdp = fsdp_settings_from_env(env)
+    # accelerate's parallelism_config (PARALLELISM_CONFIG_*, from any launcher): the strategy its sizes mean, or why not.
+    world, local = int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    fsdp.sharding_strategy, problems = parallelism_plan(fsdp, world, local)
+    if problems:
+        raise ConfigError([f"the accelerate config's {p}" for p in problems])
     cfg = RunConfig(model, data, train, fsdp, explicit=explicit_flags(argv))
     validate(cfg)
     return cfg

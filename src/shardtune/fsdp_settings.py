@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
+from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER, ParallelDims
 
 
 @dataclass
@@ -31,6 +31,9 @@ class FSDPSettings:
     activation_checkpointing: bool = False
     reshard_after_forward: bool | None = None
     mixed_precision: str = "no"
+    # accelerate's parallelism_config (PARALLELISM_CONFIG_* variables): {"dp_replicate_size": "2", ...} as given,
+    # checked and mapped onto the sharding strategy by parallelism_plan; None when the launch has none.
+    parallelism: dict[str, str] | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,7 +104,95 @@ def fsdp_settings_from_env(env: Mapping[str, str]) -> FSDPSettings:
         s.use_orig_params = env_bool(env["FSDP_USE_ORIG_PARAMS"], False)
     s.activation_checkpointing = env_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING"), False)
     s.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    s.parallelism = parallelism_from_env(env)
     return s
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate's parallelism_config: the sizes of the mesh's axes
+
+
+# The sizes `accelerate launch` passes as PARALLELISM_CONFIG_<NAME> (accelerate/utils/launch.py), its defaults 1.
+PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+_NOT_IMPLEMENTED = {
+    "cp_size": "context parallelism is not implemented in shardtune yet",
+    "tp_size": "tensor parallelism is not implemented in shardtune yet",
+    "sp_size": "sequence parallelism (accelerate's DeepSpeed Ulysses) is not implemented in shardtune",
+}
+# FSDP2 with a replicate axis: a strategy that shards everywhere becomes its hybrid variant.
+_HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
+
+
+def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The PARALLELISM_CONFIG_* sizes `accelerate launch` sets for a YAML's parallelism_config (with
+    ACCELERATE_USE_PARALLELISM_CONFIG), or None when there are none."""
+    given = {
+        k: env[f"PARALLELISM_CONFIG_{k.upper()}"] for k in PARALLELISM_SIZES if f"PARALLELISM_CONFIG_{k.upper()}" in env
+    }
+    if not given and not env_bool(env.get("ACCELERATE_USE_PARALLELISM_CONFIG"), False):
+        return None
+    return {k: given.get(k, "1") for k in PARALLELISM_SIZES}
+
+
+def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: int) -> tuple[str, list[str]]:
+    """The sharding strategy that builds the mesh the parallelism_config asks for, and the problems (each naming the
+    keys and the fix): context, tensor and sequence parallel sizes above 1 are refused; dp_replicate_size ×
+    dp_shard_size must be the processes, replicated across machines and sharded within one (HYBRID_SHARD), all
+    sharded (FULL_SHARD) or all replicated (NO_SHARD)."""
+    strategy, sizes = settings.sharding_strategy, settings.parallelism
+    if not sizes:
+        return strategy, []
+    key = "parallelism_config_{}".format
+    n, p = {}, []
+    for k, v in sizes.items():
+        try:
+            n[k] = int(v)
+        except ValueError:
+            p.append(f"{key(k)} {v!r} is not a whole number; give a size such as 1.")
+    if p:
+        return strategy, p
+    p += [f"{key(k)} {n[k]}: {why}; set {key(k)}: 1." for k, why in _NOT_IMPLEMENTED.items() if n[k] > 1]
+    if p:  # the data-parallel sizes follow once these are 1
+        return strategy, p
+    r, s = n["dp_replicate_size"], n["dp_shard_size"]
+    if min(r, s) < 1 or r * s != world_size:
+        p.append(
+            f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} = {r * s}, but the run has {world_size} "
+            f"processes; make the product {world_size} (e.g. {key('dp_shard_size')}: {world_size})."
+        )
+    if p:
+        return strategy, p
+    # The sizes decide the mesh (as accelerate's FSDP2 builds it from them); the strategy keeps its resharding.
+    if r * s == 1:
+        return strategy, []
+    if r > 1 and s == 1:
+        wanted = "NO_SHARD"
+    elif strategy == "NO_SHARD":
+        return strategy, [_layout_problem(r, s, strategy, world_size, local_world_size)]
+    elif r > 1:
+        wanted = _HYBRID_OF.get(strategy, strategy)
+    else:
+        wanted = {v: k for k, v in _HYBRID_OF.items()}.get(strategy, strategy)
+    try:
+        dims = ParallelDims.build(
+            world_size=world_size, local_world_size=local_world_size, rank=0, sharding_strategy=wanted
+        )
+    except ValueError:  # HYBRID_SHARD over machines of unequal process counts
+        dims = None
+    if dims is None or (dims.dp_replicate, dims.dp_shard) != (r, s):
+        return strategy, [_layout_problem(r, s, strategy, world_size, local_world_size)]
+    return wanted, []
+
+
+def _layout_problem(r: int, s: int, strategy: str, world: int, local: int) -> str:
+    machines = max(1, world // max(local, 1))
+    return (
+        f"parallelism_config_dp_replicate_size {r} and parallelism_config_dp_shard_size {s} do not fit "
+        f"fsdp_sharding_strategy {strategy} on {machines} machine(s) of {local} processes: shardtune shards within a "
+        f"machine and replicates across machines (HYBRID_SHARD: dp_shard_size {local}, dp_replicate_size "
+        f"{machines}), shards over all processes (dp_shard_size {world}, dp_replicate_size 1) or, with NO_SHARD, "
+        f"replicates on all (dp_replicate_size {world}, dp_shard_size 1); set the sizes to one of these."
+    )
 
 
 def fsdp1_only_notes(settings: FSDPSettings) -> list[str]:

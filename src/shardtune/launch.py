@@ -20,6 +20,7 @@ from typing import Any
 
 from shardtune.accelerate_config import accelerate_env, read_accelerate_yaml
 from shardtune.errors import ConfigError
+from shardtune.fsdp_settings import fsdp_settings_from_env, parallelism_plan
 
 _RDZV_BACKENDS = ("static", "c10d")
 
@@ -182,6 +183,10 @@ def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune",
     t = _topology(cfg, ns, ns.config_file)
     use_cpu = bool(cfg.get("use_cpu", False))
     env = {**accelerate_env(cfg), "ACCELERATE_USE_CPU": str(use_cpu)}
+    # accelerate's parallelism_config, refused here as `shardtune train` refuses it (before any process starts).
+    _, problems = parallelism_plan(fsdp_settings_from_env(env), t["num_processes"], t["nproc_per_node"])
+    if problems:
+        raise ConfigError([f"{ns.config_file}: {p}" for p in problems])
     env["OMP_NUM_THREADS"] = _omp_threads(use_cpu, t["nproc_per_node"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(t), *entry, *train_args]
     return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run)

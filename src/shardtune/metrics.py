@@ -7,7 +7,10 @@ W&B and MLflow runs (`--report_to wandb,mlflow`) get the same records through `s
 - `{"type": "start", "time", "elapsed_s": 0, "total_steps", "config"}` when a run (or a resumed run) starts;
 - `{"type": "train", "step", "time", "elapsed_s", "loss", "learning_rate", ...}` per logged optimizer step;
 - `{"type": "eval", "step", "time", "elapsed_s", "eval_loss", "eval_perplexity"}` per evaluation;
-- `{"type": "summary", "step", "time", "elapsed_s", "runtime_s", "train_tokens", ...}` when the run ends.
+- `{"type": "event", "step", "time", "elapsed_s", "kind", "message"}` when the loop finds something wrong that does
+  not stop it: kind `collapse` (the gradient norm 0 for several steps in a row, shardtune.trainer);
+- `{"type": "summary", "step", "time", "elapsed_s", "runtime_s", "train_tokens", ...}` when the run ends (with
+  `collapsed_at_step` after a collapse).
 
 `time` is Unix time in seconds and `elapsed_s` the seconds since that run (segment) started.
 `shardtune report OUTPUT_DIR` rebuilds the summary and the plot from this file alone.
@@ -128,6 +131,7 @@ class RunLogger:
         self._trackers = list(trackers or []) if is_main else []
         self._file = None
         self._t0 = time.time()
+        self.collapsed_at: int | None = None  # the step of a `collapse` event (log_event)
         if not is_main:
             return
         if self._tb_wanted:
@@ -170,6 +174,14 @@ class RunLogger:
         """Record training metrics of optimizer step `step` (loss, learning_rate, grad_norm, tokens_per_s, ...)."""
         if self.is_main:
             self._log("train", step, metrics)
+
+    def log_event(self, step: int, kind: str, message: str) -> None:
+        """Record something wrong that does not stop the run (kind `collapse`: see shardtune.trainer); a collapse
+        goes into the summary, and the trackers' runs are not marked finished."""
+        if kind == "collapse":
+            self.collapsed_at = int(step)
+        if self.is_main:
+            self._write({"type": "event", "step": int(step), "kind": kind, "message": message})
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Record evaluation metrics (eval_loss, eval_perplexity) at optimizer step `step`."""
@@ -216,6 +228,8 @@ class RunLogger:
         and print the summary table."""
         if not self.is_main:
             return
+        if self.collapsed_at is not None:
+            summary = {**summary, "collapsed_at_step": self.collapsed_at}
         step = summary.get("step", self.last_step)
         self._write({"type": "summary", "step": step, **{k: _plain(v) for k, v in summary.items() if k != "step"}})
         if self._bar is not None:
@@ -239,9 +253,9 @@ class RunLogger:
 
     def close(self, finished: bool = False) -> None:
         """Close the bar, the TensorBoard writer, the W&B/MLflow runs (marked finished, or failed/killed) and
-        metrics.jsonl (safe to call twice)."""
+        metrics.jsonl (safe to call twice). A run that collapsed is not marked finished."""
         for tracker in self._trackers:
-            tracker.close(finished=finished)
+            tracker.close(finished=finished and self.collapsed_at is None)
         self._trackers = []
         if self._bar is not None:
             self._bar.close()
@@ -296,6 +310,9 @@ def build_summary(records: list[dict]) -> dict:
     train, evals = _by_step(records, "train"), _by_step(records, "eval")
     base = {"steps": train[-1]["step"] if train else None, "total_steps": start.get("total_steps")}
     done = [r for r in last if r.get("type") == "summary"]
+    collapses = [r["step"] for r in last if r.get("type") == "event" and r.get("kind") == "collapse"]
+    if collapses:
+        base["collapsed_at_step"] = collapses[0]
     if done:
         summary = {k: v for k, v in done[-1].items() if k not in _RESERVED}
         return {**base, "interrupted": False, **summary}
@@ -352,6 +369,11 @@ def summary_table(records: list[dict]) -> str:
     status = "INTERRUPTED (or still running)" if s.get("interrupted") else "finished"
     if s.get("output_error"):  # a full disk at a checkpoint or the final save (shardtune.train)
         status, output = "FAILED", f"NOT WRITTEN: {s['output_error']}"
+    elif s.get("collapsed_at_step") is not None:  # shardtune.trainer's collapse check
+        status = (
+            f"COLLAPSED at step {s['collapsed_at_step']}: zero gradient norm, the loss stuck; the output is not a "
+            "trained model (lower --learning_rate and train again)"
+        )
     rows = [
         ("status", status),
         ("steps", steps),

@@ -17,7 +17,7 @@ from typing import Any
 
 from shardtune.hub import is_hub_id, is_transport_error
 from shardtune.log import warn0
-from shardtune.validation import chat_format_problem
+from shardtune.validation import chat_format_problem, unmatched_alternatives_warned
 
 # One HEAD request, no retries: huggingface_hub retries a refused or unresolved connection five times over
 # ~23 s per file (measured), and a run reads several files, so an offline machine waited about a minute.
@@ -283,7 +283,7 @@ def target_module_problems(model, spec: str, *, explicit: bool, model_name: str)
         except re.error as e:
             return [f"--lora_target_modules {names[0]!r} is not a valid regular expression ({e})."]
         if any(pattern.fullmatch(n) for n in layers):
-            return []
+            return unmatched_alternatives_warned(names[0], layers, _linear_names(model))
         missing = names
     else:
         missing = [n for n in names if not any(_matches(full, n) for full in layers)]

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from shardtune import cuda_allocator, hooks, modeling
-from shardtune.config import ConfigError, RunConfig, load_run_config
+from shardtune.arguments import interval_steps
+from shardtune.config import ConfigError, RunConfig, load_run_config, precision_line
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
 from shardtune.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         error(str(e))
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
+    print0(precision_line(cfg))
     from shardtune.preflight import model_input_problems
 
     problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
@@ -271,12 +273,12 @@ def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int
         steps_per_epoch=steps_per_epoch,
         seed=t.seed,
         pad_id=pad_id,
-        logging_steps=max(1, int(t.logging_steps)),
+        logging_steps=interval_steps(t.logging_steps, total),
         logging_strategy=t.logging_strategy,
         eval_strategy=t.eval_strategy,
-        eval_steps=int(t.eval_steps or t.logging_steps),
+        eval_steps=interval_steps(t.eval_steps or t.logging_steps, total),
         save_strategy=t.save_strategy,
-        save_steps=max(1, int(t.save_steps)),
+        save_steps=interval_steps(t.save_steps, total),
         max_nonfinite_steps=t.max_nonfinite_steps,
     )
 

@@ -15,11 +15,14 @@ from torch import nn
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
-from shardtune.log import print0
+from shardtune.log import print0, warn0
 from shardtune.loss import Objective
 
 # A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
 STREAMING_STEPS_PER_EPOCH = 2**62
+# Steps in a row with a zero gradient norm after which a run has collapsed: no update can change its weights any
+# more (a too-large learning rate that killed every activation, or a loss that no longer depends on them).
+COLLAPSE_STEPS = 5
 
 
 @dataclass
@@ -31,6 +34,8 @@ class LoopState:
     batch_in_epoch: int = 0
     tokens: int = 0
     nonfinite_steps: int = 0
+    zero_grad_steps: int = 0  # steps in a row whose gradient norm was 0
+    collapsed_at: int | None = None  # the step at which training was found collapsed (see _watch_collapse)
     losses: list[float] = field(default_factory=list)
     stream: list[int] | None = None  # --streaming: [epoch, window, rows of the window consumed] (data/stream.py)
 
@@ -268,6 +273,7 @@ def train(
         model.zero_grad(set_to_none=True)
         scheduler.step()
         _advance(state, settings, n_tokens, loss)
+        _watch_collapse(state, settings, loss, grad_norm, scheduler.get_last_lr()[0], _vocab_size(model), logger)
         end_of_epoch = state.batch_in_epoch == 0
         if (
             _due(state.step, settings.logging_steps, settings.logging_strategy, end_of_epoch)
@@ -315,6 +321,35 @@ def _skip_nonfinite(state: LoopState, settings: LoopSettings, loss: float, grad_
             f"{settings.max_nonfinite_steps}); stopped at step {state.step + 1} without saving, so the last checkpoint is "
             "the last good state. Lower the learning rate, check the data, or resume from that checkpoint."
         )
+
+
+def _watch_collapse(state, settings, loss: float, grad_norm: float, lr: float, vocab: int | None, logger) -> None:
+    """Report a run whose gradient norm has been 0 for COLLAPSE_STEPS steps in a row (or all of a shorter run's): a
+    warning line, an event in metrics.jsonl and a summary that says so (shardtune.metrics); it trains on."""
+    state.zero_grad_steps = state.zero_grad_steps + 1 if grad_norm == 0.0 else 0
+    if state.collapsed_at is not None or state.zero_grad_steps < min(COLLAPSE_STEPS, settings.total_steps):
+        return
+    state.collapsed_at = state.step
+    uniform = ""
+    if vocab and math.isfinite(loss) and abs(loss - math.log(vocab)) <= 0.01 * math.log(vocab):
+        uniform = f" = ln({vocab}), the loss of uniform predictions over the vocabulary"
+    msg = (
+        f"step {state.step}: training has collapsed: the gradient norm has been 0 for {state.zero_grad_steps} steps "
+        f"in a row and the loss stays at {loss:.4f}{uniform}, so no step changes the weights. This usually follows "
+        f"a too-large learning rate (now {lr:.2e}): lower --learning_rate and restart (or resume from a checkpoint "
+        "saved before the collapse)."
+    )
+    warn0(msg)
+    logger.log_event(state.step, "collapse", msg)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The vocabulary size of the model under the training module (for the collapse message), if it has one."""
+    inner = getattr(model, "model", model)
+    config = getattr(inner, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(config, "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
 
 
 def _train_record(state, settings, info, loss, grad_norm, scheduler, t0, tokens0) -> dict:

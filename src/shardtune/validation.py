@@ -6,14 +6,17 @@ tied head in --modules_to_save (tied_head_saved_problem) lives here, checked aga
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from shardtune import optimizers
-from shardtune.arguments import DataArguments, RunConfig, TrainArguments
+from shardtune.arguments import STEP_INTERVALS, DataArguments, RunConfig, TrainArguments
 from shardtune.data.sources import ACCEPTED, is_hub_dataset
 from shardtune.data.templates import CHAT_FORMATS
+from shardtune.dtypes import canonical as dtype_canonical
 from shardtune.errors import ConfigError
 from shardtune.hub import is_hub_id
+from shardtune.log import warn0
 from shardtune.loss import OBJECTIVES
 from shardtune.quant import quantization_problems
 from shardtune.trackers import missing_packages, parse_report_to
@@ -64,7 +67,31 @@ def _required_problems(cfg: RunConfig) -> list[str]:
             f"{flag} True and the accelerate config's mixed_precision: {mp} disagree; set one of them "
             "(or make them the same)."
         )
+    p += _precision_override_problems(cfg)
+    if t.gradient_checkpointing_kwargs is not None and not (
+        t.gradient_checkpointing or cfg.fsdp.activation_checkpointing
+    ):
+        p.append(
+            "--gradient_checkpointing_kwargs applies to activation checkpointing, which is off: add "
+            "--gradient_checkpointing True (or fsdp_activation_checkpointing: true), or remove it."
+        )
     return p
+
+
+def _precision_override_problems(cfg: RunConfig) -> list[str]:
+    """A flag that turns a precision off while the accelerate config's mixed_precision turns it on: the run would
+    train in the YAML's precision, against the flag."""
+    m, t, mp = cfg.model, cfg.train, cfg.fsdp.mixed_precision
+    if mp == "no":
+        return []
+    said = [f"--{mp} False"] if mp in ("bf16", "fp16") and mp in cfg.explicit and not getattr(t, mp) else []
+    if m.torch_dtype is not None and dtype_canonical(m.torch_dtype) == "float32":
+        said.append(f"--torch_dtype {m.torch_dtype}")
+    return [
+        f"{flag} asks for float32, but the accelerate config's mixed_precision: {mp} trains in {mp}; set "
+        f"mixed_precision: 'no' in the config, or remove {flag}."
+        for flag in said
+    ]
 
 
 def _adapter_problems(cfg: RunConfig) -> list[str]:
@@ -106,12 +133,27 @@ def _training_problems(cfg: RunConfig) -> list[str]:
     if d.max_length < 8:
         p.append(f"--max_length/--max_seq_len must be >= 8 (got {d.max_length}).")
     p += _range_problems(cfg)
+    p += _interval_problems(t)
     if t.max_steps <= 0 and t.num_train_epochs <= 0:
         p.append("set --num_train_epochs > 0 or --max_steps > 0.")
     if not 0 <= t.warmup_ratio < 1:
         p.append(f"--warmup_ratio must be in [0, 1) (got {t.warmup_ratio}).")
     if t.optim not in optimizers.OPTIMIZERS:
         p.append(f"--optim {t.optim!r} is not supported; use {optimizers.names()}.")
+    return p
+
+
+def _interval_problems(t: TrainArguments) -> list[str]:
+    """--logging_steps/--eval_steps/--save_steps: a whole number of steps, or below 1 a ratio of the total steps (as
+    transformers' TrainingArguments); 2.5 is neither."""
+    p = []
+    for name in STEP_INTERVALS:
+        v = getattr(t, name)
+        if v is not None and math.isfinite(v) and v >= 1 and not float(v).is_integer():
+            p.append(
+                f"--{name} {v}: from 1 up it is a number of steps and must be a whole number (e.g. {math.ceil(v)}); "
+                "below 1 it is a ratio of the total steps (e.g. 0.1 for every tenth)."
+            )
     return p
 
 
@@ -263,6 +305,11 @@ def _preference_problems(cfg: RunConfig) -> list[str]:
         p.append(f"--beta must be > 0 (got {t.beta}).")
     if d.streaming:
         p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
+    if d.completion_only_loss is False:
+        p.append(
+            f"--completion_only_loss False does not apply to --objective {t.objective} (only the completions count); "
+            "remove it."
+        )
     for flag in ("packing", "assistant_only_loss", "append_concat_token"):
         if getattr(d, flag):
             p.append(
@@ -322,3 +369,73 @@ def chat_format_problem(model, modules_to_save: str | None, chat_template_format
     """tied_head_saved_problem for a run whose --chat_template_format chatml or zephyr adds its tokens."""
     names = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()]
     return tied_head_saved_problem(model, names, adds_rows=chat_template_format in CHAT_FORMATS)
+
+
+# ---------------------------------------------------------------- a regular expression in --lora_target_modules
+
+
+def _alternations(pattern: str) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Each alternation of `pattern` (the whole pattern, or a group holding `|`): (where its alternatives begin,
+    where they end, each alternative's span). Escapes and character classes are skipped, as re reads them."""
+    stack: list[tuple[int, list[int]]] = [(-1, [])]  # (position of the group's "(", its "|" positions)
+    found, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 if pattern[i + 1 : i + 2] != "]" else 2  # "[]...]": the first ] is a member
+            continue
+        elif c == "(":
+            stack.append((i, []))
+        elif c == ")" and len(stack) > 1:
+            start, bars = stack.pop()
+            if bars:
+                found.append((start, i, bars))
+        elif c == "|":
+            stack[-1][1].append(i)
+        i += 1
+    if stack[0][1]:
+        found.append((-1, len(pattern), stack[0][1]))
+    out = []
+    for start, end, bars in found:
+        body = start + 1  # where the alternatives begin: after "(" (and "?:"), or at 0 for the whole pattern
+        if start >= 0 and pattern.startswith("?:", body):
+            body += 2
+        edges = [body, *(b + 1 for b in bars)]
+        ends = [*bars, end]
+        out.append((body, end, list(zip(edges, ends, strict=True))))
+    return out
+
+
+def regex_alternative_warnings(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
+    """One line per alternative of a --lora_target_modules regular expression that makes no module match (PEFT
+    full-matches the expression against module paths, so a misspelt alternative is skipped silently): the
+    expression with only that alternative left in its place matches none of `module_names`."""
+    import re
+
+    out = []
+    for body, end, spans in _alternations(pattern):
+        for a, b in spans:
+            alone = pattern[:body] + pattern[a:b] + pattern[end:]
+            try:
+                compiled = re.compile(alone)
+            except re.error:
+                continue
+            if not any(compiled.fullmatch(n) for n in module_names):
+                out.append(
+                    f"--lora_target_modules '{pattern}': its alternative '{pattern[a:b]}' matches no module (PEFT "
+                    f"skips it); the model's layers are named {', '.join(leaf_names)}."
+                )
+    return out
+
+
+def unmatched_alternatives_warned(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
+    """Warn of regex_alternative_warnings' lines; an expression that matches some module has no problem ([])."""
+    for line in regex_alternative_warnings(pattern, module_names, leaf_names):
+        warn0(line)
+    return []

@@ -21,7 +21,7 @@ from ..log import print0
 from .cache import CACHE_FORMAT, LazyRows, PackedStore, move_into_place, new_tmp_folder, open_cache, write_cache
 from .collate import iterate_batches, num_batches
 from .packing import IGNORE_INDEX, RaggedRows
-from .prepare import read_columns, tokenize_to_parts
+from .prepare import PROMPT_COMPLETION, read_columns, tokenize_to_parts
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .stream import StreamingSplit
 from .templates import CHAT_FORMATS, padded_vocab_size, setup_tokenizer
@@ -38,6 +38,7 @@ TOKENIZE_FLAGS = (
     "append_concat_token",
     "add_special_tokens",
     "assistant_only_loss",
+    "completion_only_loss",
     "drop_long_samples",
 )
 
@@ -88,8 +89,9 @@ def build_datasets(
 ) -> tuple[PreparedSplit | StreamingSplit, PreparedSplit | None]:
     """Load, tokenize and (with packing) pack the train split and the optional eval split named by data.splits.
 
-    Rows with a `messages` column are rendered with the tokenizer's chat template, other rows use
-    `dataset_text_field`; chat_template_format="none" always uses the text field, as the reference does.
+    Rows with `prompt` and `completion` columns are trained on the completion (TRL's prompt-completion format, plain
+    text or conversations), rows with a `messages` column are rendered with the tokenizer's chat template, other rows
+    use `dataset_text_field`; chat_template_format="none" always uses the text field, as the reference does.
     Splits are tokenized by data.dataset_num_proc processes (None: one per CPU) into memory-mapped caches in
     `cache_dir`; with data.streaming, the training split is a StreamingSplit packed data.packing_window rows at a
     time while training reads it.
@@ -174,8 +176,22 @@ def _prepare_split(
 
 
 def _text_column(tokenizer, columns: list[str], split: str, opts: dict) -> str:
-    """`messages` when rows are chats rendered with a template, else the --dataset_text_field column."""
+    """PROMPT_COMPLETION for prompt/completion rows (TRL's format, which TRL takes before any other), `messages` when
+    rows are chats rendered with a template, else the --dataset_text_field column."""
     field, fmt = opts["dataset_text_field"], opts["chat_template_format"]
+    if "prompt" in columns and "completion" in columns:
+        if "label" in columns:
+            raise ValueError(
+                f"split {split!r} has prompt, completion and label columns, KTO's unpaired format (the label says "
+                "whether a completion is desirable): train it with --objective kto, or remove the label column to "
+                "fine-tune on every completion."
+            )
+        return PROMPT_COMPLETION
+    if opts.get("completion_only_loss"):
+        raise ValueError(
+            f"--completion_only_loss needs prompt/completion rows (split {split!r} has columns: {', '.join(columns)}); "
+            "give `prompt` and `completion` columns, or remove the flag (--assistant_only_loss for conversations)."
+        )
     has_messages = "messages" in columns
     if has_messages and fmt != "none":
         if not tokenizer.chat_template:
@@ -216,8 +232,9 @@ def _tokenize_to_cache(
     results = tokenize_to_parts(tokenizer, ds, split, column, opts, folder, num_proc)
     if not sum(r.documents for r in results):
         raise ValueError(
-            f"split {split!r}: every document is longer than --max_length {opts['max_length']} and "
-            "--drop_long_samples is set; raise --max_length or turn off --drop_long_samples."
+            f"split {split!r}: every document was dropped, longer than --max_length {opts['max_length']} with "
+            "--drop_long_samples set, or with no target token within --max_length (a prompt filling it); raise "
+            "--max_length or turn off --drop_long_samples."
         )
     write_cache(
         folder, results, max_length=opts["max_length"], packing=opts["packing"], seed=opts["seed"], pad_id=pad_id

@@ -78,12 +78,15 @@ def shifted_labels(doc: Document) -> np.ndarray:
 
 
 def fit_documents(docs: list[Document], max_length: int, drop_long: bool) -> tuple[list[Document], int, int]:
-    """Truncate (or drop, with drop_long) documents longer than max_length; return (kept, truncated, dropped)."""
+    """Truncate (or drop, with drop_long) documents longer than max_length; return (kept, truncated, dropped).
+
+    A document whose targets all lie past max_length (a prompt alone filling it) is dropped, as TRL drops the
+    examples truncation leaves fully masked: it would add no loss."""
     kept, truncated, dropped = [], 0, 0
     for doc in docs:
         if len(doc.ids) <= max_length:
             kept.append(doc)
-        elif drop_long:
+        elif drop_long or not doc.targets[:max_length].any():
             dropped += 1
         else:
             truncated += 1

@@ -36,7 +36,7 @@ from ..log import print0, warn0
 from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
-from .templates import template_kwargs, validate_messages
+from .templates import tokenize_completions
 
 if TYPE_CHECKING:
     from shardtune.config import DataArguments
@@ -243,12 +243,12 @@ def _count_left_out(stats: dict, left_out: list, tokenizer) -> None:
 
 def tokenize_pair(tokenizer, example: dict, split: str, row: int, add_special_tokens: bool, left_out=None):
     """(prompt_ids, chosen_ids, rejected_ids) of one row, as trl 1.16's DPOTrainer tokenizes it. left_out: a list
-    that gets the prompt's end when it is not part of the sequence (see _tokenize_completions)."""
+    that gets the prompt's end when it is not part of the sequence (see templates.tokenize_completions)."""
     prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
     where = f"split {split!r}, row {row}"
     if isinstance(chosen, list) and prompt is None:
         prompt, chosen, rejected = _extract_prompt(chosen, rejected, where)
-    prompt_ids, (chosen_ids, rejected_ids) = _tokenize_completions(
+    prompt_ids, (chosen_ids, rejected_ids) = tokenize_completions(
         tokenizer, prompt, {"chosen": chosen, "rejected": rejected}, split, row, add_special_tokens,
         example, left_out,
     )  # fmt: skip
@@ -264,44 +264,11 @@ def tokenize_unpaired(tokenizer, example: dict, split: str, row: int, add_specia
         raise ValueError(bad)  # noqa: TRY004
     if example.get("prompt") is None:
         raise ValueError(f"split {split!r}, row {row}: `prompt` is missing; KTO rows need a prompt.")
-    prompt_ids, (completion_ids,) = _tokenize_completions(
+    prompt_ids, (completion_ids,) = tokenize_completions(
         tokenizer, example["prompt"], {"completion": example["completion"]}, split, row, add_special_tokens,
         example, left_out,
     )  # fmt: skip
     return prompt_ids, completion_ids, bool(label)
-
-
-def _tokenize_completions(
-    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, example: dict | None = None,
-    left_out: list | None = None,
-):  # fmt: skip
-    """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
-    prompt+completion stop agreeing (for all completions of the row), as in TRL. example: the row, whose chat
-    template variables (template_kwargs) a conversation is rendered with. When they stop agreeing before the prompt's
-    end (a template that renders the prompt alone differently, or a token merged across the boundary), that end is in
-    neither part: it is appended to `left_out`, so that the caller can say so (TRL warns)."""
-    where = f"split {split!r}, row {row}"
-    if any(isinstance(c, list) for c in completions.values()):
-        for part in (prompt, *completions.values()):
-            validate_messages(part, split=split, row=row)
-        encode = _chat_encoder(tokenizer, where, template_kwargs(example or {}, where))
-        prompt_ids = encode(prompt, add_generation_prompt=True)
-        full = [encode(prompt + c) for c in completions.values()]
-    else:
-        for name, value in (("prompt", prompt), *completions.items()):
-            if not isinstance(value, str) or (name != "prompt" and not value):
-                raise ValueError(f"{where}: `{name}` must be a non-empty string (or all columns conversations).")
-        eos = tokenizer.eos_token or ""
-
-        def encode(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-        prompt_ids = encode(prompt)
-        full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in completions.values()]
-    n = min(_common_prefix(prompt_ids, f) for f in full)
-    if n < len(prompt_ids) and left_out is not None:
-        left_out.append(prompt_ids[n:])
-    return prompt_ids[:n], [f[n:] for f in full]
 
 
 def _tokenize_unpaired(tokenizer, ds, split: str, opts: dict) -> PreferenceSplit:
@@ -359,25 +326,6 @@ def _split_from_docs(docs: list, rows_in: int, truncated: int, dropped: int, com
     return PreferenceSplit(rows["input_ids"], rows["labels"], rows["position_ids"], stats)
 
 
-def _chat_encoder(tokenizer, where: str, extra: dict):
-    if not tokenizer.chat_template:
-        raise ValueError(
-            f"{where}: conversational pairs need a chat template; pass --chat_template_format chatml or zephyr, "
-            "or auto with a tokenizer that has one."
-        )
-
-    def encode(messages, add_generation_prompt: bool = False) -> list[int]:
-        try:
-            out = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **extra
-            )
-        except Exception as e:  # a template's raise_exception names no row
-            raise ValueError(f"{where}: the chat template could not render this conversation: {e}") from e
-        return list(out["input_ids"])
-
-    return encode
-
-
 def _extract_prompt(chosen: list, rejected: list, where: str):
     """The shared leading turns are the prompt (TRL's extract_prompt)."""
     n = 0
@@ -386,15 +334,6 @@ def _extract_prompt(chosen: list, rejected: list, where: str):
     if n == 0:
         raise ValueError(f"{where}: chosen and rejected share no leading turn; add a `prompt` column.")
     return chosen[:n], chosen[n:], rejected[n:]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 _PAIR_ARRAYS = ("input_ids", "labels", "position_ids")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..log import warn0
 from .packing import IGNORE_INDEX, Document, fit_documents, shifted_labels
 from .templates import (
     TEMPLATE_COLUMNS,
@@ -29,6 +30,7 @@ from .templates import (
     render_chat,
     template_kwargs,
     token_target_mask,
+    tokenize_completions,
     validate_messages,
 )
 
@@ -46,15 +48,31 @@ class TaskResult:
     target_tokens: int
 
 
+# The "column" of prompt/completion rows (TRL's prompt-completion format): two columns, read together.
+PROMPT_COMPLETION = "prompt+completion"
+
+
+def _value_columns(column: str) -> list[str]:
+    return ["prompt", "completion"] if column == PROMPT_COMPLETION else [column]
+
+
 def read_columns(column: str, columns) -> list[str]:
-    """The columns a split's rows are tokenized from: the text column, and for conversations the template columns
-    (tools, chat_template_kwargs) the split has."""
-    return [column, *(c for c in TEMPLATE_COLUMNS if column == "messages" and c in columns)]
+    """The columns a split's rows are tokenized from: the text column (prompt and completion), and for conversations
+    the template columns (tools, chat_template_kwargs) the split has."""
+    chats = column in ("messages", PROMPT_COMPLETION)
+    return [*_value_columns(column), *(c for c in TEMPLATE_COLUMNS if chats and c in columns)]
+
+
+def row_values(batch: dict, column: str) -> list:
+    """The rows' values from a batch of columns: texts or conversations, or (prompt, completion) pairs."""
+    if column == PROMPT_COMPLETION:
+        return list(zip(batch["prompt"], batch["completion"], strict=True))
+    return batch[column]
 
 
 def row_settings(batch: dict, column: str) -> list[dict] | None:
     """Each row's template columns from a batch of columns ({name: values}), or None when there are none."""
-    names = [c for c in batch if c != column]
+    names = [c for c in batch if c not in _value_columns(column)]
     if not names:
         return None
     return [dict(zip(names, values, strict=True)) for values in zip(*(batch[c] for c in names), strict=True)]
@@ -71,6 +89,8 @@ def documents(
     eos_id = tokenizer.eos_token_id
     if opts["append_concat_token"] and eos_id is None:
         raise ValueError("--append_concat_token needs a tokenizer with an EOS token.")
+    if column == PROMPT_COMPLETION:
+        return _prompt_completion_documents(tokenizer, rows, split, opts, first_row, settings)
     docs: list[Document] = []
     for start in range(0, len(rows), _CHUNK):
         row = first_row + start
@@ -91,6 +111,72 @@ def documents(
                 targets = np.append(targets, not assistant_only)
             docs.append(Document(ids, targets))
     return docs
+
+
+def _prompt_completion_documents(
+    tokenizer, rows: list, split: str, opts: dict, first_row: int, settings: list[dict] | None
+) -> list[Document]:
+    """(prompt, completion) rows as trl 1.16's SFTTrainer tokenizes them (templates.tokenize_completions): plain text
+    with the EOS text appended to the completion, a conversation rendered with its row's template columns; the
+    completion starts where the tokenized prompt and prompt+completion stop agreeing. Targets: the completion
+    (--completion_only_loss, on unless set False, as TRL's default for these rows), and with --assistant_only_loss
+    only its assistant turns (a tool's reply in the completion is context)."""
+    completion_only = opts.get("completion_only_loss") is not False
+    docs, left_out = [], []
+    for j, (prompt, completion) in enumerate(rows):
+        row = first_row + j
+        example = {"prompt": prompt, "completion": completion, **(settings[j] if settings else {})}
+        prompt_ids, (completion_ids,) = tokenize_completions(
+            tokenizer, prompt, {"completion": completion}, split, row, opts["add_special_tokens"], example, left_out
+        )
+        ids = np.asarray(prompt_ids + completion_ids, dtype=np.int32)
+        if not len(ids):
+            raise ValueError(f"split {split!r}, row {row}: the text tokenizes to no tokens; remove the row.")
+        targets = np.arange(len(ids)) >= len(prompt_ids) if completion_only else np.ones(len(ids), dtype=bool)
+        if opts["assistant_only_loss"]:
+            if not isinstance(completion, list):
+                raise ValueError(
+                    f"split {split!r}, row {row}: --assistant_only_loss needs conversations; these prompt/completion "
+                    "rows are plain text, whose loss is on the completion already (--completion_only_loss)."
+                )
+            targets &= _assistant_mask(tokenizer, prompt + completion, ids, split, row, example)
+        if opts["append_concat_token"]:
+            ids = np.append(ids, np.int32(tokenizer.eos_token_id))
+            targets = np.append(targets, not opts["assistant_only_loss"])
+        docs.append(Document(ids, targets))
+    if left_out:
+        _warn_left_out(tokenizer.decode(left_out[0]), split)
+    return docs
+
+
+def _assistant_mask(tokenizer, messages: list, ids: np.ndarray, split: str, row: int, example: dict) -> np.ndarray:
+    """The assistant turns' tokens of a conversation (assistant_spans on its rendered text), for tokens `ids`."""
+    kw = template_kwargs(example, f"split {split!r}, row {row}")
+    text = render_chat(tokenizer, messages, split=split, row=row, kwargs=kw)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids.tolist():
+        raise ValueError(
+            f"split {split!r}, row {row}: --assistant_only_loss cannot map this conversation's text to its tokens "
+            "(the template's tokens differ from its text's); use --assistant_only_loss False."
+        )
+    spans = assistant_spans(tokenizer, messages, text, split=split, row=row, kwargs=kw)
+    return token_target_mask(np.asarray(enc["offset_mapping"]).reshape(-1, 2), spans)
+
+
+_WARNED_LEFT_OUT: set[str] = set()
+
+
+def _warn_left_out(end: str, split: str) -> None:
+    """As TRL warns, once per split: the tokenized prompt is not a prefix of prompt+completion."""
+    if split in _WARNED_LEFT_OUT:
+        return
+    _WARNED_LEFT_OUT.add(split)
+    warn0(
+        f"data: split {split!r}: the tokenized prompt is not a prefix of the tokenized prompt+completion (here its "
+        f"end {end!r}): the chat template renders the prompt alone differently, or tokens merge across the boundary. "
+        "As TRL does, the completion starts where they differ and that end of the prompt is left out; use a template "
+        "that renders the prompt the same way, or end prompts on a token boundary."
+    )
 
 
 def _chunk_texts(tokenizer, values: list, settings, split: str, column: str, first_row: int, assistant_only: bool):
@@ -151,7 +237,8 @@ def _run_task(w: dict, index: int, start: int, stop: int) -> TaskResult:
             b = min(a + _CHUNK, stop)
             batch = ds[a:b]
             settings = row_settings(batch, w["column"])
-            docs = documents(w["tokenizer"], batch[w["column"]], w["split"], w["column"], opts, a, settings)
+            values = row_values(batch, w["column"])
+            docs = documents(w["tokenizer"], values, w["split"], w["column"], opts, a, settings)
             docs, truncated, dropped = fit_documents(docs, opts["max_length"], opts["drop_long_samples"])
             result.truncated += truncated
             result.dropped += dropped

@@ -27,7 +27,7 @@ import numpy as np
 
 from .collate import collate_rows, epoch_order
 from .packing import best_fit_decreasing, build_rows, fit_documents
-from .prepare import documents, read_columns, row_settings
+from .prepare import documents, read_columns, row_settings, row_values
 from .sources import load_split
 
 if TYPE_CHECKING:  # torch is imported where batches are made: tokenizing processes never need it
@@ -65,9 +65,10 @@ class StreamingSplit:
             for r in itertools.islice(it, self.window):
                 for c in names:
                     batch[c].append(r[c])
-            if not batch[self.column]:
+            values = row_values(batch, self.column)
+            if not values:
                 return
-            rows = self.pack(batch[self.column], first_row=w * self.window, seed=seed + w,
+            rows = self.pack(values, first_row=w * self.window, seed=seed + w,
                              settings=row_settings(batch, self.column))  # fmt: skip
             n = len(rows["input_ids"])
             # Window 0 in the cached path's order (see the module docstring); the others from (seed, epoch, window).

@@ -103,9 +103,10 @@ def padded_vocab_size(tokenizer, multiple: int = 8) -> int:
     return -(-len(tokenizer) // multiple) * multiple
 
 
-def validate_messages(messages, *, split: str, row: int) -> None:
-    """Raise ValueError naming the split and row if `messages` is not a list of {role, content} turns."""
-    where = f"split {split!r}, row {row}"
+def validate_messages(messages, *, split: str, row: int, part: str | None = None) -> None:
+    """Raise ValueError naming the split and row (and the column, `part`) if `messages` is not a list of
+    {role, content} turns; an assistant turn may have `tool_calls` instead of content."""
+    where = f"split {split!r}, row {row}" + (f", `{part}`" if part else "")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"{where}: `messages` must be a non-empty list of {{role, content}} turns, got {messages!r}.")
     for i, m in enumerate(messages):
@@ -118,6 +119,9 @@ def validate_messages(messages, *, split: str, row: int) -> None:
                 "Fix the role in the data."
             )
         content = m.get("content")
+        if role == "assistant" and m.get("tool_calls") is not None and content in (None, ""):
+            _validate_tool_calls(m["tool_calls"], f"{where}, message {i}")
+            continue  # a turn that only calls tools (TRL's format: content null)
         if not isinstance(content, str) or not content:
             problem = (
                 "has no content"
@@ -125,6 +129,16 @@ def validate_messages(messages, *, split: str, row: int) -> None:
                 else ("has empty content" if content == "" else f"has non-string content {content!r}")
             )
             raise ValueError(f"{where}, message {i} ({role}) {problem}; every turn needs a non-empty string.")
+
+
+def _validate_tool_calls(calls, where: str) -> None:
+    """An assistant turn's `tool_calls`: a non-empty list of calls ({"type": "function", "function": {"name",
+    "arguments"}} as transformers' chat templates read them)."""
+    if not isinstance(calls, (list, tuple)) or not calls or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(
+            f"{where} (assistant) has no content and its `tool_calls` is not a non-empty list of calls, got {calls!r}; "
+            'give calls such as {"type": "function", "function": {"name": "f", "arguments": {}}}.'
+        )
 
 
 def template_kwargs(example: dict, where: str) -> dict:
@@ -244,7 +258,9 @@ def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], kwar
     prompt = _render_prefix(tokenizer, messages, k, kwargs, add_generation_prompt=True)
     if prompt.startswith(before) and upto.startswith(prompt):
         header_end = len(prompt)
-    content = messages[k]["content"]
+    content = messages[k].get("content")
+    if not content:  # a turn that only calls tools: everything it adds after its header, to its end-of-turn token
+        return header_end, len(upto.rstrip())
     start = upto.find(content, header_end)
     if start < 0:
         content = content.strip()
@@ -260,3 +276,67 @@ def _turn_span(tokenizer, messages, k: int, text: str, specials: list[str], kwar
             end += len(tok)
             break
     return start, end
+
+
+# ------------------------------------------------------------------ prompt/completion rows (TRL's tokenization)
+
+
+def tokenize_completions(
+    tokenizer, prompt, completions: dict, split: str, row: int, add_special_tokens: bool, example: dict | None = None,
+    left_out: list | None = None,
+):  # fmt: skip
+    """The prompt's tokens and each completion's: the completion starts where the tokenized prompt and
+    prompt+completion stop agreeing (for all completions of the row), as in TRL. example: the row, whose chat
+    template variables (template_kwargs) a conversation is rendered with. When they stop agreeing before the prompt's
+    end (a template that renders the prompt alone differently, or a token merged across the boundary), that end is in
+    neither part: it is appended to `left_out`, so that the caller can say so (TRL warns)."""
+    where = f"split {split!r}, row {row}"
+    if any(isinstance(c, list) for c in completions.values()):
+        for name, part in (("prompt", prompt), *completions.items()):
+            validate_messages(part, split=split, row=row, part=name)
+        encode = chat_encoder(tokenizer, where, template_kwargs(example or {}, where))
+        prompt_ids = encode(prompt, add_generation_prompt=True)
+        full = [encode(prompt + c) for c in completions.values()]
+    else:
+        for name, value in (("prompt", prompt), *completions.items()):
+            if not isinstance(value, str) or (name != "prompt" and not value):
+                raise ValueError(f"{where}: `{name}` must be a non-empty string (or all columns conversations).")
+        eos = tokenizer.eos_token or ""
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+        prompt_ids = encode(prompt)
+        full = [encode(prompt + c + ("" if c.endswith(eos) else eos)) for c in completions.values()]
+    n = min(common_prefix(prompt_ids, f) for f in full)
+    if n < len(prompt_ids) and left_out is not None:
+        left_out.append(prompt_ids[n:])
+    return prompt_ids[:n], [f[n:] for f in full]
+
+
+def chat_encoder(tokenizer, where: str, extra: dict):
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"{where}: conversations need a chat template; pass --chat_template_format chatml or zephyr, "
+            "or auto with a tokenizer that has one."
+        )
+
+    def encode(messages, add_generation_prompt: bool = False) -> list[int]:
+        try:
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **extra
+            )
+        except Exception as e:  # a template's raise_exception names no row
+            raise ValueError(f"{where}: the chat template could not render this conversation: {e}") from e
+        return list(out["input_ids"])
+
+    return encode
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,155 @@
+"""accelerate's `parallelism_config` (the YAML section, and the PARALLELISM_CONFIG_* variables `accelerate launch`
+sets from it) honoured or refused the same way under every launcher: `accelerate launch` (the environment
+accelerate 1.15 itself builds), `shardtune launch`, and torchrun with `shardtune launch --dry_run`'s variables.
+dp_replicate_size × dp_shard_size map onto the sharding strategy; context, tensor and sequence parallel sizes above 1
+are refused with the reason and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.accelerate_config import accelerate_env, read_accelerate_yaml
+from shardtune.config import ConfigError, load_run_config
+from shardtune.launch import build_launch
+
+TRAIN = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]
+
+
+def _yaml(tmp_path: Path, sizes: dict, *, machines: int = 2, processes: int = 4, version: int = 2, **fsdp) -> Path:
+    cfg = {
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": "no",
+        "num_machines": machines, "num_processes": processes, "machine_rank": 0, "main_process_ip": "127.0.0.1",
+        "main_process_port": 29500, "use_cpu": True,
+        "fsdp_config": {"fsdp_version": version, "fsdp_reshard_after_forward": True, **fsdp},
+        "parallelism_config": {f"parallelism_config_{k}": v for k, v in sizes.items()},
+    }  # fmt: skip
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _accelerate_launch_env(path: Path) -> dict[str, str]:
+    """The variables accelerate 1.15's own `accelerate launch --config_file path` gives its processes."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "shardtune", "train"])
+    args, _, _ = _validate_launch_command(args)
+    return {k: str(v) for k, v in prepare_multi_gpu_env(args).items()}
+
+
+def _train_env(launcher_env: dict, world: int = 4, local: int = 2) -> dict[str, str]:
+    return {**launcher_env, "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)}
+
+
+def _dry_run_env(path: Path, capsys) -> dict[str, str]:
+    from shardtune.launch import main
+
+    assert main(["--config_file", str(path), "--dry_run", *TRAIN]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line and line.split("=", 1)[0].isupper())
+
+
+def test_the_variables_equal_accelerate_launchs(tmp_path):
+    path = _yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})
+    theirs = _accelerate_launch_env(path)
+    ours = accelerate_env(read_accelerate_yaml(path))
+    mine = ("PARALLELISM_CONFIG_", "ACCELERATE_USE_PARALLELISM_CONFIG")  # not TOKENIZERS_PARALLELISM, inherited
+    keys = sorted(k for k in theirs if k.startswith(mine))
+    assert keys and {k: ours.get(k) for k in keys} == {k: theirs[k] for k in keys}
+    assert sorted(k for k in ours if k.startswith(mine)) == keys
+
+
+@pytest.mark.parametrize(
+    ("sizes", "strategy", "world", "local", "want"),
+    [({"dp_replicate_size": 2, "dp_shard_size": 2}, "FULL_SHARD", 4, 2, "HYBRID_SHARD"),
+     ({"dp_replicate_size": 2, "dp_shard_size": 2}, "SHARD_GRAD_OP", 4, 2, "HYBRID_SHARD_ZERO2"),
+     ({"dp_shard_size": 4}, "FULL_SHARD", 4, 2, "FULL_SHARD"),
+     ({"dp_shard_size": 4}, "HYBRID_SHARD", 4, 2, "FULL_SHARD"),  # replicate 1: sharded over all
+     ({"dp_replicate_size": 4}, "FULL_SHARD", 4, 2, "NO_SHARD")],
+)  # fmt: skip
+def test_data_parallel_sizes_map_onto_the_sharding_strategy(tmp_path, sizes, strategy, world, local, want):
+    path = _yaml(tmp_path, sizes, fsdp_sharding_strategy=strategy)
+    cfg = load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path), world, local))
+    assert cfg.fsdp.sharding_strategy == want
+
+
+CP = "parallelism_config_cp_size 2: context parallelism is not implemented in shardtune yet; set parallelism_config_cp_size: 1."
+
+
+@pytest.mark.parametrize(
+    ("sizes", "want"),
+    [({"dp_shard_size": 2, "cp_size": 2}, CP),
+     ({"dp_shard_size": 2, "tp_size": 2},
+      ("parallelism_config_tp_size 2: tensor parallelism is not implemented in shardtune yet; set "
+      "parallelism_config_tp_size: 1.")),
+     ({"dp_replicate_size": 1, "dp_shard_size": 3},
+      "parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 = 3, but the run has 4 processes"),
+     ({"dp_replicate_size": 2, "dp_shard_size": 2},  # on one machine of 4: HYBRID_SHARD would shard over all 4
+      ("parallelism_config_dp_replicate_size 2 and parallelism_config_dp_shard_size 2 do not fit "
+      "fsdp_sharding_strategy FULL_SHARD on 1 machine(s) of 4 processes"))],
+)  # fmt: skip
+def test_every_launcher_refuses_the_same_way(tmp_path, capsys, sizes, want):
+    one_machine = sizes.get("dp_replicate_size") == 2
+    path = _yaml(tmp_path, sizes, machines=1 if one_machine else 2)
+    local = 4 if one_machine else 2
+    # accelerate launch: the variables accelerate builds, read by `shardtune train` in each process.
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path), 4, local))
+    assert f"the accelerate config's {want}" in str(e.value) and len(e.value.problems) == 1
+    # shardtune launch: refused before any process starts, --dry_run included.
+    with pytest.raises(ConfigError) as e:
+        build_launch(["--config_file", str(path), *TRAIN])
+    assert f"{path}: {want}" in str(e.value)
+    # torchrun with the variables `shardtune launch --dry_run` prints: the same as accelerate launch.
+    env = accelerate_env(read_accelerate_yaml(path))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(TRAIN, env=_train_env(env, 4, local))
+    assert f"the accelerate config's {want}" in str(e.value)
+
+
+def test_a_consistent_layout_launches_under_shardtune_launch(tmp_path, capsys):
+    path = _yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})
+    env = _dry_run_env(path, capsys)
+    assert env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] == "2" and env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert load_run_config(TRAIN, env=_train_env(env)).fsdp.sharding_strategy == "HYBRID_SHARD"
+
+
+def test_plan_reads_the_mapped_strategy(tmp_path):
+    """`shardtune plan --config_file` estimates the layout the run will have."""
+    from shardtune.accelerate_config import fsdp_settings_from_yaml
+
+    assert fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})).sharding_strategy == (
+        "HYBRID_SHARD"
+    )
+    with pytest.raises(ConfigError, match="context parallelism is not implemented"):
+        fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2}))
+
+
+def test_yaml_mistakes_name_the_key(tmp_path):
+    path = _yaml(tmp_path, {"dp_shard_size": 4}, version=1)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["parallelism_config"]["dp_replicate_size"] = 1  # without the prefix accelerate would ignore it
+    cfg["parallelism_config"]["parallelism_config_cp_size"] = "two"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as e:
+        read_accelerate_yaml(path)
+    msg = str(e.value)
+    assert (
+        "parallelism_config: unknown key 'dp_replicate_size'; did you mean parallelism_config_dp_replicate_size?" in msg
+    )
+    assert "parallelism_config.parallelism_config_cp_size 'two' is not a whole number" in msg
+    assert "parallelism_config needs fsdp_config.fsdp_version: 2 (accelerate refuses it with FSDP1)" in msg
+
+
+def test_negative_control_variables_read_by_nobody_pass_silently(tmp_path, monkeypatch):
+    """The bug the refusal tests guard: with the variables not read, a cp_size 2 run starts as if it had none."""
+    from shardtune import fsdp_settings
+
+    monkeypatch.setattr(fsdp_settings, "parallelism_from_env", lambda env: None)
+    path = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2})
+    cfg = load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path)))
+    assert cfg.fsdp.parallelism is None and cfg.fsdp.sharding_strategy == "FULL_SHARD"
