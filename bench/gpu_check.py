@@ -37,10 +37,11 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+START = time.monotonic()  # the budget counts from here: the imports are part of the run
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import speed
-from gpu_checks import BUDGET_S, CHECKS, DEVICE_BUDGET_S, NEEDS_CUDA, OPT_IN, RUN, SIZES, Skip, build_assets
+from gpu_checks import BUDGET_S, CHECKS, DEVICE_BUDGET_S, GPUS, NEEDS_CUDA, OPT_IN, RUN, SIZES, Skip, build_assets
 
 # --------------------------------------------------------------------------------------------- the parent
 
@@ -248,7 +249,9 @@ def _selected(a: argparse.Namespace) -> tuple[list[str], set[str]]:
 
 def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx_path: Path, t0: float) -> dict:
     """Each check in its own process, started only when its budget (on CUDA) fits in what is left of the run's."""
-    out = {}
+    import torch
+
+    gpus, out = torch.cuda.device_count() if a.device == "cuda" else 0, {}
     for name in names:
         left = a.budget_s - (time.monotonic() - t0) if a.budget_s else float("inf")
         budget = BUDGET_S[name] if a.device == "cuda" else 600  # the CPU is not held to the device's budgets
@@ -256,6 +259,9 @@ def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx
             out[name] = {"status": "skipped", "reason": "not in the default run (name it in --only)"}
         elif name in NEEDS_CUDA and a.device != "cuda":
             out[name] = {"status": "skipped", "reason": "needs CUDA"}
+        elif a.device == "cuda" and GPUS.get(name, 1) > gpus:
+            out[name] = {"status": "skipped", "reason": f"needs {GPUS[name]} GPUs: NCCL runs one rank per GPU "
+                         f"({gpus} here)"}  # fmt: skip
         elif budget > left:
             out[name] = {"status": "skipped", "reason": f"its budget of {budget} s does not fit in the {max(0, left):.0f} "
                          f"s left of {a.budget_s:.0f} s"}  # fmt: skip
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run `python bench/gpu_check.py --device cpu --tiny`.", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
+    t0 = START
     workdir = Path(a.workdir) / ("tiny" if a.tiny else "1b")
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = _context(a, workdir)

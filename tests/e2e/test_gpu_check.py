@@ -90,7 +90,7 @@ def test_every_check_ran_under_the_commands_allocator_setting(report):
     data, stdout = report
     assert data["allocator"] == "PYTORCH_ALLOC_CONF=expandable_segments:True"
     assert {r.get("allocator") for r in data["checks"].values() if r["status"] != "skipped"} == {data["allocator"]}
-    assert "budget: " in stdout and data["budget_s"]["device"] == 360
+    assert "budget: " in stdout and data["budget_s"]["device"] == 330
 
 
 def test_versions_out_of_pyproject_ranges_stop_the_run(monkeypatch, tmp_path, capsys):
