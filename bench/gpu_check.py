@@ -112,7 +112,7 @@ def _failed(name: str, r: dict) -> bool:
 
 def _summary(name: str, r: dict) -> str:
     """One line of numbers per check for the table."""
-    if r["status"] != "ok":
+    if r["status"] == "skipped" or "reason" in r:  # a failure without a reason ran: its numbers say what failed
         return r.get("reason", "")[:110]
     pct = lambda x: f"{100 * x:.1f}%"
     if name.startswith("lora_world"):
@@ -124,7 +124,7 @@ def _summary(name: str, r: dict) -> str:
         worst = max(v.get("over_tol", 0) for v in r["variants"].values())
         return f"logits max {worst:.2f}x tol; {ctl(r['control'])}; fwd+bwd {times}"
     if name == "qlora":
-        return f"logits {r['over_tol']:.2f}x tol; {ctl(r['control'])}; {r['packed_mib_per_rank']:.1f} MiB packed"
+        return f"logits {r['over_tol']:.2f}x tol; {ctl(r['control'])}; {r['packed_mib_per_rank']:.2f} MiB packed"
     if name == "kill_resume" and r.get("nondeterministic_ops"):
         return f"identical: {r['resume_equal']}; ops without a deterministic kernel: {len(r['nondeterministic_ops'])}"
     if name in ("offload_loading", "kill_resume"):
@@ -199,7 +199,20 @@ def _context(a: argparse.Namespace, workdir: Path) -> dict:
         "flop_model": asdict(speed.flop_model(Path(assets["model"]), 8, vocab_rows)),
         "peak_flops": speed.matmul_peak("bfloat16", threads, a.device, shapes),
         "device_name": torch.cuda.get_device_name() if a.device == "cuda" else speed._cpu_name(),
+        "parent_device_bytes": _own_device_bytes(a.device),
     }
+
+
+def _own_device_bytes(device: str) -> int:
+    """What this process (its CUDA context, after the matmul peak's blocks are released) holds on the device while
+    the checks run: memory_vs_plan leaves it out of the memory it finds outside its own allocator."""
+    if device != "cuda":
+        return 0
+    import torch
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def _versions() -> dict:

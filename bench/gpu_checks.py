@@ -362,9 +362,10 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
     # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
     # constant comes from"): the device memory in use outside torch's allocator (CUDA context, cuBLAS/NCCL
-    # buffers: CUDA_CONTEXT_BYTES) and this process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
+    # buffers: CUDA_CONTEXT_BYTES; the parent's own context, which measured the matmul peak, left out) and this
+    # process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
     free, total = torch.cuda.mem_get_info()
-    outside_allocator = total - free - torch.cuda.memory_reserved()
+    outside_allocator = total - free - torch.cuda.memory_reserved() - ctx["parent_device_bytes"]
     import resource
 
     host_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -32,8 +32,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import speed
 
-from tests.tolerance import tol_rounding
-
 NUMERICS_LAYERS = 2
 # Roundings to bf16 along the path of one value through a Llama layer: the input norm's output, the q (or k or v)
 # projection, RoPE, the attention probabilities and output, o_proj, the residual add, the post-attention norm,
@@ -65,6 +63,8 @@ def build_numerics_model(model_dir: Path, out: Path) -> None:
 def compare(ref, got) -> dict:
     """Element by element: the largest |got - ref| against the bf16 tolerance over the reference's RMS."""
     import torch
+
+    from tests.tolerance import tol_rounding  # imports torch: not before bench/gpu_check.py checked its version
 
     tol = tol_rounding(torch.bfloat16, ROUNDINGS)
     rms = float(ref.float().pow(2).mean().sqrt())
