@@ -338,10 +338,8 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
-    from shardtune import cuda_allocator, trainer
+    from shardtune import cli, cuda_allocator, trainer
     from shardtune.accelerate_config import accelerate_env
-    from shardtune.plan import main as plan_main
-    from shardtune.train import main as train_main
 
     out = Path(ctx["workdir"]) / "memory_vs_plan"
     os.environ.update(accelerate_env(_yaml(ctx, 1)))
@@ -357,7 +355,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     trainer.train_step = recording
     torch.cuda.reset_peak_memory_stats()
-    if train_main(argv[1:]) != 0:
+    if cli.run_command("train", argv[1:]) != 0:
         raise RuntimeError("shardtune train failed")
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
     # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
@@ -371,7 +369,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     host_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        if plan_main([*argv[1:], "--json", "True"]) != 0:
+        if cli.run_command("plan", [*argv[1:], "--json", "True"]) != 0:
             raise RuntimeError("shardtune plan failed")
     plan = json.loads(buf.getvalue())
     weights = plan["device"]["frozen base weights"] + plan["device"]["trainable weights"]

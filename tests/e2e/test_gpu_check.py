@@ -94,7 +94,7 @@ def test_every_check_ran_under_the_commands_allocator_setting(report):
 
 
 def test_versions_out_of_pyproject_ranges_stop_the_run(monkeypatch, tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import gpu_check
 
     real = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "peft": "0.18.0", "datasets": "5.2.0"}
