@@ -342,6 +342,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     from shardtune.accelerate_config import accelerate_env
 
     out = Path(ctx["workdir"]) / "memory_vs_plan"
+    shutil.rmtree(out, ignore_errors=True)  # a second run on the same machine starts afresh
     os.environ.update(accelerate_env(_yaml(ctx, 1)))
     os.environ.pop("ACCELERATE_USE_CPU", None)
     argv = train_argv(ctx, out, max_steps=3)
@@ -378,7 +379,8 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     return {
         # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
         # setting this process ran with (shardtune.cuda_allocator): the replay's rules against the real allocator
-        "replayed_gib": {k: v / gib for k, v in replay.items()},
+        "replayed_gib": {k: v / gib for k, v in replay.items() if k != "reserved_by_stream"},
+        "replayed_reserved_by_stream_gib": {k: v / gib for k, v in replay["reserved_by_stream"].items()},
         "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],
         "measured_gib": {**{k: v / gib for k, v in measured.items()}, "weights": at_first_step[0] / gib},
         "plan_gib": {
