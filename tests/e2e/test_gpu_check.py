@@ -20,6 +20,8 @@ CHECKS = "lora_world1,memory_vs_plan,attention,qlora,kill_resume"  # in the chec
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        env.pop(name, None)  # the checks start with shardtune's default, as a command would
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--only", CHECKS,
            "--workdir", str(tmp / "work"), "--out", str(tmp / "gpu_check.json")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
@@ -52,9 +54,12 @@ def test_lora_loss_falls_and_mfu_hfu_follow_the_flop_model(report):
     assert 0 < r["mfu"] < r["hfu"]
 
 
-def _numerics_hold_and_controls_fail(r: dict, compared: list[dict]) -> None:
-    """Each comparison is inside its bf16 tolerance and the planted error far outside it (the check says so)."""
-    assert r["status"] == "ok" and r["elements"] > 1000
+def _numerics_hold_and_controls_fail(report, name: str, compared: list[dict]) -> None:
+    """Each comparison is inside its bf16 tolerance and the planted error far outside it (the JSON and the table
+    say so)."""
+    r = report[0]["checks"][name]
+    row = next(line for line in report[1].splitlines() if line.startswith(name))
+    assert r["status"] == "ok" and r["elements"] > 1000 and "control failed" in row
     for c in compared:
         assert c["max_abs_diff"] <= c["tol"] and c["equal"]
     ctl = r["control"]
@@ -65,7 +70,7 @@ def test_attention_paths_give_the_same_logits_and_a_leak_fails(report):
     r = report[0]["checks"]["attention"]
     assert list(r["variants"]) == ["sdpa_packed_mask", "per_document_sdpa"]
     assert all(v["seconds"] > 0 for v in r["variants"].values())
-    _numerics_hold_and_controls_fail(r, [r["variants"]["per_document_sdpa"]])
+    _numerics_hold_and_controls_fail(report, "attention", [r["variants"]["per_document_sdpa"]])
     assert r["logits_equal"] and "cross-document leak" in r["control"]["planted"]
     assert r["not_run"] == {"flash_attn_varlen": "needs CUDA"}
 
@@ -75,7 +80,7 @@ def test_qlora_equals_the_dequantized_bf16_model_and_a_wrong_scale_fails(report)
     if importlib.util.find_spec("bitsandbytes") is None:
         assert r["status"] == "skipped" and "shardtune[qlora]" in r["reason"]
         return
-    _numerics_hold_and_controls_fail(r, [r])
+    _numerics_hold_and_controls_fail(report, "qlora", [r])
     assert "doubled scales" in r["control"]["planted"] and r["packed_mib_per_rank"] > 0
 
 
@@ -114,3 +119,18 @@ def test_versions_out_of_pyproject_ranges_stop_the_run(monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("gpu_check: torch 2.10.0 is out of range (needs <2.14,>=2.11)") and err.count("\n") == 1
     assert not (tmp_path / "w").exists()  # stopped before anything ran
+
+
+def test_a_numerics_check_whose_control_passes_fails(monkeypatch):
+    """A comparison that cannot see its planted error proves nothing: the check fails, whatever its own result."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+
+    seen, blind = {"failed": True, "over_tol": 29.0}, {"failed": False, "over_tol": 0.0}
+    assert not gpu_check._failed("attention", {"logits_equal": True, "control": seen})
+    assert gpu_check._failed("attention", {"logits_equal": True, "control": blind})
+    assert gpu_check._failed("attention", {"logits_equal": False, "control": seen})
+    assert not gpu_check._failed("qlora", {"equal": True, "control": seen})
+    assert gpu_check._failed("qlora", {"equal": True, "control": blind})
+    row = gpu_check._summary("qlora", {"status": "fail", "over_tol": 0.0, "control": blind, "packed_mib_per_rank": 1})
+    assert "control PASSED (0.0x tol)" in row
