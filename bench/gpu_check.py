@@ -1,26 +1,26 @@
 """The device check: one command that runs shardtune's CUDA paths on a random ~1B-parameter Llama and reports one
 table (and JSON). Each check runs in its own subprocess, so one failure does not stop the others.
 
-    python bench/gpu_check.py                       # CUDA: builds the model locally; at most ~8 minutes on one H200
+    python bench/gpu_check.py                       # CUDA: builds the model locally; 6 minutes at most on one H200
     python bench/gpu_check.py --device cpu --tiny   # the same checks on the CPU with a tiny model (the tests run it)
     python bench/gpu_check.py --only lora_world1,kill_resume
 
-Checks (docs/gpu.md says what each proves):
-  lora_world1, lora_world2  LoRA, bf16, gradient checkpointing on FSDP2 (NCCL on CUDA, gloo on CPU), 1 and 2 ranks:
-                            the loss falls; tokens/s; MFU (model FLOPs) and HFU (recompute included) against the
-                            bf16 matmul peak measured in the same run. 2 ranks need 2 GPUs (NCCL allows one rank
-                            per GPU).
-  attention                 per-document SDPA (shardtune's fast path) vs transformers' SDPA with the packed mask vs
-                            flash-attention 2 varlen (where installed): equal losses, forward+backward times.
-  qlora                     4-bit base on FSDP2: its loss equals a bf16 model holding the dequantized weights;
-                            memory per rank.
-  offload_loading           the guide's QLoRA YAML (fsdp_offload_params + cpu_ram_efficient_loading): trains, saves,
-                            resumes exactly.
-  bnb_optimizers            adamw_8bit and paged_adamw_8bit: save and exact resume.
-  kill_resume               SIGKILL after a step, resume from the last checkpoint: the same losses and adapter, bit
-                            for bit (RNG states, the CUDA one included, restored).
-  memory_vs_plan            torch.cuda.max_memory_allocated / reserved of a run against `shardtune plan` (CUDA only).
-  reference_stack           TRL SFTTrainer + PEFT on the same model and data: tokens/s ratio (where trl is installed).
+The installed versions are checked against pyproject.toml's ranges first; one out of range stops the run.
+Checks, in this order (docs/gpu.md says what each proves; each has a budget in gpu_checks.BUDGET_S):
+  lora_world1               the guide's LoRA run (bf16, gradient checkpointing, FSDP2) on one rank: the loss falls;
+                            tokens/s, MFU and HFU against the bf16 matmul peak measured in the same run.
+  memory_vs_plan            max_memory_allocated / reserved of a run against `shardtune plan` and the allocator
+                            replay, under the allocator setting shardtune's commands use (CUDA only).
+  attention                 per-document SDPA (and flash-attention 2 varlen, where installed) against SDPA with the
+                            packed mask: logits element by element; a planted cross-document leak must fail.
+  qlora                     the 4-bit base on FSDP2 against bf16 holding its dequantized weights: logits element by
+                            element; a planted wrong dequantization scale must fail.
+  kill_resume               SIGKILL after a step, resume: the same losses and adapter bit for bit, on deterministic
+                            kernels.
+  bnb_optimizers            paged_adamw_8bit: save and exact resume.
+  lora_world2               lora_world1 on 2 ranks (NCCL needs 2 GPUs; gloo on the CPU).
+  offload_loading, reference_stack (only when named in --only): the guide's QLoRA offload YAML resumes exactly;
+                            TRL SFTTrainer + PEFT's tokens/s against lora_world1's.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+START = time.monotonic()  # the budget counts from here: the imports are part of the run
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import speed
-from gpu_checks import CHECKS, NEEDS_CUDA, RUN, SIZES, Skip, build_assets
+from gpu_checks import BUDGET_S, CHECKS, DEVICE_BUDGET_S, GPUS, NEEDS_CUDA, OPT_IN, RUN, SIZES, Skip, build_assets
 
 # --------------------------------------------------------------------------------------------- the parent
 
@@ -72,6 +73,9 @@ def _children_cpu_s() -> float:
 
 def check_main(name: str, ctx_path: str) -> int:
     """Inside the check's process: run it and write {status, reason | results} next to the context file."""
+    from shardtune import cli, cuda_allocator
+
+    cli.prepare_process()  # before any CUDA work: the allocator setting of shardtune's commands (shardtune.cli)
     ctx = json.loads(Path(ctx_path).read_text())
     if ctx["device"] == "cpu":
         import torch
@@ -83,6 +87,7 @@ def check_main(name: str, ctx_path: str) -> int:
         out = {"status": "skipped", "reason": str(e)}
     except Exception as e:  # noqa: BLE001 - reported in the table; the other checks go on
         out = {"status": "fail", "reason": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()}
+    out["allocator"] = cuda_allocator.describe()
     out["status"] = "fail" if out["status"] == "ok" and _failed(name, out) else out["status"]
     Path(ctx_path).parent.joinpath(f"{name}.json").write_text(json.dumps(out, indent=1))
     return 0
@@ -92,12 +97,14 @@ def _failed(name: str, r: dict) -> bool:
     """A check whose numbers contradict what it proves fails, even though it ran."""
     if name.startswith("lora_world"):
         return not r["loss_falls"] or not r["hfu"] >= r["mfu"] > 0
-    if name == "attention":
-        return not r["losses_equal"]
+    if name == "attention":  # a control that passes means the comparison cannot see a leak
+        return not r["logits_equal"] or not r["control"]["failed"]
     if name == "qlora":
-        return not r["loss_equal"]
+        return not r["equal"] or not r["control"]["failed"]
     if name in ("offload_loading", "kill_resume"):
         return not r["resume_equal"]
+    if name == "memory_vs_plan":  # the plan estimated for another allocator setting than the run had
+        return r["plan_expandable_segments"] != r["expandable_segments"]
     if name == "bnb_optimizers":
         return not all(v["resume_equal"] for v in r["optimizers"].values())
     return False
@@ -105,17 +112,21 @@ def _failed(name: str, r: dict) -> bool:
 
 def _summary(name: str, r: dict) -> str:
     """One line of numbers per check for the table."""
-    if r["status"] != "ok":
+    if r["status"] == "skipped" or "reason" in r:  # a failure without a reason ran: its numbers say what failed
         return r.get("reason", "")[:110]
     pct = lambda x: f"{100 * x:.1f}%"
     if name.startswith("lora_world"):
         return (f"loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}, {r['tokens_per_s']:.0f} tok/s, "
                 f"MFU {pct(r['mfu'])}, HFU {pct(r['hfu'])}")  # fmt: skip
+    ctl = lambda c: f"control {'failed' if c['failed'] else 'PASSED'} ({c['over_tol']:.1f}x tol)"
     if name == "attention":
-        return ", ".join(f"{k} {v['loss']:.4f} in {1e3 * v['seconds']:.1f} ms" for k, v in r["variants"].items())
+        times = ", ".join(f"{k} {1e3 * v['seconds']:.1f} ms" for k, v in r["variants"].items())
+        worst = max(v.get("over_tol", 0) for v in r["variants"].values())
+        return f"logits max {worst:.2f}x tol; {ctl(r['control'])}; fwd+bwd {times}"
     if name == "qlora":
-        mem = f", {r['memory_gb_per_rank']:.2f} GiB/rank" if r["memory_gb_per_rank"] is not None else ""
-        return f"loss {r['loss']:.4f} vs dequantized bf16 {r['reference_loss']:.4f}{mem}"
+        return f"logits {r['over_tol']:.2f}x tol; {ctl(r['control'])}; {r['packed_mib_per_rank']:.2f} MiB packed"
+    if name == "kill_resume" and r.get("nondeterministic_ops"):
+        return f"identical: {r['resume_equal']}; ops without a deterministic kernel: {len(r['nondeterministic_ops'])}"
     if name in ("offload_loading", "kill_resume"):
         return f"resumed steps 3-4 and adapter identical: {r['resume_equal']}" + "".join(
             f"; {n}" for n in r.get("notes", [])
@@ -146,9 +157,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="Where to run (default cuda).")
     ap.add_argument("--tiny", action="store_true", help="A tiny model and short runs (for the CPU).")
-    ap.add_argument("--only", default=",".join(CHECKS), help="Comma-separated checks, in this order.")
-    ap.add_argument("--budget_s", type=float, default=480, help="Checks not started within this many seconds "
-                    "of the start are reported as skipped (default 480: 8 minutes).")  # fmt: skip
+    ap.add_argument("--only", help=f"Comma-separated checks, run in the order {','.join(CHECKS)} (default: all but "
+                    f"{', '.join(sorted(OPT_IN))}).")  # fmt: skip
+    ap.add_argument("--budget_s", type=float, help=f"A check whose budget does not fit in what is left of this many "
+                    f"seconds is skipped (default {DEVICE_BUDGET_S} on CUDA; none on the CPU).")  # fmt: skip
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "shardtune-gpu-check"), help="Assets.")
     ap.add_argument("--out", help="JSON output (default bench/results/gpu_check[-cpu]-<date>.json).")
     ap.add_argument("--_check", help=argparse.SUPPRESS)
@@ -187,35 +199,124 @@ def _context(a: argparse.Namespace, workdir: Path) -> dict:
         "flop_model": asdict(speed.flop_model(Path(assets["model"]), 8, vocab_rows)),
         "peak_flops": speed.matmul_peak("bfloat16", threads, a.device, shapes),
         "device_name": torch.cuda.get_device_name() if a.device == "cuda" else speed._cpu_name(),
+        "parent_device_bytes": _own_device_bytes(a.device),
     }
 
 
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
+def _own_device_bytes(device: str) -> int:
+    """What this process (its CUDA context, after the matmul peak's blocks are released) holds on the device while
+    the checks run: memory_vs_plan leaves it out of the memory it finds outside its own allocator."""
+    if device != "cuda":
+        return 0
+    import torch
 
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "flash_attn", "trl"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
+        out[name] = _installed(name)
     return out
+
+
+def _installed(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def version_problems(installed=None) -> list[str]:
+    """Each package out of pyproject.toml's range: the project's dependencies must be installed and in range; the
+    optional ones the checks use (the extras qlora and bench: bitsandbytes, trl, accelerate) in range where
+    installed (their checks say they skip where not)."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = [(Requirement(r), True) for r in project["dependencies"]]
+    wanted += [(Requirement(r), False) for r in extras["qlora"] + extras["bench"]]
+    problems = []
+    for req, required in wanted:
+        got = (installed or _installed)(req.name)
+        if got is None:
+            problems += [f"{req.name} is not installed (needs {req.specifier})"] if required else []
+        elif not req.specifier.contains(Version(got), prereleases=True):
+            problems.append(f"{req.name} {got} is out of range (needs {req.specifier})")
+    return problems
+
+
+def _selected(a: argparse.Namespace) -> tuple[list[str], set[str]]:
+    """The checks to report, in CHECKS' order, and those of them that are not run by default."""
+    if a.only is None:
+        return list(CHECKS), set(OPT_IN)
+    return [c for c in CHECKS if c in a.only.split(",")], set()
+
+
+def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx_path: Path, t0: float) -> dict:
+    """Each check in its own process, started only when its budget (on CUDA) fits in what is left of the run's."""
+    import torch
+
+    gpus, out = torch.cuda.device_count() if a.device == "cuda" else 0, {}
+    for name in names:
+        left = a.budget_s - (time.monotonic() - t0) if a.budget_s else float("inf")
+        budget = BUDGET_S[name] if a.device == "cuda" else 600  # the CPU is not held to the device's budgets
+        if name in not_default:
+            out[name] = {"status": "skipped", "reason": "not in the default run (name it in --only)"}
+        elif name in NEEDS_CUDA and a.device != "cuda":
+            out[name] = {"status": "skipped", "reason": "needs CUDA"}
+        elif a.device == "cuda" and GPUS.get(name, 1) > gpus:
+            out[name] = {"status": "skipped", "reason": f"needs {GPUS[name]} GPUs: NCCL runs one rank per GPU "
+                         f"({gpus} here)"}  # fmt: skip
+        elif budget > left:
+            out[name] = {"status": "skipped", "reason": f"its budget of {budget} s does not fit in the {max(0, left):.0f} "
+                         f"s left of {a.budget_s:.0f} s"}  # fmt: skip
+        else:
+            print(f"gpu_check: {name} ...", flush=True)
+            out[name] = {**run_check(name, ctx_path, budget), "budget_s": budget}
+    return out
+
+
+def _budget_line(report: dict, device: str) -> str:
+    used = {k: v["seconds"] for k, v in report["checks"].items() if "seconds" in v}
+    parts = ", ".join(f"{k} {s:.0f}/{BUDGET_S[k]}" for k, s in used.items())
+    held = "" if device == "cuda" else " (the device's budgets; a CPU run is not held to them)"
+    return (f"budget: {report['total_s']:.0f} s used of {DEVICE_BUDGET_S}{held}: setup {report['setup_s']:.0f}/"
+            f"{BUDGET_S['setup']}, {parts}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     if a._check:
         return check_main(a._check, a._ctx)
-    unknown = [c for c in a.only.split(",") if c and c not in CHECKS]
+    if a.budget_s is None:
+        a.budget_s = DEVICE_BUDGET_S if a.device == "cuda" else 0
+    unknown = [c for c in (a.only or "").split(",") if c and c not in CHECKS]
     if unknown:
         print(f"gpu_check: unknown check(s) {unknown}; choose from {', '.join(CHECKS)}.", file=sys.stderr)
         return 2
+    problems = version_problems()
+    if problems:  # before anything runs: a result under untested versions would say nothing about shardtune
+        print(
+            f"gpu_check: {'; '.join(problems)} (pyproject.toml); carry the wheels docs/gpu.md lists.", file=sys.stderr
+        )
+        return 2
+    from shardtune import cli, cuda_allocator
+
+    cli.prepare_process()  # the setting the checks' processes inherit, before this one measures the matmul peak
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run `python bench/gpu_check.py --device cpu --tiny`.", file=sys.stderr)
         return 2
-    t0 = time.monotonic()
+    t0 = START
     workdir = Path(a.workdir) / ("tiny" if a.tiny else "1b")
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = _context(a, workdir)
@@ -228,33 +329,23 @@ def main(argv: list[str] | None = None) -> int:
         "device": a.device,
         "device_name": ctx["device_name"],
         "versions": _versions(),
+        "allocator": cuda_allocator.describe(),
         "size": ctx["size"],
         "flop_model": ctx["flop_model"],
         "setup_s": time.monotonic() - t0,
         "matmul_peak_flops": ctx["peak_flops"],
-        "checks": {},
+        "budget_s": {"device": DEVICE_BUDGET_S, **BUDGET_S},
     }
-    for name in [c for c in CHECKS if c in a.only.split(",")]:
-        left = a.budget_s - (time.monotonic() - t0)
-        if left < 5:
-            report["checks"][name] = {"status": "skipped", "reason": f"time budget of {a.budget_s:.0f} s spent"}
-        elif name in NEEDS_CUDA and a.device != "cuda":
-            report["checks"][name] = {"status": "skipped", "reason": "needs CUDA"}
-        else:
-            print(f"gpu_check: {name} ...", flush=True)
-            report["checks"][name] = run_check(name, ctx_path, left)
+    report["checks"] = _run_all(a, *_selected(a), ctx_path, t0)
     ref, own = report["checks"].get("reference_stack", {}), report["checks"].get("lora_world1", {})
     if ref.get("status") == "ok" and own.get("status") == "ok":
         ref["ratio"] = own["tokens_per_s"] / ref["tokens_per_s"]
     report["total_s"] = time.monotonic() - t0
-    report["table"] = format_table(report)
+    report["table"] = format_table(report) + "\n" + _budget_line(report, a.device)
     print(report["table"])
     date = datetime.date.today().isoformat()
-    out = (
-        Path(a.out)
-        if a.out
-        else REPO / "bench" / "results" / f"gpu_check{'-cpu' if a.device == 'cpu' else ''}-{date}.json"
-    )
+    suffix = "-cpu" if a.device == "cpu" else ""
+    out = Path(a.out) if a.out else REPO / "bench" / "results" / f"gpu_check{suffix}-{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"written: {out} ({report['total_s']:.0f} s)")

@@ -8,34 +8,58 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import speed
+from gpu_numerics import Skip, bnb_or_skip, build_numerics_model, check_attention, check_qlora, free_port
 
+# By value: what only a GPU can show first (the guide's run and its memory against the plan), then the numerics,
+# then the resume paths, then what a run on one GPU skips or what needs more than the device budget.
 CHECKS = [
     "lora_world1",
-    "lora_world2",
+    "memory_vs_plan",
     "attention",
     "qlora",
-    "offload_loading",
-    "bnb_optimizers",
     "kill_resume",
-    "memory_vs_plan",
+    "bnb_optimizers",
+    "lora_world2",
+    "offload_loading",
     "reference_stack",
 ]
+# Outside the default run (name them in --only): the offload path has its own 2-rank test on the CPU
+# (tests/distributed/test_offload_loading.py) and reloads the 1B model twice through host memory; the reference
+# stack is a speed comparison that bench/speed.py makes too. Neither fits the device budget beside the others.
+OPT_IN = {"offload_loading", "reference_stack"}
 NEEDS_CUDA = {"memory_vs_plan"}
-# bf16 carries 8 significant bits. Two implementations of the same attention (or the same dequantized weights
-# through two matmul paths) round differently by up to ~1 ulp per element; the loss averages such errors over all
-# tokens, so its relative difference stays well under 2 ulps of bf16. This is the tolerance for "equal losses".
-BF16_LOSS_RTOL = 2.0**-7
+# Seconds each check may take on one H200 with the 1B model (its timeout there; a check is started only when its
+# budget fits in what is left of the run's). Each check is a fresh process: ~10 s of imports and CUDA start, ~2 s
+# to read the 2.2 GB checkpoint from the page cache, then its work; a training step of 8 rows of 2048 tokens is
+# ~6·1.1e9·16384 ≈ 1.1e14 FLOPs, ~0.4 s at 35% of the ~790 TFLOP/s bf16 peak.
+BUDGET_S = {
+    "setup": 45,  # imports, the 1B model and data built and written, the numerics model, the matmul peak
+    "lora_world1": 50,  # the data tokenized once (the cache serves the later checks), 11 steps
+    # 3 steps, `shardtune plan`, and `shardtune plan --trace` in a fresh process: fake tensors on the CPU, 34
+    # CPU-seconds for this model on a 2-core EPYC
+    "memory_vs_plan": 70,
+    "attention": 30,  # 2 layers: 2 loads, logits, 4 timed steps each, the planted leak
+    "qlora": 35,  # 2 layers quantized and sharded, the dequantized reference, the planted control
+    "kill_resume": 60,  # 3 runs of 4 steps of 4 rows of 512 tokens (one SIGKILLed), 1 of them in a fresh process
+    "bnb_optimizers": 35,  # one 8-bit optimizer, 2 runs in this process
+    "lora_world2": 60,  # not started on one GPU
+    "offload_loading": 120,
+    "reference_stack": 90,
+}
+# The whole check on one H200, from its start (the default run's budgets add up to 325 s): with ≤ 30 s to install
+# the carried wheels, a device command of 6 minutes, so that two of them (a rerun) and two machine starts of 1-2
+# minutes each fit a 15-minute device budget.
+DEVICE_BUDGET_S = 330
+GPUS = {"lora_world2": 2}  # NCCL runs one rank per GPU
 
 
 @dataclass
@@ -55,13 +79,9 @@ class Size:
 
 
 SIZES = {
-    "1b": Size(2048, 22, 32, 4, 5632, seq_len=2048, batch=8, warmup=3, steps=8, n_train=24000),
+    "1b": Size(2048, 22, 32, 4, 5632, seq_len=2048, batch=8, warmup=3, steps=8, n_train=6000),
     "tiny": Size(64, 2, 4, 2, 128, seq_len=128, batch=4, warmup=1, steps=4, n_train=400),
 }
-
-
-class Skip(Exception):
-    """A check that cannot run here; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------------- assets
@@ -79,13 +99,10 @@ def build_assets(workdir: Path, size: Size) -> dict[str, str]:
                     max_position_embeddings=max(2048, size.seq_len), dtype="bfloat16")  # fmt: skip
     if not (data / "train.jsonl").exists():
         write_chat_dataset(data, n_train=size.n_train, n_test=20)
-    return {"model": str(model), "data": str(data)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    numerics = workdir / f"numerics-{size.hidden}"
+    if not (numerics / "config.json").exists():
+        build_numerics_model(model, numerics)
+    return {"model": str(model), "data": str(data), "numerics_model": str(numerics)}
 
 
 # ------------------------------------------------------------------------------------------ training runs
@@ -115,7 +132,7 @@ def train_argv(ctx: dict, out: Path, **flags) -> list[str]:
 
 
 def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env: dict | None = None,
-          expect_ok: bool = True, **flags) -> subprocess.CompletedProcess:  # fmt: skip
+          expect_ok: bool = True, deterministic: bool = False, **flags) -> subprocess.CompletedProcess:  # fmt: skip
     """Run `shardtune train` with the FSDP settings of `yaml` as accelerate would: one rank in this process (it has
     imported everything already), 2 ranks under torchrun, a run that is to be killed in a process of its own."""
     from shardtune.accelerate_config import accelerate_env
@@ -130,10 +147,10 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
     args = train_argv(ctx, out, **flags)
     if world == 1 and expect_ok:
         return _train_here(args, {k: v for k, v in full_env.items() if os.environ.get(k) != v})
-    cmd = [sys.executable, "-m", "shardtune", *args]
+    cmd = [sys.executable, *(["-c", DETERMINISTIC_PRELUDE] if deterministic else ["-m", "shardtune"]), *args]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               "--master_port", str(_free_port()), "-m", "shardtune", *args]  # fmt: skip
+               "--master_port", str(free_port()), "-m", "shardtune", *args]  # fmt: skip
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, check=False)
     if expect_ok and proc.returncode != 0:
         raise RuntimeError(f"shardtune train exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -172,13 +189,15 @@ def same_adapter(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def resume_check(ctx: dict, name: str, *, kill: bool = False, world: int = 1, **kw) -> dict:
+def resume_check(ctx: dict, name: str, *, kill: bool = False, world: int = 1, deterministic: bool = False,
+                 **kw) -> dict:  # fmt: skip
     """4 steps with a checkpoint every 2, against a run that resumes from checkpoint-2 (copied into a fresh output
     folder, or left by a run SIGKILLed after step 3): steps 3 and 4 and the final adapter must be identical."""
     work = Path(ctx["workdir"]) / name
     shutil.rmtree(work, ignore_errors=True)
     full, resumed = work / "full", work / "resumed"
     flags = {"save_strategy": "steps", "save_steps": 2, "max_steps": 4, **kw}
+    flags["deterministic"] = deterministic  # a run in a process of its own starts on deterministic kernels
     train(ctx, full, world=world, **flags)
     if kill:
         proc = train(ctx, resumed, world=world, env={"SHARDTUNE_FAULT": "step:3:0"}, expect_ok=False, **flags)
@@ -207,7 +226,7 @@ def check_lora(ctx: dict, world: int) -> dict:
     """The guide's LoRA run, timed step by step (bench/speed.py's worker), MFU and HFU against the measured peak."""
     import torch
 
-    if ctx["device"] == "cuda" and torch.cuda.device_count() < world:
+    if ctx["device"] == "cuda" and torch.cuda.device_count() < world:  # the parent does not start it then
         raise Skip(f"needs {world} GPUs: NCCL runs one rank per GPU ({torch.cuda.device_count()} here)")
     size = Size(**ctx["size"])
     s = speed.Settings(model="gpu_check", seq_len=size.seq_len, batch=size.batch, warmup=size.warmup,
@@ -245,133 +264,6 @@ def check_lora(ctx: dict, world: int) -> dict:
     }
 
 
-def _packed_batch(ctx: dict, device: str):
-    """Rows of whole documents (lengths drawn from 16 to seq_len/4), position ids restarting per document, each
-    document's last position without a target: what packing produces."""
-    import torch
-
-    size = Size(**ctx["size"])
-    gen = torch.Generator().manual_seed(0)
-    rows = max(1, size.batch // 2)
-    ids = torch.randint(3, ctx["base_vocab"], (rows, size.seq_len), generator=gen)
-    pos = torch.empty_like(ids)
-    labels = torch.full_like(ids, -100)
-    for r in range(rows):
-        i = 0
-        while i < size.seq_len:
-            n = min(int(torch.randint(16, max(17, size.seq_len // 4), (1,), generator=gen)), size.seq_len - i)
-            pos[r, i : i + n] = torch.arange(n)
-            labels[r, i : i + n - 1] = ids[r, i + 1 : i + n]
-            i += n
-    return ids.to(device), pos.to(device), labels.to(device)
-
-
-def _time_loss(model, batch, device: str, reps: int) -> tuple[float, float]:
-    """(loss, median seconds of forward + backward)."""
-
-    times, loss = [], None
-    for i in range(reps + 1):
-        speed._sync(device)
-        t0 = time.perf_counter()
-        total, n = model(*batch)
-        (total / n).backward()
-        speed._sync(device)
-        if i:  # the first call picks kernels
-            times.append(time.perf_counter() - t0)
-        loss = float(total.detach() / n)
-        model.zero_grad(set_to_none=True)
-    return loss, statistics.median(times)
-
-
-def check_attention(ctx: dict) -> dict:
-    import torch
-
-    from shardtune import fastpath, modeling
-
-    device = ctx["device"]
-    batch = _packed_batch(ctx, device)
-    variants = {"per_document_sdpa": (fastpath.register_attention(), True),
-                "sdpa_packed_mask": (fastpath.register_attention(), False)}  # fmt: skip
-    skipped = {}
-    if device == "cuda" and importlib.util.find_spec("flash_attn"):
-        variants["flash_attn_varlen"] = ("flash_attention_2", False)
-    else:
-        skipped["flash_attn_varlen"] = "needs CUDA" if device != "cuda" else "flash_attn is not installed"
-    out = {}
-    for name, (impl, per_doc) in variants.items():
-        base = modeling.load_base_model(ctx["model"], dtype=torch.bfloat16, attn_impl=impl, trust_remote_code=False)
-        base.to(device).requires_grad_(True)
-        model = modeling.CausalLMForTraining(base, per_document_attention=per_doc)
-        loss, seconds = _time_loss(model, batch, device, reps=3)
-        out[name] = {"loss": loss, "seconds": seconds}
-        del model, base
-    ref = out["sdpa_packed_mask"]["loss"]
-    return {
-        "variants": out,
-        "not_run": skipped,
-        "losses_equal": all(abs(v["loss"] - ref) <= BF16_LOSS_RTOL * abs(ref) for v in out.values()),
-        "rtol": BF16_LOSS_RTOL,
-    }
-
-
-def _bnb_or_skip():
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise Skip("bitsandbytes is not installed (pip install 'shardtune[qlora]')")
-
-
-def check_qlora(ctx: dict) -> dict:
-    """One rank: the sharded 4-bit model's loss on a packed batch against a bf16 model whose linear weights are the
-    4-bit weights dequantized (the adapter starts at zero, so both compute the same function)."""
-    _bnb_or_skip()
-    import bitsandbytes as bnb
-    import torch
-
-    from shardtune import modeling, quant
-    from shardtune.builder import ModelSpec
-    from shardtune.distributed.mesh import init_distributed
-    from shardtune.distributed.setup import build_sharded_model
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))  # fmt: skip
-    info = init_distributed("FULL_SHARD")
-    qcfg = modeling.bnb_config(use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="bfloat16",
-                               nested=True, storage_dtype_name="bfloat16")  # fmt: skip
-    attn = modeling.attn_implementation(False, ctx["device"])
-    # No new tokens: new embedding rows are initialised at random, differently here and in the reference.
-    spec = ModelSpec(model_name_or_path=ctx["model"], dtype=torch.bfloat16, n_tokens=ctx["base_vocab"],
-                     param_dtype=torch.bfloat16, attn_impl=attn, quantization_config=qcfg)  # fmt: skip
-    if ctx["device"] == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    model = build_sharded_model(spec, info)
-    batch = _packed_batch(ctx, ctx["device"])
-    total, n = model(*batch)
-    (total / n).backward()
-    loss = float(total.detach() / n)
-    memory = torch.cuda.max_memory_allocated() / 2**30 if ctx["device"] == "cuda" else None
-    deq = {}
-    for name, layer in quant.linear4bit_modules(model):
-        key = name[name.index("layers.") :].removesuffix(".base_layer")
-        deq[key] = bnb.functional.dequantize_4bit(layer.weight.full_tensor(), layer.quant_state).to(torch.bfloat16)
-    ref = modeling.load_base_model(ctx["model"], dtype=torch.bfloat16, attn_impl=attn, trust_remote_code=False)
-    for name, mod in ref.named_modules():
-        key = name[name.index("layers.") :] if "layers." in name else None
-        if key in deq:
-            mod.weight.data.copy_(deq.pop(key).reshape(mod.weight.shape))
-    if deq:
-        raise RuntimeError(f"4-bit layers without a bf16 counterpart: {sorted(deq)[:3]}")
-    with torch.no_grad():
-        ref_total, ref_n = modeling.CausalLMForTraining(ref.to(ctx["device"]))(*batch)
-    ref_loss = float(ref_total / ref_n)
-    return {
-        "loss": loss,
-        "reference_loss": ref_loss,
-        "loss_equal": abs(loss - ref_loss) <= BF16_LOSS_RTOL * abs(ref_loss),
-        "rtol": BF16_LOSS_RTOL,
-        "packed_mib_per_rank": quant.quantized_bytes(model)["packed_local"] / 2**20,
-        "memory_gb_per_rank": memory,
-    }
-
-
 def check_offload_loading(ctx: dict) -> dict:
     import torch
 
@@ -386,14 +278,53 @@ def check_offload_loading(ctx: dict) -> dict:
     return {**out, "world": world, "quantized": quantized, "notes": notes}
 
 
+def _resume_shape(ctx: dict) -> dict:
+    """The resume checks' rows: what they prove does not depend on the step's size, so 4 rows of at most 512
+    tokens (the run's time is the processes' start and the checkpoint, not the steps)."""
+    return {
+        "max_seq_len": min(512, ctx["size"]["seq_len"]),
+        "per_device_train_batch_size": min(4, ctx["size"]["batch"]),
+    }
+
+
 def check_bnb_optimizers(ctx: dict) -> dict:
-    _bnb_or_skip()
-    optims = ("adamw_8bit", "paged_adamw_8bit")
-    return {"optimizers": {optim: resume_check(ctx, f"optim-{optim}", optim=optim) for optim in optims}}
+    """paged_adamw_8bit: bitsandbytes' 8-bit AdamW states (adamw_8bit's) in paged memory, saved and resumed."""
+    bnb_or_skip()
+    optim = "paged_adamw_8bit"
+    return {"optimizers": {optim: resume_check(ctx, f"optim-{optim}", optim=optim, **_resume_shape(ctx))}}
+
+
+# What CUDA needs to compute the same steps bit for bit twice: cuBLAS's fixed workspace (read when cuBLAS starts,
+# so set before the check's first CUDA work and inherited by the runs it starts), torch's deterministic kernels
+# (warn_only: an op without one warns, and the warnings are reported) and cuDNN without autotuning.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISTIC_PRELUDE = (
+    "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
+    "torch.backends.cudnn.deterministic = True; torch.backends.cudnn.benchmark = False; "
+    "from shardtune.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def deterministic() -> None:
+    """This process's runs, and the ones it starts, on deterministic kernels (see DETERMINISTIC_ENV)."""
+    import torch
+
+    os.environ.update(DETERMINISTIC_ENV)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def check_kill_resume(ctx: dict) -> dict:
-    return resume_check(ctx, "kill_resume", kill=True)
+    """Bit for bit on deterministic kernels (see DETERMINISTIC_ENV); on the CPU they are so already."""
+    import warnings
+
+    deterministic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = resume_check(ctx, "kill_resume", kill=True, deterministic=True, **_resume_shape(ctx))
+    nondeterministic = sorted({str(w.message)[:200] for w in caught if "deterministic" in str(w.message)})
+    return {**out, "deterministic": {**DETERMINISTIC_ENV, "use_deterministic_algorithms": True},
+            "nondeterministic_ops": nondeterministic}  # fmt: skip
 
 
 def check_memory_vs_plan(ctx: dict) -> dict:
@@ -407,12 +338,11 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
-    from shardtune import trainer
+    from shardtune import cli, cuda_allocator, trainer
     from shardtune.accelerate_config import accelerate_env
-    from shardtune.plan import main as plan_main
-    from shardtune.train import main as train_main
 
     out = Path(ctx["workdir"]) / "memory_vs_plan"
+    shutil.rmtree(out, ignore_errors=True)  # a second run on the same machine starts afresh
     os.environ.update(accelerate_env(_yaml(ctx, 1)))
     os.environ.pop("ACCELERATE_USE_CPU", None)
     argv = train_argv(ctx, out, max_steps=3)
@@ -426,20 +356,21 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     trainer.train_step = recording
     torch.cuda.reset_peak_memory_stats()
-    if train_main(argv[1:]) != 0:
+    if cli.run_command("train", argv[1:]) != 0:
         raise RuntimeError("shardtune train failed")
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
     # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
     # constant comes from"): the device memory in use outside torch's allocator (CUDA context, cuBLAS/NCCL
-    # buffers: CUDA_CONTEXT_BYTES) and this process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
+    # buffers: CUDA_CONTEXT_BYTES; the parent's own context, which measured the matmul peak, left out) and this
+    # process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
     free, total = torch.cuda.mem_get_info()
-    outside_allocator = total - free - torch.cuda.memory_reserved()
+    outside_allocator = total - free - torch.cuda.memory_reserved() - ctx["parent_device_bytes"]
     import resource
 
     host_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        if plan_main([*argv[1:], "--json", "True"]) != 0:
+        if cli.run_command("plan", [*argv[1:], "--json", "True"]) != 0:
             raise RuntimeError("shardtune plan failed")
     plan = json.loads(buf.getvalue())
     weights = plan["device"]["frozen base weights"] + plan["device"]["trainable weights"]
@@ -448,7 +379,8 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     return {
         # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
         # setting this process ran with (shardtune.cuda_allocator): the replay's rules against the real allocator
-        "replayed_gib": {k: v / gib for k, v in replay.items()},
+        "replayed_gib": {k: v / gib for k, v in replay.items() if k != "reserved_by_stream"},
+        "replayed_reserved_by_stream_gib": {k: v / gib for k, v in replay["reserved_by_stream"].items()},
         "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],
         "measured_gib": {**{k: v / gib for k, v in measured.items()}, "weights": at_first_step[0] / gib},
         "plan_gib": {
@@ -461,7 +393,10 @@ def check_memory_vs_plan(ctx: dict) -> dict:
         "reserved_over_plan": measured["reserved"] / plan["reserved_bytes"],
         # what ALLOCATOR_OVERHEAD(_EXPANDABLE) stands for, as this run measures it (no published row)
         "reserved_over_allocated": measured["reserved"] / measured["allocated"],
-        "expandable_segments": plan["allocator"]["expandable_segments"],
+        # the plan estimates for the setting this process trained with (shardtune.cli.prepare_process set it)
+        "allocator": cuda_allocator.describe(),
+        "expandable_segments": cuda_allocator.expandable_segments(),
+        "plan_expandable_segments": plan["allocator"]["expandable_segments"],
         "outside_allocator_gib": outside_allocator / gib,
         "host_peak_rss_gib": host_peak_rss / gib,
         "weights_over_plan": at_first_step[0] / weights,

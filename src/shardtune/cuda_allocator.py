@@ -1,11 +1,13 @@
 """The CUDA caching allocator settings shardtune's processes run with.
 
 When the user has set no allocator configuration, shardtune sets PYTORCH_ALLOC_CONF=expandable_segments:True before
-anything touches CUDA (`shardtune <command>` does it first; torchrun/accelerate workers inherit it or redo it). With
-expandable segments each stream's large pool grows one mapping in 20 MiB pages instead of taking a new cudaMalloc
-segment whenever no cached block is large enough, so blocks freed in one size serve later requests of another.
-Replaying the allocation history of shardtune's own steps through the allocator's rules (bench/allocator_replay.py,
-docs/plan.md "The caching allocator") reserves 1-9% less with it over the calibration runs.
+anything touches CUDA (`shardtune.cli.run_command`, the entry of every command, does it first, for the script,
+`python -m shardtune` and a command's `main` called in process alike; torchrun/accelerate workers inherit it or
+redo it). With expandable segments each stream's large pool grows one mapping in 20 MiB pages instead of taking a
+new cudaMalloc segment whenever no cached block is large enough, so blocks freed in one size serve later requests
+of another. Replaying the allocation history of shardtune's own steps through the allocator's rules
+(bench/allocator_replay.py, docs/plan.md "The caching allocator") reserves 1-9% less with it over the calibration
+runs.
 
 torch reads PYTORCH_ALLOC_CONF, and when it is unset the older PYTORCH_CUDA_ALLOC_CONF (PYTORCH_HIP_ALLOC_CONF on
 ROCm); a configuration the user set in any of them is kept as it is (`expandable_segments:False` turns this off).

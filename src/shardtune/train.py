@@ -25,7 +25,13 @@ EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """`shardtune train` called in this process: through the entry every command starts by (shardtune.cli)."""
+    from shardtune.cli import run_command
+
+    return run_command("train", list(sys.argv[1:] if argv is None else argv))
+
+
+def command(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from transformers import HfArgumentParser
 

@@ -13,13 +13,15 @@ import pytest
 
 from tests.conftest import ROOT
 
-CHECKS = "lora_world1,attention,qlora,kill_resume,memory_vs_plan"
+CHECKS = "lora_world1,memory_vs_plan,attention,qlora,kill_resume"  # in the check's own order
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        env.pop(name, None)  # the checks start with shardtune's default, as a command would
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--only", CHECKS,
            "--workdir", str(tmp / "work"), "--out", str(tmp / "gpu_check.json")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
@@ -52,27 +54,83 @@ def test_lora_loss_falls_and_mfu_hfu_follow_the_flop_model(report):
     assert 0 < r["mfu"] < r["hfu"]
 
 
-def test_attention_paths_give_the_same_loss(report):
+def _numerics_hold_and_controls_fail(report, name: str, compared: list[dict]) -> None:
+    """Each comparison is inside its bf16 tolerance and the planted error far outside it (the JSON and the table
+    say so)."""
+    r = report[0]["checks"][name]
+    row = next(line for line in report[1].splitlines() if line.startswith(name))
+    assert r["status"] == "ok" and r["elements"] > 1000 and "control failed" in row
+    for c in compared:
+        assert c["max_abs_diff"] <= c["tol"] and c["equal"]
+    ctl = r["control"]
+    assert ctl["failed"] and not ctl["equal"] and ctl["max_abs_diff"] > 5 * ctl["tol"], ctl
+
+
+def test_attention_paths_give_the_same_logits_and_a_leak_fails(report):
     r = report[0]["checks"]["attention"]
-    assert r["status"] == "ok" and r["losses_equal"]
-    losses = [v["loss"] for v in r["variants"].values()]
-    assert set(r["variants"]) == {"per_document_sdpa", "sdpa_packed_mask"}
-    assert max(losses) - min(losses) <= r["rtol"] * min(losses) and all(
-        v["seconds"] > 0 for v in r["variants"].values()
-    )
+    assert list(r["variants"]) == ["sdpa_packed_mask", "per_document_sdpa"]
+    assert all(v["seconds"] > 0 for v in r["variants"].values())
+    _numerics_hold_and_controls_fail(report, "attention", [r["variants"]["per_document_sdpa"]])
+    assert r["logits_equal"] and "cross-document leak" in r["control"]["planted"]
     assert r["not_run"] == {"flash_attn_varlen": "needs CUDA"}
 
 
-def test_qlora_equals_the_dequantized_bf16_model(report):
+def test_qlora_equals_the_dequantized_bf16_model_and_a_wrong_scale_fails(report):
     r = report[0]["checks"]["qlora"]
     if importlib.util.find_spec("bitsandbytes") is None:
         assert r["status"] == "skipped" and "shardtune[qlora]" in r["reason"]
         return
-    assert r["status"] == "ok" and r["loss_equal"] and r["packed_mib_per_rank"] > 0
-    assert abs(r["loss"] - r["reference_loss"]) <= r["rtol"] * r["reference_loss"]
+    _numerics_hold_and_controls_fail(report, "qlora", [r])
+    assert "doubled scales" in r["control"]["planted"] and r["packed_mib_per_rank"] > 0
 
 
 def test_killed_run_resumes_bit_for_bit(report):
     r = report[0]["checks"]["kill_resume"]
-    assert r["status"] == "ok" and r["resume_equal"]
+    assert r["status"] == "ok" and r["resume_equal"] and r["max_rel_diff"] == 0
     assert r["resumed_losses"] == r["losses"][2:4] and len(r["losses"]) == 4
+    assert r["deterministic"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_every_check_ran_under_the_commands_allocator_setting(report):
+    data, stdout = report
+    assert data["allocator"] == "PYTORCH_ALLOC_CONF=expandable_segments:True"
+    assert {r.get("allocator") for r in data["checks"].values() if r["status"] != "skipped"} == {data["allocator"]}
+    assert "budget: " in stdout and data["budget_s"]["device"] == 330
+
+
+def test_versions_out_of_pyproject_ranges_stop_the_run(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+
+    real = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "peft": "0.18.0", "datasets": "5.2.0"}
+    fake = lambda v: lambda name: v.get(name, real.get(name, "99"))
+    low = gpu_check.version_problems(fake({"torch": "2.10.0+cu128", "datasets": None, "trl": None}))
+    assert "torch 2.10.0+cu128 is out of range (needs <2.14,>=2.11)" in low
+    assert "datasets is not installed (needs <5.3,>=5.2)" in low
+    assert not any("trl" in p for p in low)  # optional: its check skips
+    assert "transformers 5.25.0 is out of range" in " ".join(
+        gpu_check.version_problems(fake({"transformers": "5.25.0"}))
+    )
+    ok = {**real, "safetensors": "0.8.0", "huggingface_hub": "1.33.0", "tokenizers": "0.23.2", "pyyaml": "6.0",
+          "tqdm": "4.67", "psutil": "7.0", "bitsandbytes": None, "trl": None, "accelerate": "1.15.0"}  # fmt: skip
+    assert gpu_check.version_problems(lambda name: ok.get(name, "0")) == []
+    monkeypatch.setattr(gpu_check, "_installed", fake({"torch": "2.10.0"}))
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gpu_check: torch 2.10.0 is out of range (needs <2.14,>=2.11)") and err.count("\n") == 1
+    assert not (tmp_path / "w").exists()  # stopped before anything ran
+
+
+def test_a_numerics_check_whose_control_passes_fails(monkeypatch):
+    """A comparison that cannot see its planted error proves nothing: the check fails, whatever its own result."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+
+    seen, blind = {"failed": True, "over_tol": 29.0}, {"failed": False, "over_tol": 0.0}
+    assert not gpu_check._failed("attention", {"logits_equal": True, "control": seen})
+    assert gpu_check._failed("attention", {"logits_equal": True, "control": blind})
+    assert gpu_check._failed("attention", {"logits_equal": False, "control": seen})
+    assert not gpu_check._failed("qlora", {"equal": True, "control": seen})
+    assert gpu_check._failed("qlora", {"equal": True, "control": blind})
+    row = gpu_check._summary("qlora", {"status": "fail", "over_tol": 0.0, "control": blind, "packed_mib_per_rank": 1})
+    assert "control PASSED (0.0x tol)" in row

@@ -3,14 +3,18 @@ them."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 
 import pytest
+import tomllib
+import torch
 
 from shardtune import cli, cuda_allocator
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE
 from shardtune.planning.known_configs import known_config
+from tests.conftest import ROOT
 
 
 def test_default_applies_only_when_the_user_set_nothing():
@@ -68,3 +72,48 @@ def test_every_command_starts_with_the_setting(monkeypatch, tmp_path, capsys):
         dynamic = terms["other streams"] - terms["resident"]
         assert terms["fragmentation"] == int(frag * dynamic)
     assert off["reserved_bytes"] > default["reserved_bytes"]
+
+
+def _unset(monkeypatch):
+    for name in cuda_allocator.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("user", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")])
+def test_train_called_in_process_starts_with_the_setting(monkeypatch, user):
+    """`shardtune.train.main` in another program's process (bench/speed.py, the device check) goes through the same
+    entry as the script: the variable is set before the command runs, and a user's own configuration is kept."""
+    from shardtune import train
+
+    _unset(monkeypatch)
+    if user:
+        monkeypatch.setenv(*user)
+    seen = {}
+    monkeypatch.setattr(train, "command", lambda argv: seen.update(argv=argv, env=dict(os.environ)) or 0)
+    assert train.main(["--output_dir", "x"]) == 0
+    assert seen["argv"] == ["--output_dir", "x"]
+    got = {k: seen["env"].get(k) for k in cuda_allocator.VARIABLES if seen["env"].get(k)}
+    assert got == ({user[0]: user[1]} if user else {"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+
+
+def test_every_entry_point_goes_through_run_command(monkeypatch):
+    """The `shardtune` script and `python -m shardtune` are cli.main, which runs each command by run_command."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"shardtune": "shardtune.cli:main"}
+    tree = ast.parse((ROOT / "src" / "shardtune" / "__main__.py").read_text())
+    assert "from shardtune.cli import main" in ast.unparse(tree) and "SystemExit(main())" in ast.unparse(tree)
+    calls = []
+    monkeypatch.setattr(cli, "run_command", lambda name, argv: calls.append((name, argv)) or 0)
+    assert cli.main(["plan", "--json", "True"]) == 0
+    assert calls == [("plan", ["--json", "True"])]
+
+
+def test_a_setting_that_comes_too_late_is_reported(monkeypatch, caplog):
+    """A program that started CUDA before calling a command in its process is told that the setting cannot apply."""
+    _unset(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    cli.prepare_process()
+    assert "CUDA started before shardtune set PYTORCH_ALLOC_CONF=expandable_segments:True" in caplog.text
+    caplog.clear()
+    cli.prepare_process()  # set now: nothing to say
+    assert caplog.text == ""

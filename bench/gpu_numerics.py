@@ -1,0 +1,275 @@
+"""The numerics checks of bench/gpu_check.py: two computations of the same logits compared element by element,
+each with a planted error that the same comparison must report.
+
+Both run on the numerics model: the check's model (its widths, heads and vocabulary) cut to NUMERICS_LAYERS
+decoder layers, every weight drawn again at unit gain (a linear layer's std 1/sqrt(fan_in), embeddings std 1;
+seeded). At shardtune.demo's init (std 0.02) the decoder barely moves the logits: zeroing every decoder weight
+changed the 1B model's loss by 2.9e-3 and a cross-document leak by 6.6e-4, both inside any bf16 tolerance. At unit
+gain each layer changes its input by its own size, and the same changes move logits by about their RMS (measured
+on the CPU at the 1B widths, 2 layers, 2 rows of 2048 tokens: a leak 3.9x, a zeroed decoder 4.4x the logits' RMS;
+two attention paths 0.031x). The attention paths and the 4-bit matmul differ per layer, so more layers would add
+rounding noise (the tolerance grows with the square root of the chain) without testing anything new.
+
+Tolerance (tests/tolerance.py, tol_rounding): each compared logit is a sum over the hidden size of values that
+went through ROUNDINGS roundings to bf16 on each side; their errors add in quadrature, so a logit's difference has
+a standard deviation of u·sqrt(2·ROUNDINGS/3) times the logits' RMS, and the bound is 8 of those. For 2 layers:
+ROUNDINGS = 26, tol = 0.13 x RMS; measured on the CPU, the attention paths reach 0.24 of it and a leak 30 times it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import speed
+
+NUMERICS_LAYERS = 2
+# Roundings to bf16 along the path of one value through a Llama layer: the input norm's output, the q (or k or v)
+# projection, RoPE, the attention probabilities and output, o_proj, the residual add, the post-attention norm,
+# gate (or up), SiLU, the product, down_proj and the residual add: 12 (taking the longest branch each time). Then
+# the final norm and the head.
+ROUNDINGS_PER_LAYER = 12
+ROUNDINGS = NUMERICS_LAYERS * ROUNDINGS_PER_LAYER + 2
+
+
+def build_numerics_model(model_dir: Path, out: Path) -> None:
+    """The check's model cut to NUMERICS_LAYERS layers, weights drawn again at unit gain (seeded), saved in bf16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg.num_hidden_layers = NUMERICS_LAYERS
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen) / mod.in_features**0.5)
+            elif isinstance(mod, torch.nn.Embedding):
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=gen))
+    model.to(torch.bfloat16).save_pretrained(out)
+
+
+def compare(ref, got) -> dict:
+    """Element by element: the largest |got - ref| against the bf16 tolerance over the reference's RMS."""
+    import torch
+
+    from tests.tolerance import tol_rounding  # imports torch: not before bench/gpu_check.py checked its version
+
+    tol = tol_rounding(torch.bfloat16, ROUNDINGS)
+    rms = float(ref.float().pow(2).mean().sqrt())
+    diff = float((got.float() - ref.float()).abs().max())
+    return {"max_abs_diff": diff, "tol": tol * rms, "over_tol": diff / (tol * rms), "equal": diff <= tol * rms}
+
+
+def _control(planted: str, result: dict) -> dict:
+    """A planted error's comparison: it must fail (`failed`), else the check cannot see an error of its kind."""
+    return {"planted": planted, "failed": not result["equal"], **result}
+
+
+def target_logits(model, batch):
+    """The logits at every target position, through the model's own forward (so that FSDP's hooks run): its loss
+    chunks, recorded as they are computed."""
+    import torch
+    import torch.nn.functional as F
+
+    chunks = []
+
+    def record(h, y):
+        z = model.chunk_logits(h)
+        chunks.append(z.float())
+        return F.cross_entropy(z, y, reduction="sum")
+
+    model._chunk_loss = record  # an instance attribute: the class's method again after the del below
+    try:
+        with torch.no_grad():
+            model(*batch)
+    finally:
+        del model._chunk_loss
+    return torch.cat(chunks)
+
+
+@contextlib.contextmanager
+def leaking_documents():
+    """The planted error of the attention check: the per-document spans computed as if each row were one document
+    (the RoPE positions still restart), so every token also attends to the documents before it in its row."""
+    import torch
+
+    from shardtune import fastpath
+
+    real = fastpath.packed_documents
+    fastpath.packed_documents = lambda pos, *a, **kw: real(torch.arange(pos.shape[1], device=pos.device).expand_as(pos))
+    try:
+        yield
+    finally:
+        fastpath.packed_documents = real
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def packed_batch(ctx: dict, device: str):
+    """Rows of whole documents (lengths drawn from 16 to seq_len/4), position ids restarting per document, each
+    document's last position without a target: what packing produces."""
+    import torch
+
+    size = ctx["size"]
+    gen = torch.Generator().manual_seed(0)
+    rows, seq = max(1, size["batch"] // 2), size["seq_len"]
+    ids = torch.randint(3, ctx["base_vocab"], (rows, seq), generator=gen)
+    pos = torch.empty_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r in range(rows):
+        i = 0
+        while i < seq:
+            n = min(int(torch.randint(16, max(17, seq // 4), (1,), generator=gen)), seq - i)
+            pos[r, i : i + n] = torch.arange(n)
+            labels[r, i : i + n - 1] = ids[r, i + 1 : i + n]
+            i += n
+    return ids.to(device), pos.to(device), labels.to(device)
+
+
+def _time_step(model, batch, device: str, reps: int) -> float:
+    """Median seconds of forward + backward of the loss (the first call picks kernels and is not counted)."""
+    times = []
+    for i in range(reps + 1):
+        speed._sync(device)
+        t0 = time.perf_counter()
+        total, n = model(*batch)
+        (total / n).backward()
+        speed._sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def check_attention(ctx: dict) -> dict:
+    """Per-document SDPA (shardtune's fast path) and flash-attention 2 varlen (where installed) against
+    transformers' SDPA with the packed (block-diagonal) mask: the logits at every target, element by element; the
+    planted control, per-document SDPA with a cross-document leak, must fail the same comparison."""
+    import torch
+
+    from shardtune import fastpath, modeling
+
+    device = ctx["device"]
+    batch = packed_batch(ctx, device)
+    variants = {"sdpa_packed_mask": (fastpath.register_attention(), False),
+                "per_document_sdpa": (fastpath.register_attention(), True)}  # fmt: skip
+    not_run = {}
+    if device == "cuda" and importlib.util.find_spec("flash_attn"):
+        variants["flash_attn_varlen"] = ("flash_attention_2", False)
+    else:
+        not_run["flash_attn_varlen"] = "needs CUDA" if device != "cuda" else "flash_attn is not installed"
+    logits, seconds, out = {}, {}, {}
+    for name, (impl, per_doc) in variants.items():
+        base = modeling.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=impl,
+                                        trust_remote_code=False)  # fmt: skip
+        model = modeling.CausalLMForTraining(base.to(device).requires_grad_(True), per_document_attention=per_doc)
+        logits[name] = target_logits(model, batch)
+        seconds[name] = _time_step(model, batch, device, reps=3)
+        if per_doc:
+            with leaking_documents():
+                control = compare(logits["sdpa_packed_mask"], target_logits(model, batch))
+        del model, base
+    ref = logits["sdpa_packed_mask"]
+    for name in variants:
+        out[name] = {"seconds": seconds[name], **(compare(ref, logits[name]) if name != "sdpa_packed_mask" else {})}
+    return {
+        "variants": out,
+        "not_run": not_run,
+        "logits_equal": all(v.get("equal", True) for v in out.values()),
+        "control": _control("per_document_sdpa with a cross-document leak", control),
+        "elements": ref.numel(),
+    }
+
+
+def bnb_or_skip():
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise Skip("bitsandbytes is not installed: carry its wheel (docs/gpu.md) or pip install 'shardtune[qlora]'")
+
+
+class Skip(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+def check_qlora(ctx: dict) -> dict:
+    """One rank: the sharded 4-bit model (shardtune's loader, FSDP2) against a bf16 model holding its 4-bit weights
+    dequantized (the adapter starts at zero, so both compute the same function): the logits at every target,
+    element by element. The planted control, one layer dequantized with its scales (absmax) doubled, must fail."""
+    bnb_or_skip()
+    import torch
+
+    from shardtune import modeling, quant
+    from shardtune.builder import ModelSpec
+    from shardtune.distributed.mesh import init_distributed
+    from shardtune.distributed.setup import build_sharded_model
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))  # fmt: skip
+    info = init_distributed("FULL_SHARD")
+    qcfg = modeling.bnb_config(use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="bfloat16",
+                               nested=True, storage_dtype_name="bfloat16")  # fmt: skip
+    attn = modeling.attn_implementation(False, ctx["device"])
+    # No new tokens: new embedding rows are initialised at random, differently here and in the reference.
+    spec = ModelSpec(model_name_or_path=ctx["numerics_model"], dtype=torch.bfloat16, n_tokens=ctx["base_vocab"],
+                     param_dtype=torch.bfloat16, attn_impl=attn, quantization_config=qcfg)  # fmt: skip
+    model = build_sharded_model(spec, info)
+    batch = packed_batch(ctx, ctx["device"])
+    got = target_logits(model, batch)
+    deq = _dequantized(model)
+    ref_model = modeling.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=attn,
+                                         trust_remote_code=False)  # fmt: skip
+    ref_model = modeling.CausalLMForTraining(_with_weights(ref_model, deq).to(ctx["device"]))
+    result = compare(target_logits(ref_model, batch), got)
+    planted = next(iter(deq))
+    wrong = {**deq, planted: deq[planted] * 2}  # every block of one layer with its absmax doubled
+    _with_weights(ref_model.model, wrong)
+    control = compare(target_logits(ref_model, batch), got)
+    return {
+        **result,
+        "control": _control(f"{planted} dequantized with doubled scales", control),
+        "elements": got.numel(),
+        "packed_mib_per_rank": quant.quantized_bytes(model)["packed_local"] / 2**20,
+    }
+
+
+def _dequantized(model) -> dict:
+    """Each 4-bit layer's weight dequantized to bf16, by the name of its layer (`layers.<i>....`)."""
+    import bitsandbytes as bnb
+    import torch
+
+    from shardtune import quant
+
+    out = {}
+    for name, layer in quant.linear4bit_modules(model):
+        key = name[name.index("layers.") :].removesuffix(".base_layer")
+        w = layer.weight  # a DTensor shard, or the whole (unsharded) weight after a forward of the root's
+        w = w.full_tensor() if hasattr(w, "full_tensor") else w
+        out[key] = bnb.functional.dequantize_4bit(w, layer.quant_state).to(torch.bfloat16)
+    return out
+
+
+def _with_weights(model, weights: dict):
+    """Copy the dequantized weights into the bf16 model's layers of the same names."""
+    left = dict(weights)
+    for name, mod in model.named_modules():
+        key = name[name.index("layers.") :] if "layers." in name else None
+        if key in left:
+            mod.weight.data.copy_(left.pop(key).reshape(mod.weight.shape))
+    if left:
+        raise RuntimeError(f"4-bit layers without a bf16 counterpart: {sorted(left)[:3]}")
+    return model
