@@ -3,6 +3,7 @@ model, train, export. Each step is a call into the component that owns it (docs/
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -233,12 +234,27 @@ def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) 
 
 def _load_tokenizer(cfg: RunConfig):
     m = cfg.model
-    return modeling.load_tokenizer(
-        m.model_name_or_path,
-        tokenizer_name_or_path=m.tokenizer_name_or_path,
-        chat_template_format=m.chat_template_format,
-        trust_remote_code=m.trust_remote_code,
-    )
+    try:
+        return modeling.load_tokenizer(
+            m.model_name_or_path,
+            tokenizer_name_or_path=m.tokenizer_name_or_path,
+            chat_template_format=m.chat_template_format,
+            trust_remote_code=m.trust_remote_code,
+        )
+    except json.JSONDecodeError as e:  # a damaged file the preflight did not read
+        raise _tokenizer_error(cfg, e) from e
+    except ValueError:  # shardtune's own (a chat format the tokenizer cannot take): names its flag already
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions for files it cannot parse
+        raise _tokenizer_error(cfg, e) from e
+
+
+def _tokenizer_error(cfg: RunConfig, e: Exception) -> ValueError:
+    from shardtune.preflight import tokenizer_load_error
+
+    m = cfg.model
+    flag = "--tokenizer_name_or_path" if m.tokenizer_name_or_path else "--model_name_or_path"
+    return tokenizer_load_error(m.tokenizer_name_or_path or m.model_name_or_path, flag, e)
 
 
 def _optimizer_and_scheduler(cfg: RunConfig, model, total: int):
