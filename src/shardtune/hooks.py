@@ -8,7 +8,9 @@ Hooks come from the environment, read each time a point is reached (so torchrun'
   signal, or raises "No space left on device" (ENOSPC), at the point. Points: `step` (after optimizer step `step`
   and its log line; reached through the loop's step callbacks, `step_callbacks`), `save` (mid-save: this rank's
   files of checkpoint-<step> written, the folder not yet renamed), `export` (the final adapter or model files
-  written to their temporary folder, not yet moved into place; `step` is the last step).
+  written to their temporary folder, not yet moved into place; `step` is the last step), `tokenize` (a split's
+  tokenizing tasks handed to the worker processes, which are running; `step` is 0) and `load` (the data prepared,
+  the model about to be loaded; `step` is 0). KILL, TERM and INT test what a signal does at that stage.
 - `SHARDTUNE_LOAD_LOG=<dir>`: a rank that reads the model's checkpoint files touches `<dir>/loaded-rank<r>`
   (point `checkpoint_read`), so that tests can see which ranks read the weights.
 
@@ -26,7 +28,8 @@ from pathlib import Path
 
 FAULT_ENV = "SHARDTUNE_FAULT"
 LOAD_LOG_ENV = "SHARDTUNE_LOAD_LOG"
-POINTS = ("step", "save", "export", "checkpoint_read")
+POINTS = ("step", "save", "export", "tokenize", "load", "checkpoint_read")
+FAULT_POINTS = POINTS[:-1]
 
 _hooks: dict[str, list[Callable[..., None]]] = {}
 
@@ -72,8 +75,10 @@ def _from_env(point: str) -> list[Callable[..., None]]:
 
 def _fault(spec: str) -> tuple[str, Callable[..., None]]:
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("step", "save", "export"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save|export>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>].")
+    if len(parts) not in (3, 4) or parts[0] not in FAULT_POINTS:
+        raise ValueError(
+            f"{FAULT_ENV}={spec!r}: expected <{'|'.join(FAULT_POINTS)}>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>]."
+        )
     point, at_step, at_rank = parts[0], int(parts[1]), int(parts[2])
     what = parts[3] if len(parts) == 4 else "KILL"
 

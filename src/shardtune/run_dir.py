@@ -6,11 +6,18 @@ checkpoint to resume belongs to this run (its identity) with the metrics trimmed
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any
+
+from shardtune.atomic import sweep_stale, temp_name
+from shardtune.log import warn0
 
 # What a finished or running shardtune run leaves in its output_dir.
 RUN_FILES = (
@@ -57,17 +64,19 @@ def _writable(folder: Path) -> bool:
         return False
 
 
-def output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
-    """An output_dir that is a file, cannot be written, or holds another run that would be mixed with this one."""
+def output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool, claim: bool = False) -> str | None:
+    """An output_dir that is a file, cannot be written, is in use by a live run, or holds another run that would be
+    mixed with this one. With claim, this process takes the run's lock on it (`lock_output_dir`) once it may be
+    written, and sweeps what dead runs left there (`atomic.sweep_stale`)."""
     try:
-        return _output_dir_problem(output_dir, overwrite=overwrite, resuming=resuming)
+        return _output_dir_problem(output_dir, overwrite=overwrite, resuming=resuming, claim=claim)
     except PermissionError as e:  # a folder on the way that this user may not enter
         return (
             f"--output_dir {output_dir}: permission denied on {e.filename}; fix its permissions or give another folder."
         )
 
 
-def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
+def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool, claim: bool) -> str | None:
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
         return f"--output_dir {output_dir} is a file; give a folder (it is created if missing)."
@@ -79,6 +88,12 @@ def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> 
     if not _writable(existing):
         where = "" if existing == out else f" ({existing}, where it would be created)"
         return f"--output_dir {output_dir} is not writable{where}; fix its permissions or give another folder."
+    if claim:
+        if problem := lock_output_dir(output_dir):
+            return problem
+        for folder in (out, out / "checkpoints"):  # the lock is ours: a temporary name of a dead process is stale
+            for p in sweep_stale(folder):
+                warn0(f"--output_dir {output_dir}: removed {p.name}, left by a run that was killed.")
     if not out.is_dir() or overwrite or resuming:
         return None
     held = [f for f in RUN_FILES if (out / f).exists() and not ((out / f).is_dir() and not any((out / f).iterdir()))]
@@ -88,6 +103,71 @@ def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> 
         f"--output_dir {output_dir} already holds a run ({', '.join(held)}); add --overwrite_output_dir to "
         "replace it, --resume_from_checkpoint latest to continue it, or give another --output_dir."
     )
+
+
+# ---------------------------------------------------------------- the run's lock
+
+
+# Held (flock) by the run's rank 0 for the run's life; holds the holder's pid and host for the message of a second
+# run. The kernel releases a flock when its process dies, SIGKILL included, so a file left by a killed run blocks
+# nothing.
+LOCK_FILE = ".shardtune.lock"
+_held: dict[Path, tuple[int, bool]] = {}  # output folder -> (the lock file's descriptor, whether we made the folder)
+
+
+def lock_output_dir(output_dir: str) -> str | None:
+    """Take the lock on output_dir (created if missing), or say which live run holds it."""
+    out = Path(output_dir).expanduser().absolute()
+    if out in _held:
+        return None
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK_FILE
+    for _ in range(5):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return (
+                f"--output_dir {output_dir} is in use by another run ({_holder(lock)}), which holds its lock "
+                f"{lock}; wait for it to end or stop it, or give another --output_dir."
+            )
+        try:  # the file we locked must still be the one at that path (a releasing run unlinks it)
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    else:
+        return f"--output_dir {output_dir}: its lock {lock} kept changing; is another run starting there?"
+    os.ftruncate(fd, 0)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.write(fd, (json.dumps(record) + "\n").encode())
+    _held[out] = (fd, created)
+    return None
+
+
+def _holder(lock: Path) -> str:
+    try:
+        record = json.loads(lock.read_text())
+        return f"pid {record['pid']} on {record['host']}, started {record['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+
+
+def release_output_dir(output_dir: str) -> None:
+    """Give the lock back (at the end of a run, whatever the outcome); a folder the lock made and nothing else
+    filled is removed again, so a refused run leaves nothing behind."""
+    out = Path(output_dir).expanduser().absolute()
+    if out not in _held:
+        return
+    fd, created = _held.pop(out)
+    (out / LOCK_FILE).unlink(missing_ok=True)  # while still locked: a run waiting for it sees a changed inode
+    os.close(fd)
+    if created:
+        with contextlib.suppress(OSError):  # not empty: the run wrote there
+            out.rmdir()
 
 
 def clear_previous_run(output_dir: str) -> list[str]:
@@ -100,7 +180,7 @@ def clear_previous_run(output_dir: str) -> list[str]:
         path = out / name
         if not path.exists():
             continue
-        doomed = out / f".{name}.removing-{os.getpid()}"
+        doomed = out / temp_name(name, "removing")
         path.rename(doomed)
         shutil.rmtree(doomed) if doomed.is_dir() else doomed.unlink()
         removed.append(name)

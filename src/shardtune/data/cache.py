@@ -20,13 +20,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import fsync_dir
+from ..atomic import fsync_dir, temp_name
 from .packing import IGNORE_INDEX, RowSequence, best_fit_decreasing_flat
 from .prepare import TaskResult, part_paths
 
@@ -94,7 +93,7 @@ class LazyRows(RowSequence):
 def new_tmp_folder(final: Path) -> Path:
     """A temporary folder next to `final`, unique per host and process (node-local and shared file systems)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = final.with_name(temp_name(f"{final.name}.{uuid.uuid4().hex[:8]}"))
     tmp.mkdir()
     return tmp
 

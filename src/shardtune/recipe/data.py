@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shardtune.atomic import sweep_stale
 from shardtune.config import RunConfig
 from shardtune.log import print0
 from shardtune.loss import objective_spec
@@ -40,6 +41,9 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
         def build():
             return build_preference_datasets(d, tokenizer=tokenizer, cache_dir=cache, kto_group=group)
 
+    if info.is_local_main:  # what a killed run of this host left half-written (the names say whose)
+        for stale in sweep_stale(cache):
+            print0(f"Removed {stale}, a cache that a killed run left half-written.")
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
