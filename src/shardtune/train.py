@@ -176,6 +176,8 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         out = output.export(cfg, run.model, run.tokenizer, info, loop_state.step)
     except OSError as e:
         return _output_not_written(logger, e, info)
+    if run.stop.signal and not run.stop.announced:  # the work was done: finishing the save lost nothing
+        print0(f"{run.stop.signal} arrived during the final save, which was let finish: {out} is complete.")
     runtime = time.perf_counter() - start
     summary = output.finish(
         logger, cfg, run.model, run.eval_split, info, run.settings, loop_state, runtime, out, run.objective
@@ -197,6 +199,7 @@ class _Built:
     objective: object
     settings: LoopSettings
     loop_state: LoopState
+    stop: StopFlag | None = None  # the loop's signal handler, which stays installed through the final save
 
 
 def _build(cfg: RunConfig, info) -> _Built:
@@ -230,6 +233,7 @@ def _build(cfg: RunConfig, info) -> _Built:
 
 
 def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) -> LoopState:
+    run.stop = StopFlag(info.device)
     def save(s: LoopState) -> None:
         state.save_checkpoint(
             cfg,
@@ -256,7 +260,7 @@ def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) 
         objective=run.objective,
         # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
         save_fn=save,
-        stop_requested=StopFlag(info.device),
+        stop_requested=run.stop,
         callbacks=hooks.step_callbacks(),
     )
 

@@ -185,6 +185,7 @@ def tokenize_to_parts(
     initargs = (tokenizer, ds, split, column, opts, str(folder))
     if procs <= 1:  # in this process, with its own state: several builds may run at once (threads of a test)
         state = _worker_state(*initargs)
+        hooks.at("tokenize", step=0, rank=rank())
         return [_run_task(state, *t) for t in tasks]
     # spawn, not fork: the parent may hold threads (the tokenizer's pool, the process group's) that fork would copy
     # in a locked state. The workers receive the tokenizer and the (memory-mapped) dataset by pickling, once each.
