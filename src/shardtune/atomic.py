@@ -22,27 +22,42 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+# What to do after a full disk during a checkpoint or the final save (the default `fix` of the message).
+RESUME_FIX = "free some space (or lower --save_total_limit), then resume with --resume_from_checkpoint latest"
+
 
 class DiskFullError(OSError):
-    """No space left on device while writing `folder`; the message names the folder and the bytes needed."""
+    """No space left on device while writing `folder`; the message names the folder, the bytes needed and free,
+    and `fix` (by default: free space, then resume)."""
 
-    def __init__(self, folder: str | Path, needed: int | None, what: str):
+    def __init__(self, folder: str | Path, needed: int | None, what: str, fix: str = RESUME_FIX):
         self.folder, self.needed = Path(folder), needed
-        super().__init__(errno.ENOSPC, disk_full_message(folder, needed, what))
+        super().__init__(errno.ENOSPC, disk_full_message(folder, needed, what, fix))
 
     def __str__(self) -> str:
         return self.strerror
 
 
-def disk_full_message(folder: str | Path, needed: int | None, what: str) -> str:
+def disk_full_message(folder: str | Path, needed: int | None, what: str, fix: str = RESUME_FIX) -> str:
     free = _free_bytes(folder)
     need = f"about {_gb(needed)} needed" if needed else "size unknown"
     have = f", {_gb(free)} free" if free is not None else ""
     return (
         f"no space left on device while writing {what} to {folder} ({need}{have}). Nothing half-written was "
-        "left and the previous files there are intact; free some space (or lower --save_total_limit), then "
-        "resume with --resume_from_checkpoint latest."
+        f"left and the previous files there are intact; {fix}."
     )
+
+
+def preallocate(fd: int, size: int, folder: str | Path, what: str, fix: str = RESUME_FIX) -> None:
+    """Reserve `size` bytes for an open file before it is written through a memory map: a write into a map that
+    the disk cannot back is a SIGBUS that kills the process, while a reservation fails here with a DiskFullError.
+    (glibc writes zeros where a file system has no fallocate.)"""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(folder, size, what, fix) from e
+        raise
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -82,7 +97,9 @@ def _free_bytes(folder: str | Path) -> int | None:
 
 
 def _gb(n: int | None) -> str:
-    return f"{n / 2**30:.2f} GiB" if n is not None and n >= 2**27 else f"{n / 2**20:.1f} MiB"
+    if n is not None and n >= 2**27:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**20:.3f} MiB"  # a small cache: 0.017 MiB, not 0.0
 
 
 def tensor_bytes(obj) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shardtune import cuda_allocator, hooks, modeling
+from shardtune.atomic import DiskFullError
 from shardtune.config import ConfigError, RunConfig, load_run_config
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
@@ -75,6 +76,9 @@ def _train(cfg: RunConfig) -> int:
     except (Stopped, KeyboardInterrupt):
         stopped = True
         raise
+    except DiskFullError as e:  # the data cache (the writers during training return their own code)
+        error(f"error: {e}")
+        return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:
         error(f"error: {e}")
         return EXIT_CONFIG
@@ -234,6 +238,7 @@ def _build(cfg: RunConfig, info) -> _Built:
 
 def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) -> LoopState:
     run.stop = StopFlag(info.device)
+
     def save(s: LoopState) -> None:
         state.save_checkpoint(
             cfg,

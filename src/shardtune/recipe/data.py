@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from shardtune.atomic import sweep_stale
+from shardtune.atomic import DiskFullError, is_disk_full, sweep_stale
 from shardtune.config import RunConfig
+from shardtune.data.cache import CACHE_FIX
 from shardtune.log import print0
 from shardtune.loss import objective_spec
 
@@ -47,7 +48,7 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
-            result = build()
+            result = _disk_full_named(build, cache)
         barrier()
     train, evals = result
     _check_same_rows(train, evals, d.dataset_name)
@@ -64,6 +65,17 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
         f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
     )
     return train, evals
+
+
+def _disk_full_named(build, cache: str):
+    """A full disk while the tokenizer's workers write their part files: the cache folder's DiskFullError (the
+    arrays' own writes say it with the size they need, shardtune.data.cache)."""
+    try:
+        return build()
+    except OSError as e:
+        if isinstance(e, DiskFullError) or not is_disk_full(e):
+            raise
+        raise DiskFullError(cache, None, "the tokenized data cache", CACHE_FIX) from e
 
 
 def _check_same_rows(train, evals, dataset_name: str) -> None:
