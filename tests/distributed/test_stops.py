@@ -101,6 +101,7 @@ def test_a_stop_while_tokenizing_ends_the_workers_and_removes_the_temporary_cach
     import psutil
     from transformers import AutoTokenizer
 
+    from shardtune import data
     from shardtune.data import build_datasets, prepare, setup_tokenizer
 
     monkeypatch.setattr(prepare, "_TASK_ROWS", 20)  # 160 rows: 8 tasks for 2 workers
@@ -114,6 +115,12 @@ def test_a_stop_while_tokenizing_ends_the_workers_and_removes_the_temporary_cach
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
     setup_tokenizer(tokenizer, "chatml")
     hooks.register("tokenize", term)
+    # What the temporary cache folder held when it was removed: the workers' part files of the tasks that ran.
+    removed: list[str] = []
+    real_rmtree = data.shutil.rmtree
+    monkeypatch.setattr(
+        data.shutil, "rmtree", lambda path, **kw: (removed.extend(os.listdir(path)), real_rmtree(path, **kw))
+    )
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     StopHandler().install()
     try:
@@ -137,6 +144,8 @@ def test_a_stop_while_tokenizing_ends_the_workers_and_removes_the_temporary_cach
             signal.signal(s, h)
     assert len(seen) >= 2  # the workers were running when the signal came
     assert _gone(seen, within_s=10) == []
+    # Ended at once, not after their tasks: the executor's own shutdown would have run all 8 (3 part files each).
+    assert len([n for n in removed if n.startswith("part-")]) < 3 * 8, removed
     assert list((tmp_path / "cache").iterdir()) == []  # the temporary cache folder is gone
 
 
