@@ -32,13 +32,20 @@ class StopHandler:
     """Raise Stopped on the first SIGTERM/SIGINT; `stage` says what the run is doing, for the message."""
 
     def __init__(self):
-        self.stage, self.signal_name, self._first = "starting", None, None
+        self.stage, self.signal_name, self._first, self._before = "starting", None, None, {}
 
     def install(self) -> StopHandler:
         self.stage, self.signal_name, self._first = "starting", None, None
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
+            self._before[sig] = signal.signal(sig, self._handler)
         return self
+
+    def restore(self) -> None:
+        """Put back the handlers from before `install` (the loop's own replaced them meanwhile), so that a caller
+        of `shardtune.cli.main` in its own process (a test, a plugin script) gets its Ctrl-C back."""
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+        self._before.clear()
 
     def at(self, stage: str) -> None:
         self.stage = stage

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     except (Stopped, KeyboardInterrupt) as e:
         print0(stopped_message(e, resuming=resuming))
         return EXIT_INTERRUPTED
+    finally:
+        stopper.restore()
 
 
 def _main(argv: list[str], stopper: StopHandler) -> int:

@@ -72,9 +72,11 @@ def test_a_stop_while_loading_exits_3_with_one_line_and_leaves_nothing(tiny_asse
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         rc = cli.main([str(a) for a in _args(tiny_assets, out, cache)])
+        restored = {s: signal.getsignal(s) for s in before} == before  # the caller's Ctrl-C is its own again
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+    assert restored
     err = capsys.readouterr().err
     assert rc == 3 and "Traceback" not in err
     _stopped_line(err, "loading the model")
