@@ -211,11 +211,12 @@ def _owner_gone(entry: str) -> bool:
     return False
 
 
-def sweep_stale(folder: str | Path) -> list[Path]:
-    """Remove the temporary files and folders in `folder` left by dead processes of this host; returns them."""
-    folder = Path(folder)
+def sweep_stale(folder: str | Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary files and folders in `folder` left by dead processes of this host (only those of
+    `name`'s temporary names when given: a folder shared with others' files); returns them."""
+    folder, prefix = Path(folder), f".{name}." if name else "."
     try:
-        entries = [p for p in folder.iterdir() if p.name.startswith(".") and _owner_gone(p.name)]
+        entries = [p for p in folder.iterdir() if p.name.startswith(prefix) and _owner_gone(p.name)]
     except OSError:  # no such folder (yet), or not readable: nothing of ours is there
         return []
     for p in entries:

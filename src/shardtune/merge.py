@@ -36,6 +36,7 @@ from shardtune.merge_plan import (
     plan_merge,
     read_adapter_config,
 )
+from shardtune.stop import StopHandler, Stopped
 from shardtune.weights import PendingTensor
 
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "*.model", "vocab.*", "merges.txt")
@@ -112,6 +113,7 @@ def parse_merge_args(argv: list[str] | None = None) -> MergeArguments:
 def main(argv: list[str] | None = None) -> int:
     """`shardtune merge --base MODEL --adapter DIR --output_dir OUT [--dtype bf16] [--max_shard_size 5GB]`."""
     setup_logging()
+    stopper = StopHandler().install()  # SIGTERM/SIGINT: the partial output is removed on the way out
     try:
         args = parse_merge_args(list(sys.argv[1:] if argv is None else argv))
         merge_adapter(
@@ -124,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SystemExit as e:  # --help, or argparse's own usage errors
         return int(e.code or 0)
+    except (Stopped, KeyboardInterrupt) as e:
+        what = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        error(f"shardtune merge: stopped by {what}; nothing was written (--output_dir is as it was). Run it again.")
+        return 3
     except ConfigError as e:
         error(str(e))
         return 2
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a folder, file or value of the input (docs/errors.md: exit 2)
         error(f"shardtune merge: {e}")
         return 2
+    finally:
+        stopper.restore()
     return 0
 
 
@@ -155,6 +163,8 @@ def merge_adapter(
         raise ValueError(f"--max_shard_size must be positive (got {max_shard_size!r}).")
     out = Path(output_dir).expanduser().absolute()
     _check_output_dir(out)  # before anything is read: a folder of other files is never replaced
+    for stale in atomic.sweep_stale(out.parent, out.name):  # a merge into out that was killed (kill -9)
+        warn0(f"--output_dir {out}: removed {stale.name}, left by a merge that was killed.")
     base = read_base_checkpoint(_local_or_download(str(base_dir), "base", trust_remote_code))
     adapter = _local_or_download(str(adapter_dir), "adapter", trust_remote_code)
     if out in (base.folder.absolute(), adapter.absolute()):

@@ -203,3 +203,49 @@ def test_the_lock_is_held_for_the_run_and_released_at_its_end(tmp_path):
     assert not out.exists()  # made by the lock, left empty: removed
     probe = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "None"  # the lock ended with the process that took it
+
+
+def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
+    tiny_assets, tmp_path, capsys, monkeypatch
+):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import atomic, cli, merge
+
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_assets["model"]), LoraConfig(r=4, target_modules=["q_proj"])
+    ).save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "merged"
+    killed = tmp_path / f".merged.tmp-{2**22 + 12345}@{socket.gethostname()}"  # a pid above Linux's pid_max
+    killed.mkdir()
+    (killed / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    real = merge.apply_edit
+    calls = []
+
+    def term_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(merge, "apply_edit", term_once)
+    argv = [
+        "merge",
+        "--base",
+        str(tiny_assets["model"]),
+        "--adapter",
+        str(tmp_path / "adapter"),
+        "--output_dir",
+        str(out),
+    ]
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    assert cli.main(argv) == 3
+    assert {s: signal.getsignal(s) for s in before} == before
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "shardtune merge: stopped by SIGTERM; nothing was written (--output_dir is as it was). Run it again."
+    )
+    assert f"removed {killed.name}, left by a merge that was killed" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no output, no temporary folder
+    assert atomic.sweep_stale(tmp_path) == []
