@@ -31,7 +31,7 @@ from pathlib import Path
 FAULT_ENV = "SHARDTUNE_FAULT"
 LOAD_LOG_ENV = "SHARDTUNE_LOAD_LOG"
 POINTS = ("step", "save", "export", "tokenize", "load", "checkpoint_read")
-FAULT_POINTS = POINTS[:-1]
+FAULT_POINTS = ("step", "save", "export", "tokenize", "load")  # where SHARDTUNE_FAULT may inject
 
 _hooks: dict[str, list[Callable[..., None]]] = {}
 
