@@ -2,9 +2,13 @@
 writers used by checkpoints (shardtune.distributed.checkpoint), the final export (shardtune.export) and merges
 (shardtune.merge).
 
-The pattern: write into a hidden sibling `.<name>.tmp-<pid>`, fsync every file and the folder, then rename it into
-place (a rename within one file system is atomic, and needs no free space). On any error, including a full disk,
-the temporary folder is removed and the previous output is left as it was.
+The pattern: write into a hidden sibling `.<name>.tmp-<pid>@<host>`, fsync every file and the folder, then rename
+it into place (a rename within one file system is atomic, and needs no free space). On any error, including a full
+disk or a stop signal, the temporary folder is removed and the previous output is left as it was.
+
+Every temporary name ends in `.<kind>-<pid>@<host>` (`temp_name`), so that what a killed process (SIGKILL, a power
+cut) left behind is recognised by its owner: `sweep_stale` removes the temporary files and folders of processes of
+this host that are no longer running, and never those of a live process or of another host (a shared file system).
 """
 
 from __future__ import annotations
@@ -12,31 +16,48 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+# What to do after a full disk during a checkpoint or the final save (the default `fix` of the message).
+RESUME_FIX = "free some space (or lower --save_total_limit), then resume with --resume_from_checkpoint latest"
+
 
 class DiskFullError(OSError):
-    """No space left on device while writing `folder`; the message names the folder and the bytes needed."""
+    """No space left on device while writing `folder`; the message names the folder, the bytes needed and free,
+    and `fix` (by default: free space, then resume)."""
 
-    def __init__(self, folder: str | Path, needed: int | None, what: str):
+    def __init__(self, folder: str | Path, needed: int | None, what: str, fix: str = RESUME_FIX):
         self.folder, self.needed = Path(folder), needed
-        super().__init__(errno.ENOSPC, disk_full_message(folder, needed, what))
+        super().__init__(errno.ENOSPC, disk_full_message(folder, needed, what, fix))
 
     def __str__(self) -> str:
         return self.strerror
 
 
-def disk_full_message(folder: str | Path, needed: int | None, what: str) -> str:
+def disk_full_message(folder: str | Path, needed: int | None, what: str, fix: str = RESUME_FIX) -> str:
     free = _free_bytes(folder)
     need = f"about {_gb(needed)} needed" if needed else "size unknown"
     have = f", {_gb(free)} free" if free is not None else ""
     return (
         f"no space left on device while writing {what} to {folder} ({need}{have}). Nothing half-written was "
-        "left and the previous files there are intact; free some space (or lower --save_total_limit), then "
-        "resume with --resume_from_checkpoint latest."
+        f"left and the previous files there are intact; {fix}."
     )
+
+
+def preallocate(fd: int, size: int, folder: str | Path, what: str, fix: str = RESUME_FIX) -> None:
+    """Reserve `size` bytes for an open file before it is written through a memory map: a write into a map that
+    the disk cannot back is a SIGBUS that kills the process, while a reservation fails here with a DiskFullError.
+    (glibc writes zeros where a file system has no fallocate.)"""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(folder, size, what, fix) from e
+        raise
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -76,7 +97,9 @@ def _free_bytes(folder: str | Path) -> int | None:
 
 
 def _gb(n: int | None) -> str:
-    return f"{n / 2**30:.2f} GiB" if n is not None and n >= 2**27 else f"{n / 2**20:.1f} MiB"
+    if n is not None and n >= 2**27:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**20:.3f} MiB"  # a small cache: 0.017 MiB, not 0.0
 
 
 def tensor_bytes(obj) -> int:
@@ -114,7 +137,7 @@ def replaced_file(path: str | Path, mode: str = "wb") -> Iterator:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    tmp = path.with_name(temp_name(f"{path.name}.{uuid.uuid4().hex[:8]}"))
     try:
         with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
@@ -159,14 +182,59 @@ def fsync_tree(folder: Path) -> None:
         fsync_dir(Path(root))
 
 
+# ------------------------------------------------------------------------------------------- temporary names
+
+# kind: tmp (being written), old (being swapped out), removing (being deleted); the host may hold dots and dashes.
+_TEMP = re.compile(r"^\..+\.(?:tmp|old|removing)-(?P<pid>\d+)(?:@(?P<host>[^@/]+))?$")
+
+
+def temp_name(name: str, kind: str = "tmp") -> str:
+    """The hidden temporary name `.<name>.<kind>-<pid>@<host>` of this process for `name`."""
+    return f".{name}.{kind}-{os.getpid()}@{socket.gethostname()}"
+
+
+def _owner_gone(entry: str) -> bool:
+    """Whether `entry` is a temporary name of a process of this host that no longer runs (a name without a host,
+    from an older shardtune, counts as this host's)."""
+    m = _TEMP.match(entry)
+    if m is None or (m["host"] or socket.gethostname()) != socket.gethostname():
+        return False
+    pid = int(m["pid"])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, under another user
+        return False
+    return False
+
+
+def sweep_stale(folder: str | Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary files and folders in `folder` left by dead processes of this host (only those of
+    `name`'s temporary names when given: a folder shared with others' files); returns them."""
+    folder, prefix = Path(folder), f".{name}." if name else "."
+    try:
+        entries = [p for p in folder.iterdir() if p.name.startswith(prefix) and _owner_gone(p.name)]
+    except OSError:  # no such folder (yet), or not readable: nothing of ours is there
+        return []
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return entries
+
+
 # ------------------------------------------------------------------------------------------------ folders
 
 
 def staging_path(final: Path, name: str | None = None) -> Path:
-    """Where an output is written before it is moved into place: the hidden sibling `.<name>.tmp-<pid>` of `final`
+    """Where an output is written before it is moved into place: the hidden sibling `temp_name(name)` of `final`
     (`name` defaults to final's). A folder left there by a killed process of the same pid is cleared by
-    `staged_folder`; publishing skips hidden names (shardtune.hub ignores `*.tmp-*`)."""
-    return final.parent / f".{name or final.name}.tmp-{os.getpid()}"
+    `staged_folder`, one of a dead process by `sweep_stale`; publishing skips hidden names."""
+    return final.parent / temp_name(name or final.name)
 
 
 @contextlib.contextmanager
@@ -195,7 +263,7 @@ def replace_folder(new: Path, out: Path) -> None:
     if not out.exists():
         os.rename(new, out)
     else:
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        old = out.with_name(temp_name(out.name, "old"))
         shutil.rmtree(old, ignore_errors=True)
         os.rename(out, old)
         try:

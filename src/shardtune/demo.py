@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+from shardtune.log import setup_logging
+
 BASE_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 CAPITALS = {
@@ -369,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         help="sft: fine-tune on chats; dpo: preference-tune on generated right/wrong answer pairs.",
     )
     args = ap.parse_args(argv)
+    # Before peft and transformers load: their notices that are not about the demo's run (bitsandbytes' missing
+    # optional CPU kernel package at import, a deprecation between peft and transformers, progress bars) are
+    # quieted at their source, as `shardtune train` and `chat` do (shardtune.log).
+    setup_logging()
     root = Path(args.workdir)
     assets = build_demo_assets(root)
     if args.objective == "dpo":

@@ -4,11 +4,15 @@ environment, without the training loop or the writers knowing what a test does t
 A component announces a point with `at(point, **where)`; nothing happens unless a hook is registered for it.
 Hooks come from the environment, read each time a point is reached (so torchrun's workers need no setup):
 
-- `SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>]` (KILL by default): that rank sends itself the
-  signal, or raises "No space left on device" (ENOSPC), at the point. Points: `step` (after optimizer step `step`
+- `SHARDTUNE_FAULT=<point>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC|PARENT_TERM|PARENT_INT>]` (KILL by default): that
+  rank sends itself the signal, or raises "No space left on device" (ENOSPC), at the point; PARENT_<SIG> sends the
+  signal to its parent process instead, the launcher (torchrun's agent), which forwards it to every worker as it
+  does on a preemption or a Ctrl-C. Points: `step` (after optimizer step `step`
   and its log line; reached through the loop's step callbacks, `step_callbacks`), `save` (mid-save: this rank's
   files of checkpoint-<step> written, the folder not yet renamed), `export` (the final adapter or model files
-  written to their temporary folder, not yet moved into place; `step` is the last step).
+  written to their temporary folder, not yet moved into place; `step` is the last step), `tokenize` (a split's
+  tokenizing tasks handed to the worker processes, which are running; `step` is 0) and `load` (the data prepared,
+  the model about to be loaded; `step` is 0). KILL, TERM and INT test what a signal does at that stage.
 - `SHARDTUNE_LOAD_LOG=<dir>`: a rank that reads the model's checkpoint files touches `<dir>/loaded-rank<r>`
   (point `checkpoint_read`), so that tests can see which ranks read the weights.
 
@@ -26,7 +30,8 @@ from pathlib import Path
 
 FAULT_ENV = "SHARDTUNE_FAULT"
 LOAD_LOG_ENV = "SHARDTUNE_LOAD_LOG"
-POINTS = ("step", "save", "export", "checkpoint_read")
+POINTS = ("step", "save", "export", "tokenize", "load", "checkpoint_read")
+FAULT_POINTS = ("step", "save", "export", "tokenize", "load")  # where SHARDTUNE_FAULT may inject
 
 _hooks: dict[str, list[Callable[..., None]]] = {}
 
@@ -72,8 +77,11 @@ def _from_env(point: str) -> list[Callable[..., None]]:
 
 def _fault(spec: str) -> tuple[str, Callable[..., None]]:
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("step", "save", "export"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <step|save|export>:<step>:<rank>[:<KILL|TERM|INT|ENOSPC>].")
+    if len(parts) not in (3, 4) or parts[0] not in FAULT_POINTS:
+        raise ValueError(
+            f"{FAULT_ENV}={spec!r}: expected <{'|'.join(FAULT_POINTS)}>:<step>:<rank>"
+            "[:<KILL|TERM|INT|ENOSPC|PARENT_TERM|PARENT_INT>]."
+        )
     point, at_step, at_rank = parts[0], int(parts[1]), int(parts[2])
     what = parts[3] if len(parts) == 4 else "KILL"
 
@@ -83,6 +91,7 @@ def _fault(spec: str) -> tuple[str, Callable[..., None]]:
         print(f"{FAULT_ENV}: rank {rank} injects {what} at {point} {step}.", file=sys.stderr, flush=True)
         if what == "ENOSPC":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.kill(os.getpid(), getattr(signal, "SIG" + what))
+        target = os.getppid() if what.startswith("PARENT_") else os.getpid()
+        os.kill(target, getattr(signal, "SIG" + what.removeprefix("PARENT_")))
 
     return point, inject

@@ -9,6 +9,7 @@ from typing import Any
 
 from shardtune.hub import is_hub_id
 from shardtune.log import print0
+from shardtune.run_dir import checkpoint_given_as_adapter
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -30,6 +31,8 @@ def _check_adapter(adapter: str) -> dict:
     if not path.is_dir():
         raise ValueError(f"--adapter {adapter}: no such folder; give the --output_dir of a LoRA/DoRA run.")
     if not (path / "adapter_config.json").is_file():
+        if hint := checkpoint_given_as_adapter(adapter, "--adapter"):
+            raise ValueError(hint)
         raise ValueError(
             f"--adapter {adapter}: no adapter_config.json there. For a merged or fully fine-tuned model "
             "pass the folder as --model_name_or_path instead."
@@ -162,7 +165,15 @@ def load_for_chat(
     _check_base_and_adapter(base, adapter, trust_remote_code, tokenizer_name_or_path)
     has_tok = adapter and any((Path(adapter) / f).is_file() for f in TOKENIZER_FILES)
     tok_src = tokenizer_name_or_path or (adapter if has_tok else base)
-    tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
+    except Exception as e:  # a damaged tokenizer file: name its folder (tokenizers raises bare Exceptions)
+        from shardtune.preflight import tokenizer_load_error
+
+        flag = (
+            "--tokenizer_name_or_path" if tokenizer_name_or_path else "--adapter" if has_tok else "--model_name_or_path"
+        )
+        raise tokenizer_load_error(tok_src, flag, e) from e
     device, dtype = _device_and_dtype()
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if use_4bit:

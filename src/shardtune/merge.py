@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import fnmatch
 import json
 import shutil
 import sys
@@ -35,9 +36,22 @@ from shardtune.merge_plan import (
     plan_merge,
     read_adapter_config,
 )
+from shardtune.stop import StopHandler, Stopped
 from shardtune.weights import PendingTensor
 
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "*.model", "vocab.*", "merges.txt")
+# What a merge writes into --output_dir (and may therefore replace there): the weights, configs, the tokenizer,
+# remote code and a model card.
+MERGED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    weights.INDEX,
+    *TOKENIZER_FILES,
+    "chat_template.*",
+    "*.py",
+    "README.md",
+)
 # --dtype: the floating dtypes, by name or alias (bf16, bfloat16, ...).
 DTYPE_CHOICES = [n for n in (*dtypes.FLOATING, *dtypes.ALIASES) if dtypes.canonical(n) in dtypes.FLOATING]
 
@@ -99,6 +113,7 @@ def parse_merge_args(argv: list[str] | None = None) -> MergeArguments:
 def main(argv: list[str] | None = None) -> int:
     """`shardtune merge --base MODEL --adapter DIR --output_dir OUT [--dtype bf16] [--max_shard_size 5GB]`."""
     setup_logging()
+    stopper = StopHandler().install()  # SIGTERM/SIGINT: the partial output is removed on the way out
     try:
         args = parse_merge_args(list(sys.argv[1:] if argv is None else argv))
         merge_adapter(
@@ -111,12 +126,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SystemExit as e:  # --help, or argparse's own usage errors
         return int(e.code or 0)
+    except (Stopped, KeyboardInterrupt) as e:
+        what = e.signal_name if isinstance(e, Stopped) else "SIGINT"
+        error(f"shardtune merge: stopped by {what}; nothing was written (--output_dir is as it was). Run it again.")
+        return 3
     except ConfigError as e:
         error(str(e))
         return 2
-    except (ValueError, atomic.DiskFullError) as e:
+    except atomic.DiskFullError as e:  # before ValueError: an OSError, not a mistake in the input
         error(f"shardtune merge: {e}")
         return 1
+    except ValueError as e:  # a folder, file or value of the input (docs/errors.md: exit 2)
+        error(f"shardtune merge: {e}")
+        return 2
+    finally:
+        stopper.restore()
     return 0
 
 
@@ -138,6 +162,9 @@ def merge_adapter(
     if max_bytes <= 0:
         raise ValueError(f"--max_shard_size must be positive (got {max_shard_size!r}).")
     out = Path(output_dir).expanduser().absolute()
+    _check_output_dir(out)  # before anything is read: a folder of other files is never replaced
+    for stale in atomic.sweep_stale(out.parent, out.name):  # a merge into out that was killed (kill -9)
+        warn0(f"--output_dir {out}: removed {stale.name}, left by a merge that was killed.")
     base = read_base_checkpoint(_local_or_download(str(base_dir), "base", trust_remote_code))
     adapter = _local_or_download(str(adapter_dir), "adapter", trust_remote_code)
     if out in (base.folder.absolute(), adapter.absolute()):
@@ -294,16 +321,29 @@ def _copy_side_files(base: Path, adapter: Path, folder: Path) -> None:
         shutil.copy2(path, folder / path.name)
 
 
+def _check_output_dir(out: Path) -> None:
+    """--output_dir must be new, empty, or a merged model (the kinds of files a merge writes, which it replaces
+    whole): a folder holding anything else (a training run's checkpoints, notes) is refused, not replaced."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output_dir {out} is a file; give a folder.")
+    if not out.is_dir():
+        return
+    held = sorted(p.name for p in out.iterdir())
+    foreign = [n for n in held if not any(fnmatch.fnmatch(n, pattern) for pattern in MERGED_FILES)]
+    if not held or (not foreign and "config.json" in held):
+        return
+    what = f"files a merge does not write ({', '.join(foreign[:4])}{', ...' * (len(foreign) > 4)})"
+    raise ValueError(
+        f"--output_dir {out} is not empty and holds "
+        + (what if foreign else "no model (no config.json)")
+        + "; a merge replaces its --output_dir whole, so it refuses this one. Give a new or empty folder."
+    )
+
+
 @contextlib.contextmanager
 def _atomic_folder(out: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; on success it replaces `out`, on any error it is removed."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output_dir {out} is a file; give a folder.")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise ValueError(
-            f"--output_dir {out} is not empty and holds no model (no config.json); refusing to replace "
-            "it. Give a new or empty folder."
-        )
+    _check_output_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic.staged_folder(atomic.staging_path(out), what="the merged model", final=out) as staged:
         yield staged

@@ -20,6 +20,7 @@ import torch
 
 from shardtune import dtypes
 from shardtune.log import warn0
+from shardtune.run_dir import checkpoint_given_as_adapter
 from shardtune.weights import PEFT_PREFIX, checkpoint_renaming
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -100,6 +101,8 @@ def read_adapter_config(adapter: Path) -> Any:
 
     path = adapter / "adapter_config.json"
     if not path.exists():
+        if hint := checkpoint_given_as_adapter(adapter, "--adapter"):
+            raise ValueError(hint)
         raise ValueError(
             f"--adapter {adapter}: no adapter_config.json there; give the folder that PEFT's "
             "save_pretrained (or shardtune train) wrote."

@@ -39,6 +39,13 @@ def _set_pdeathsig(sig: int) -> bool:
         return False
 
 
+def stop_with_parent_process() -> None:
+    """In a helper process (a tokenizer worker): SIGTERM when the process that started it dies, even by SIGKILL."""
+    _set_pdeathsig(signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def child_preexec() -> None:
     """preexec_fn for a launched child (runs in the child before exec): SIGTERM when the launcher dies."""
     _set_pdeathsig(signal.SIGTERM)

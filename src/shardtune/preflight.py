@@ -1,19 +1,16 @@
 """Checks of a run's inputs that read configs and file headers but no weights, so that a wrong path, hub id,
-module name, sequence length, adapter or output folder stops the run in seconds with one line naming the flag and
-the fix, before data is tokenized and the model is loaded (docs/errors.md, "Bad input").
+module name, sequence length, damaged weight file or adapter stops the run in seconds with one line naming the
+flag and the fix, before data is tokenized and the model is loaded (docs/errors.md, "Bad input").
 
-Nothing here imports torch.distributed: train.py runs the model checks on every rank (they read the same files)
-and the output-folder checks on rank 0 only (the others would see rank 0's first files).
+Nothing here imports torch.distributed: train.py runs the model checks on every rank (they read the same files);
+the output folder's checks are shardtune.run_dir's, on rank 0 only (the others would see rank 0's first files).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
-from typing import Any
 
 from shardtune.hub import is_hub_id, is_transport_error
 from shardtune.log import warn0
@@ -38,35 +35,6 @@ TOKENIZER_FILES = (
 )
 # Config fields that hold a model family's trained context length, in the order transformers' families use them.
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-# What a finished or running shardtune run leaves in its output_dir.
-RUN_FILES = (
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "metrics.jsonl",
-    "train_summary.json",
-    "checkpoints",
-)
-# Run state that --overwrite_output_dir removes before training: what a later `latest` or `shardtune report`
-# would otherwise mix with the new run. Weights are replaced atomically by the new run's export.
-RUN_STATE = ("checkpoints", "metrics.jsonl", "train_summary.json", "runs")
-# Settings that define what a checkpoint holds: resuming with another value would load another run's weights or
-# continue on other data, so `--resume_from_checkpoint` refuses it (other settings may change; they are warned of).
-IDENTITY = {
-    "model": (
-        "model_name_or_path",
-        "use_peft_lora",
-        "lora_r",
-        "lora_target_modules",
-        "use_dora",
-        "modules_to_save",
-        "adapter_name",
-        "use_4bit_quantization",
-        "chat_template_format",
-    ),
-    "data": ("dataset_name", "max_length", "packing"),
-}
 
 
 # ---------------------------------------------------------------- hub ids
@@ -178,13 +146,25 @@ def _weights_problem(folder: Path, flag: str, name: str) -> str | None:
                     f"{flag} {name}: {index_name} names {len(missing)} weight file(s) that are not there "
                     f"(e.g. {missing[0]}); copy or download the complete model."
                 )
-            return None
-    if any((folder / f).is_file() for f in WEIGHT_FILES):
-        return None
+            return _damaged_weights(folder, files, flag, name)
+    present = [f for f in WEIGHT_FILES if (folder / f).is_file()]
+    if present:
+        return _damaged_weights(folder, present, flag, name)
     return (
         f"{flag} {name}: no weights there (model.safetensors or pytorch_model.bin, or a sharded index); "
         "copy the weight files into the folder, or give the hub id."
     )
+
+
+def _damaged_weights(folder: Path, files: list[str], flag: str, name: str) -> str | None:
+    """A weight file cut short or with a damaged header, found from headers and sizes (no weight is read), so that
+    it is named here and not by a safetensors traceback once the data is prepared."""
+    from shardtune.weights import weight_file_problem  # torch: loaded with the model anyway, not for --help
+
+    for f in files:
+        if problem := weight_file_problem(folder / f):
+            return f"{flag} {name}: {problem}."
+    return None
 
 
 def tokenizer_problem(name: str, flag: str) -> str | None:
@@ -197,7 +177,24 @@ def tokenizer_problem(name: str, flag: str) -> str | None:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         fix = "give --tokenizer_name_or_path" if flag == "--model_name_or_path" else "give the folder that has them"
         return f"{flag} {name}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); {fix}."
+    # transformers names no file when one of these does not parse (a JSONDecodeError's line and column only).
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"):
+        try:
+            if (path / f).is_file():
+                json.loads((path / f).read_bytes())
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            return f"{flag} {name}: {path / f} is not valid JSON ({_first_line(e)}); {TOKENIZER_FIX}."
     return None
+
+
+TOKENIZER_FIX = "restore the tokenizer files from the original model, or give --tokenizer_name_or_path"
+
+
+def tokenizer_load_error(name: str, flag: str, e: Exception) -> ValueError:
+    """A tokenizer that transformers or tokenizers could not load, as one line naming the folder and the fix."""
+    return ValueError(
+        f"{flag} {name}: its tokenizer cannot be loaded ({type(e).__name__}: {_first_line(e)}); {TOKENIZER_FIX}."
+    )
 
 
 def context_limit(config) -> tuple[int | None, str]:
@@ -374,6 +371,11 @@ def adapter_base_problem(
     here (naming both models) instead of failing in peft's loader with a size-mismatch traceback. require_all=False
     accepts a missing top-level module (the tied head, which a checkpoint's files do not hold)."""
     adapter_dir = Path(adapter_dir)
+    from shardtune.weights import weight_file_problem
+
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    if weights_file.is_file() and (problem := weight_file_problem(weights_file)):
+        return f"{flag} {adapter_dir}: {problem}."
     cfg_file = adapter_dir / "adapter_config.json"
     saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     saved_base, fan_in_fan_out = saved.get("base_model_name_or_path"), bool(saved.get("fan_in_fan_out"))
@@ -465,136 +467,3 @@ def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
     from shardtune.config import load_run_config
 
     return model_input_problems(load_run_config(train_argv, env=env))
-
-
-# ---------------------------------------------------------------- the output folder
-
-
-def _writable(folder: Path) -> bool:
-    """Create and remove a file: os.access says yes to root on a read-only mount and to ACL'd folders."""
-    try:
-        probe = folder / f".shardtune-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return True
-    except OSError:
-        return False
-
-
-def output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
-    """An output_dir that is a file, cannot be written, or holds another run that would be mixed with this one."""
-    try:
-        return _output_dir_problem(output_dir, overwrite=overwrite, resuming=resuming)
-    except PermissionError as e:  # a folder on the way that this user may not enter
-        return (
-            f"--output_dir {output_dir}: permission denied on {e.filename}; fix its permissions or give another folder."
-        )
-
-
-def _output_dir_problem(output_dir: str, *, overwrite: bool, resuming: bool) -> str | None:
-    out = Path(output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        return f"--output_dir {output_dir} is a file; give a folder (it is created if missing)."
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"--output_dir {output_dir}: {existing} is a file, so the folder cannot be created; give another path."
-    if not _writable(existing):
-        where = "" if existing == out else f" ({existing}, where it would be created)"
-        return f"--output_dir {output_dir} is not writable{where}; fix its permissions or give another folder."
-    if not out.is_dir() or overwrite or resuming:
-        return None
-    held = [f for f in RUN_FILES if (out / f).exists() and not ((out / f).is_dir() and not any((out / f).iterdir()))]
-    if not held:
-        return None
-    return (
-        f"--output_dir {output_dir} already holds a run ({', '.join(held)}); add --overwrite_output_dir to "
-        "replace it, --resume_from_checkpoint latest to continue it, or give another --output_dir."
-    )
-
-
-def clear_previous_run(output_dir: str) -> list[str]:
-    """--overwrite_output_dir: remove the previous run's checkpoints, metrics and summary (RUN_STATE) so that
-    `latest` and the metrics never mix two runs. Each is renamed away first, so an interrupted removal leaves
-    no half checkpoint folder behind. Returns the names removed."""
-    out = Path(output_dir).expanduser()
-    removed = []
-    for name in RUN_STATE:
-        path = out / name
-        if not path.exists():
-            continue
-        doomed = out / f".{name}.removing-{os.getpid()}"
-        path.rename(doomed)
-        shutil.rmtree(doomed) if doomed.is_dir() else doomed.unlink()
-        removed.append(name)
-    return removed
-
-
-# ---------------------------------------------------------------- resuming the same run
-
-
-def _norm(key: str, value: Any) -> Any:
-    if key in ("lora_target_modules", "modules_to_save") and isinstance(value, str):
-        return sorted(s.strip() for s in value.split(",") if s.strip())
-    if key in ("model_name_or_path", "dataset_name") and isinstance(value, str):
-        path = Path(value).expanduser()
-        return str(path.resolve()) if path.exists() else value
-    return value
-
-
-def run_identity(record: dict) -> dict[str, Any]:
-    """The settings of a config record (as saved in each checkpoint's config.json) that make it this run."""
-    return {f"{part}.{k}": _norm(k, (record.get(part) or {}).get(k)) for part, keys in IDENTITY.items() for k in keys}
-
-
-def identity_problem(checkpoint_dir: Path, record: dict, resume_from: str) -> str | None:
-    """A checkpoint written by another run (other model, adapter, data or sequence length) is refused: resuming
-    it would load another run's weights into this one's. Checkpoints without a saved config are not checked."""
-    saved_file = Path(checkpoint_dir) / "config.json"
-    if not saved_file.is_file():
-        return None
-    try:
-        saved = run_identity(json.loads(saved_file.read_text()))
-    except ValueError:
-        return None  # unreadable: the checkpoint's own checks name the file
-    now = run_identity(record)
-    # With a saved content digest the data is compared by content after it is prepared (recipe.state.check_resumed_data):
-    # the same rows under another path (another node's copy, a moved folder) resume.
-    content_checked = {"data.dataset_name"} if json.loads(saved_file.read_text()).get("data_digest") else set()
-    diffs = [
-        f"{k.split('.', 1)[1]} {saved[k]!r} there, {now[k]!r} now"
-        for k in now
-        if saved[k] != now[k] and k not in content_checked
-    ]
-    if not diffs:
-        return None
-    return (
-        f"--resume_from_checkpoint {resume_from}: {checkpoint_dir} belongs to another run ({'; '.join(diffs)}); "
-        "resume with that run's settings, or start afresh with another --output_dir or --overwrite_output_dir."
-    )
-
-
-def trim_metrics(output_dir: str, step: int) -> int:
-    """On resume, drop the metrics.jsonl records logged after `step` (that part of the run is redone), so the
-    file holds one history; written to a new file, fsynced and renamed over the old. Returns records dropped."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            dropped += 1  # half a line left by a killed run
-            continue
-        stale = record.get("type") == "summary" or (record.get("type") in ("train", "eval") and record["step"] > step)
-        if stale:  # a summary belongs to the run's end, which is redone
-            dropped += 1
-            continue
-        kept.append(line)
-    if dropped:
-        from shardtune.atomic import replace_text
-
-        replace_text(path, "".join(line + "\n" for line in kept))
-    return dropped

@@ -3,6 +3,7 @@ model, train, export. Each step is a call into the component that owns it (docs/
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -16,12 +17,16 @@ import torch
 
 from shardtune import cuda_allocator, hooks, modeling
 from shardtune.arguments import interval_steps
+from shardtune.atomic import DiskFullError
 from shardtune.config import ConfigError, RunConfig, load_run_config, precision_line
 from shardtune.log import error, print0, rank, setup_logging, warn0
 from shardtune.recipe import checks, data, objective, output, state
+from shardtune.stop import StopHandler, Stopped, stopped_message
 from shardtune.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
 
 EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
+# SIGTERM/SIGINT before (and after) the training loop; the loop has its own (trainer.StopFlag).
+STOP = StopHandler()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +45,19 @@ def command(argv: list[str]) -> int:
         HfArgumentParser(ARG_CLASSES, prog="shardtune train").print_help()
         return 0
     setup_logging("info")
+    stopper = STOP.install()  # until the training loop installs its own: a signal stops the run at once
+    resuming = any(a.startswith("--resume_from_checkpoint") for a in argv)
+    try:
+        return _main(argv, stopper)
+    except (Stopped, KeyboardInterrupt) as e:
+        print0(stopped_message(e, resuming=resuming))
+        return EXIT_INTERRUPTED
+    finally:
+        stopper.restore()
+
+
+def _main(argv: list[str], stopper: StopHandler) -> int:
+    stopper.at("checking the inputs")
     try:
         cfg = load_run_config(argv)
     except ConfigError as e:
@@ -60,9 +78,17 @@ def command(argv: list[str]) -> int:
 
 
 def _train(cfg: RunConfig) -> int:
-    """The training run on every rank; all ranks leave the process group together at its end."""
+    """The training run on every rank; all ranks leave the process group together at its end (a stopped run
+    without waiting: its peers may be in another collective, and they were stopped too)."""
+    stopped = False
     try:
         return run(cfg)
+    except (Stopped, KeyboardInterrupt):
+        stopped = True
+        raise
+    except DiskFullError as e:  # the data cache (the writers during training return their own code)
+        error(f"error: {e}")
+        return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:
         error(f"error: {e}")
         return EXIT_CONFIG
@@ -71,6 +97,9 @@ def _train(cfg: RunConfig) -> int:
 
         if not is_peer_failure(e):
             raise
+        if STOP.received:  # a peer stopped by the same signal left first
+            stopped = True
+            raise Stopped(STOP.signal_name, STOP.stage) from None
         # gloo's message: "[.../pair.cc:537] Read error [addr]: Connection reset by peer. This is typically ..."
         first = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         first = first.split(". ")[0]
@@ -82,8 +111,10 @@ def _train(cfg: RunConfig) -> int:
         return EXIT_FAILED
     finally:
         from shardtune.distributed.mesh import shutdown
+        from shardtune.run_dir import release_output_dir
 
-        shutdown()
+        release_output_dir(cfg.train.output_dir)  # rank 0's lock on the folder; a no-op on the other ranks
+        shutdown(wait=not stopped)
 
 
 def _eval_harness(cfg: RunConfig) -> int:
@@ -124,6 +155,7 @@ def run(cfg: RunConfig) -> int:
     from shardtune.cpu import bf16_check
     from shardtune.distributed.mesh import init_distributed
 
+    STOP.at("starting the processes")
     info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
     if info.is_main and (msg := bf16_check(info.device.type, cfg.precision.bf16)):  # AVX2-only CPUs emulate bf16
         warn0(msg)
@@ -158,6 +190,8 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
         out = output.export(cfg, run.model, run.tokenizer, info, loop_state.step)
     except OSError as e:
         return _output_not_written(logger, e, info)
+    if run.stop.signal and not run.stop.announced:  # the work was done: finishing the save lost nothing
+        print0(f"{run.stop.signal} arrived during the final save, which was let finish: {out} is complete.")
     runtime = time.perf_counter() - start
     summary = output.finish(
         logger, cfg, run.model, run.eval_split, info, run.settings, loop_state, runtime, out, run.objective
@@ -179,6 +213,7 @@ class _Built:
     objective: object
     settings: LoopSettings
     loop_state: LoopState
+    stop: StopFlag | None = None  # the loop's signal handler, which stays installed through the final save
 
 
 def _build(cfg: RunConfig, info) -> _Built:
@@ -188,6 +223,7 @@ def _build(cfg: RunConfig, info) -> _Built:
 
     t = cfg.train
     _seed_everything(t.seed)
+    STOP.at("preparing the data")
     tokenizer, new_ids = _load_tokenizer(cfg)
     train_split, eval_split = data.prepare_data(cfg, tokenizer, info)
     if t.resume_from_checkpoint:  # before the model loads: another run's data is refused at no cost
@@ -195,11 +231,14 @@ def _build(cfg: RunConfig, info) -> _Built:
     spe = data.steps_per_epoch_for(cfg, train_split, info)
     total = data.total_steps(cfg, spe)
     _seed_everything(t.seed)
+    STOP.at("loading the model")
+    hooks.at("load", step=0, rank=info.rank)
     model = build_sharded_model(model_spec(cfg, info.device.type, len(tokenizer), new_ids), info)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
     evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
     goal = objective.setup_objective(cfg, model, [train_split, evaluated], info, tokenizer.pad_token_id)
+    STOP.at("loading the checkpoint")
     loop_state = state.resume(cfg, model, optimizer, scheduler, info) if t.resume_from_checkpoint else LoopState()
     settings = _loop_settings(cfg, total, spe, tokenizer.pad_token_id)
     global_batch = t.per_device_train_batch_size * info.dims.dp_size * t.gradient_accumulation_steps
@@ -208,6 +247,8 @@ def _build(cfg: RunConfig, info) -> _Built:
 
 
 def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) -> LoopState:
+    run.stop = StopFlag(info.device)
+
     def save(s: LoopState) -> None:
         state.save_checkpoint(
             cfg,
@@ -234,19 +275,34 @@ def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) 
         objective=run.objective,
         # Also with --save_strategy no: a signal still saves a checkpoint to resume from.
         save_fn=save,
-        stop_requested=StopFlag(info.device),
+        stop_requested=run.stop,
         callbacks=hooks.step_callbacks(),
     )
 
 
 def _load_tokenizer(cfg: RunConfig):
     m = cfg.model
-    return modeling.load_tokenizer(
-        m.model_name_or_path,
-        tokenizer_name_or_path=m.tokenizer_name_or_path,
-        chat_template_format=m.chat_template_format,
-        trust_remote_code=m.trust_remote_code,
-    )
+    try:
+        return modeling.load_tokenizer(
+            m.model_name_or_path,
+            tokenizer_name_or_path=m.tokenizer_name_or_path,
+            chat_template_format=m.chat_template_format,
+            trust_remote_code=m.trust_remote_code,
+        )
+    except json.JSONDecodeError as e:  # a damaged file the preflight did not read
+        raise _tokenizer_error(cfg, e) from e
+    except ValueError:  # shardtune's own (a chat format the tokenizer cannot take): names its flag already
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions for files it cannot parse
+        raise _tokenizer_error(cfg, e) from e
+
+
+def _tokenizer_error(cfg: RunConfig, e: Exception) -> ValueError:
+    from shardtune.preflight import tokenizer_load_error
+
+    m = cfg.model
+    flag = "--tokenizer_name_or_path" if m.tokenizer_name_or_path else "--model_name_or_path"
+    return tokenizer_load_error(m.tokenizer_name_or_path or m.model_name_or_path, flag, e)
 
 
 def _optimizer_and_scheduler(cfg: RunConfig, model, total: int):

@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import struct
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,60 @@ def checkpoint_files(model_name_or_path: str) -> list[Path]:
     return shard_files(path, model_name_or_path)
 
 
+# A safetensors header is a few KiB per hundred tensors; safetensors itself refuses headers over 100 MB.
+_MAX_HEADER = 100_000_000
+RESTORE = "restore it from the original model (a download or copy was cut short, or the file was damaged)"
+
+
+def weight_file_problem(path: Path) -> str | None:
+    """Why a weight file cannot be read (None when it looks whole), from its header and size alone: a safetensors
+    file's 8-byte length, its JSON header and the end of its last tensor against the file's size; a torch .bin
+    file's zip directory (at its end, so a cut-short file has none). Reads no weight."""
+    try:
+        size = path.stat().st_size
+        if path.suffix == ".safetensors":
+            return _safetensors_problem(path, size)
+        if path.suffix == ".bin" and not _legacy_pickle(path):
+            zipfile.ZipFile(path).close()
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"{path} is unreadable or truncated ({type(e).__name__}: {e}); {RESTORE}"
+    return None
+
+
+def _legacy_pickle(path: Path) -> bool:
+    """torch.save's format before torch 1.6: a bare pickle (protocol 2 opcode first), no zip directory to check."""
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x80\x02"
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or n > min(size - 8, _MAX_HEADER):
+            return f"{path} is truncated or not a safetensors file ({size} bytes, no whole header); {RESTORE}"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+            return f"{path} has a damaged safetensors header ({type(e).__name__}: {e}); {RESTORE}"
+    if size < 8 + n + end:
+        return f"{path} is truncated ({size} of {8 + n + end} bytes); {RESTORE}"
+    return None
+
+
+@contextlib.contextmanager
+def _named_errors(path: Path) -> Iterator[None]:
+    """safetensors' errors (SafetensorError) as a ValueError naming the file and the fix: a damaged file found
+    while reading is a bad input, not a traceback. Other errors (a full disk while writing) pass unchanged."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise ValueError(weight_file_problem(path) or f"{path} cannot be read ({e}); {RESTORE}") from e
+
+
 def read_headers(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     """({name: shape}, {name: dtype}) of every tensor in the shards, from their headers (no weight is read).
     A dtype this table does not know reads as uint8 (raw bytes)."""
@@ -79,7 +134,7 @@ def read_headers(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[st
 
     shapes, dtypes = {}, {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _named_errors(file), safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 sl = f.get_slice(name)
                 shapes[name] = tuple(sl.get_shape())
@@ -93,7 +148,8 @@ def open_shard(path: Path, *, pread: bool = False) -> Iterator[Any]:
     into its own memory, returned once the tensor is dropped."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt", device="cpu", **({"backend": "pread"} if pread else {})) as f:
+    backend = {"backend": "pread"} if pread else {}
+    with _named_errors(path), safe_open(str(path), framework="pt", device="cpu", **backend) as f:
         yield f
 
 

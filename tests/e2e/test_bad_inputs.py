@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune import cli, preflight
+from shardtune import cli, preflight, run_dir
 from tests.conftest import _free_port, run_cli, train_args
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -284,7 +284,7 @@ def test_read_only_output_dir_is_refused(request):
     ro.chmod(0o555)
     request.addfinalizer(lambda: shutil.rmtree(base))
     code = (
-        "import os, sys; from shardtune.preflight import output_dir_problem as p\n"
+        "import os, sys; from shardtune.run_dir import output_dir_problem as p\n"
         "if os.geteuid() == 0: os.setuid(65534)\n"
         "for d in sys.argv[1:]: print(p(d, overwrite=False, resuming=False))"
     )
@@ -338,10 +338,10 @@ def test_resume_keeps_one_history_in_metrics(tmp_path):
         {"type": "summary", "step": 3},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"type": "tr')
-    assert preflight.trim_metrics(str(tmp_path), 2) == 3  # step 3, the summary and the torn line
+    assert run_dir.trim_metrics(str(tmp_path), 2) == 3  # step 3, the summary and the torn line
     kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == lines[:4]
-    assert preflight.trim_metrics(str(tmp_path), 2) == 0
+    assert run_dir.trim_metrics(str(tmp_path), 2) == 0
 
 
 def test_run_file_with_a_wrong_type_exits_2_without_traceback(tiny_assets, tmp_path, capsys):

@@ -77,3 +77,42 @@ def test_disk_full_is_found_inside_wrapped_errors():
     except RuntimeError as e:
         assert atomic.is_disk_full(e)
     assert not atomic.is_disk_full(RuntimeError("write failed"))
+
+
+def test_stale_temporary_names_of_dead_processes_of_this_host_are_swept(tmp_path):
+    """Only names of processes of this host that no longer run: a live process's (this one's, or another's) and
+    another host's (a shared file system) are kept, as are names that are not temporary."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    dead_pid, host = int(dead.stdout), socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {
+            f".adapter.tmp-{dead_pid}@{host}": True,  # a killed export's staging folder
+            f".checkpoint-4.old-{dead_pid}@{host}": True,
+            f".metrics.jsonl.1a2b3c4d.tmp-{dead_pid}@{host}": True,  # a file of replaced_file
+            f".runs.removing-{dead_pid}": True,  # an older name without its host: this host's
+            f".adapter.tmp-{dead_pid}@another-host.example": False,
+            f".adapter.tmp-{live.pid}@{host}": False,
+            atomic.temp_name("adapter").lstrip("."): False,  # not hidden: not a temporary name of ours
+            atomic.temp_name("adapter"): False,  # this process's own
+            ".shardtune.lock": False,
+            "checkpoint-4": False,
+        }
+        for name in names:
+            (tmp_path / name).mkdir() if "metrics" not in name else (tmp_path / name).write_text("{}")
+        (tmp_path / f".adapter.tmp-{dead_pid}@{host}" / "adapter_model.safetensors").write_bytes(b"half")
+        swept = atomic.sweep_stale(tmp_path)
+        assert sorted(p.name for p in swept) == sorted(n for n, stale in names.items() if stale)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, stale in names.items() if not stale)
+        assert atomic.temp_name("x") == f".x.tmp-{os.getpid()}@{host}"
+    finally:
+        live.kill()
+        live.wait()
+    assert atomic.sweep_stale(tmp_path / "missing") == []

@@ -301,7 +301,7 @@ def test_fault_hook(monkeypatch):
         callback(LoopState(step=2), 0)
         assert got == [signal.SIGUSR1, signal.SIGUSR1]
         monkeypatch.setenv(hooks.FAULT_ENV, "mid:4")
-        with pytest.raises(ValueError, match=r"SHARDTUNE_FAULT='mid:4': expected <step\|save\|export>"):
+        with pytest.raises(ValueError, match=r"SHARDTUNE_FAULT='mid:4': expected <step\|save\|export\|tokenize\|load>"):
             hooks.at("save", step=4, rank=0)
     finally:
         signal.signal(signal.SIGUSR1, old)

@@ -20,13 +20,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import fsync_dir
+from ..atomic import DiskFullError, fsync_dir, is_disk_full, preallocate, temp_name
 from .packing import IGNORE_INDEX, RowSequence, best_fit_decreasing_flat
 from .prepare import TaskResult, part_paths
 
@@ -94,18 +93,33 @@ class LazyRows(RowSequence):
 def new_tmp_folder(final: Path) -> Path:
     """A temporary folder next to `final`, unique per host and process (node-local and shared file systems)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = final.with_name(temp_name(f"{final.name}.{uuid.uuid4().hex[:8]}"))
     tmp.mkdir()
     return tmp
+
+
+# What to do after a full disk while the cache is written.
+CACHE_FIX = "free some space there, or give --dataset_cache_dir a folder on a disk with room, then run again"
 
 
 def write_cache(
     folder: Path, results: list[TaskResult], *, max_length: int, packing: bool, seed: int, pad_id: int
 ) -> dict:
-    """Concatenate the tasks' part files in folder into the cache arrays, pack, and write meta.json; returns meta."""
+    """Concatenate the tasks' part files in folder into the cache arrays, pack, and write meta.json; returns meta.
+    A full disk is a DiskFullError naming the cache folder and the bytes it needs (the caller removes `folder`)."""
+    n_docs, n_tokens = sum(r.documents for r in results), sum(r.tokens for r in results)
+    try:
+        return _write_cache(folder, results, n_docs, n_tokens, max_length, packing, seed, pad_id)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # The whole cache's size, not the one file's that did not fit (the arrays' own reservation says that).
+        needed = 2 * 4 * n_tokens + 3 * 8 * (n_docs + 1)  # ids and labels (int32), three int64 index arrays
+        raise DiskFullError(folder.parent, needed, "the tokenized data cache", CACHE_FIX) from e
+
+
+def _write_cache(folder, results, n_docs, n_tokens, max_length, packing, seed, pad_id) -> dict:
     digest = hashlib.blake2b(digest_size=16)
-    n_docs = sum(r.documents for r in results)
-    n_tokens = sum(r.tokens for r in results)
     if n_docs == 0:
         raise ValueError(
             f"every document is longer than --max_length {max_length} and --drop_long_samples is set; raise "
@@ -152,8 +166,14 @@ def write_cache(
 
 
 def _concatenate(parts: list[Path], out: Path, total: int, digest) -> None:
-    """Copy the int32 part files, in order, into one .npy of `total` values, a block at a time."""
-    dest = np.lib.format.open_memmap(out, mode="w+", dtype=np.int32, shape=(total,))
+    """Copy the int32 part files, in order, into one .npy of `total` values, a block at a time. The file is
+    reserved on disk before it is mapped: a full disk is then an error here, not a SIGBUS while copying."""
+    dest = np.lib.format.open_memmap(out, mode="w+", dtype=np.int32, shape=(total,))  # header, then a sparse file
+    fd = os.open(out, os.O_RDWR)
+    try:
+        preallocate(fd, os.fstat(fd).st_size, out.parent.parent, "the tokenized data cache", CACHE_FIX)
+    finally:
+        os.close(fd)
     pos = 0
     for part in parts:
         src = np.memmap(part, dtype=np.int32, mode="r") if part.stat().st_size else np.zeros(0, np.int32)

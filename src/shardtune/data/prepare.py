@@ -17,12 +17,15 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..log import warn0
+from .. import hooks
+from ..log import rank, warn0
+from ..parent import stop_with_parent_process
 from .packing import IGNORE_INDEX, Document, fit_documents, shifted_labels
 from .templates import (
     TEMPLATE_COLUMNS,
@@ -215,6 +218,11 @@ def _init_worker(*initargs) -> None:
     """A pool worker's state, set once per process (the pool pickles the tokenizer and dataset once, not per task)."""
     # One process per core already: the tokenizer's own thread pool would oversubscribe the CPUs.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers itself (tokenize_to_parts),
+    # so a worker does not print a KeyboardInterrupt traceback of its own. And a worker ends with its parent, even
+    # one killed with SIGKILL that stops nothing (no orphan left tokenizing).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_with_parent_process()
     _WORKER.update(_worker_state(*initargs))
 
 
@@ -263,6 +271,7 @@ def tokenize_to_parts(
     initargs = (tokenizer, ds, split, column, opts, str(folder))
     if procs <= 1:  # in this process, with its own state: several builds may run at once (threads of a test)
         state = _worker_state(*initargs)
+        hooks.at("tokenize", step=0, rank=rank())
         return [_run_task(state, *t) for t in tasks]
     # spawn, not fork: the parent may hold threads (the tokenizer's pool, the process group's) that fork would copy
     # in a locked state. The workers receive the tokenizer and the (memory-mapped) dataset by pickling, once each.
@@ -270,8 +279,26 @@ def tokenize_to_parts(
     with concurrent.futures.ProcessPoolExecutor(
         procs, mp_context=ctx, initializer=_init_worker, initargs=initargs
     ) as ex:
-        futures = [ex.submit(_run_pool_task, *t) for t in tasks]
-        return [f.result() for f in futures]
+        try:
+            futures = [ex.submit(_run_pool_task, *t) for t in tasks]
+            hooks.at("tokenize", step=0, rank=rank())
+            return [f.result() for f in futures]
+        except BaseException:  # a stop signal or a failed task: end the workers now, not after their tasks
+            _stop_workers(ex)
+            raise
+
+
+def _stop_workers(ex: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers and wait for them (the executor's own shutdown waits for running tasks)."""
+    if hasattr(ex, "terminate_workers"):  # Python 3.14
+        ex.terminate_workers()
+        return
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # before 3.14: the executor's own table
+    for p in procs:
+        p.terminate()
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.join(timeout=10)
 
 
 def default_num_proc() -> int:

@@ -56,8 +56,9 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def resolve(resume_from: str, output_dir: str | Path, *, announce: bool = False) -> Path:
     """`latest` → the newest complete and readable checkpoint of output_dir (with announce, one warning names
-    the damaged newer ones it skipped); a path → that checkpoint, checked (ValueError naming the bad file)."""
-    if resume_from == "latest":
+    the damaged newer ones it skipped); a path → that checkpoint, checked (ValueError naming the bad file).
+    `True` (any case) means `latest`, as transformers' Trainer reads --resume_from_checkpoint True."""
+    if resume_from == "latest" or resume_from.lower() == "true":
         found = list_checkpoints(output_dir)
         skipped = []
         for path in reversed(found):
@@ -68,8 +69,9 @@ def resolve(resume_from: str, output_dir: str | Path, *, announce: bool = False)
                 return path
             skipped.append(problem)
         where = Path(output_dir) / "checkpoints"
+        asked = "latest" if resume_from == "latest" else f"{resume_from} (the latest checkpoint)"
         raise ValueError(
-            f"--resume_from_checkpoint latest: no complete checkpoint in {where}"
+            f"--resume_from_checkpoint {asked}: no complete checkpoint in {where}"
             + (f" ({'; '.join(skipped)})" if skipped else "")
             + "; check --output_dir, or drop --resume_from_checkpoint to start afresh."
         )

@@ -131,12 +131,14 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOST)
 
 
-def shutdown() -> None:
+def shutdown(wait: bool = True) -> None:
     """Leave together: a rank tearing down its groups while a peer is still in a collective can abort at exit.
-    Then take back the environment init_distributed set for a plain single process."""
+    Then take back the environment init_distributed set for a plain single process. wait=False (a run stopped by
+    a signal outside the loop): leave at once, as the peers may be in another collective than a barrier."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            if wait:
+                dist.barrier()
         except (RuntimeError, dist.DistBackendError):  # a peer is already gone; nothing to wait for
             pass
         dist.destroy_process_group()

@@ -14,7 +14,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
     """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
     the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
-    from shardtune import hub, preflight
+    from shardtune import hub, run_dir
     from shardtune.distributed.mesh import broadcast_object
     from shardtune.fsdp_settings import fsdp1_only_notes
 
@@ -24,7 +24,10 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
         for note in fsdp1_only_notes(cfg.fsdp) if cfg.fsdp.enabled else []:
             print0(note)
         resuming = bool(t.resume_from_checkpoint)
-        problem = preflight.output_dir_problem(t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming)
+        # claim: the run's lock on output_dir, held until the run ends (released by train._train).
+        problem = run_dir.output_dir_problem(
+            t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming, claim=True
+        )
         try:
             if not problem:
                 repo_id = hub.preflight(
@@ -45,7 +48,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
             _, task_problems = check_tasks(split_tasks(t.eval_harness_tasks), t.eval_harness_include_path, flags)
             problem = "; ".join(task_problems) or None
         if not problem and t.overwrite_output_dir and not resuming:
-            removed = preflight.clear_previous_run(t.output_dir)
+            removed = run_dir.clear_previous_run(t.output_dir)
             if removed:
                 print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
         if info.device.type == "cuda" and not problem:
@@ -70,7 +73,7 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     if not t.resume_from_checkpoint:
         return None
     try:
-        from shardtune.preflight import identity_problem
+        from shardtune.run_dir import identity_problem
 
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
         record = saved_record(cfg)

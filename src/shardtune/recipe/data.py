@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shardtune.atomic import DiskFullError, is_disk_full, sweep_stale
 from shardtune.config import RunConfig
+from shardtune.data.cache import CACHE_FIX
 from shardtune.log import print0
 from shardtune.loss import objective_spec
 
@@ -40,10 +42,13 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
         def build():
             return build_preference_datasets(d, tokenizer=tokenizer, cache_dir=cache, kto_group=group)
 
+    if info.is_local_main:  # what a killed run of this host left half-written (the names say whose)
+        for stale in sweep_stale(cache):
+            print0(f"Removed {stale}, a cache that a killed run left half-written.")
     result = None
     for turn in (info.is_main, info.is_local_main and not info.is_main, not info.is_local_main):
         if turn:
-            result = build()
+            result = _disk_full_named(build, cache)
         barrier()
     train, evals = result
     _check_same_rows(train, evals, d.dataset_name)
@@ -60,6 +65,17 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
         f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
     )
     return train, evals
+
+
+def _disk_full_named(build, cache: str):
+    """A full disk while the tokenizer's workers write their part files: the cache folder's DiskFullError (the
+    arrays' own writes say it with the size they need, shardtune.data.cache)."""
+    try:
+        return build()
+    except OSError as e:
+        if isinstance(e, DiskFullError) or not is_disk_full(e):
+            raise
+        raise DiskFullError(cache, None, "the tokenized data cache", CACHE_FIX) from e
 
 
 def _check_same_rows(train, evals, dataset_name: str) -> None:

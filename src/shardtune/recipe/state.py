@@ -80,7 +80,7 @@ def check_resumed_data(cfg: RunConfig, train_split) -> None:
         return  # no readable config: the checkpoint's own checks name the file
     saved, now = record.get("data_digest"), getattr(train_split, "digest", None)
     if saved and not now:  # this run's rows have no digest (streamed, pairs): the paths must match after all
-        from shardtune.preflight import run_identity
+        from shardtune.run_dir import run_identity
 
         key = "data.dataset_name"
         before, after = (
@@ -121,7 +121,7 @@ def resume(cfg, model, optimizer, scheduler, info):
         warn0(note)
     state = LoopState(**loop)
     if info.is_main:
-        from shardtune.preflight import trim_metrics
+        from shardtune.run_dir import trim_metrics
 
         dropped = trim_metrics(t.output_dir, state.step)
         if dropped:
