@@ -63,4 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean `shardtune {close[0]}`?" if close else ""
         print(f"shardtune: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return run_command(name, rest)
+    try:
+        return run_command(name, rest)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command installs its own handlers (torch and transformers take seconds to import): one
+        # line, the interrupted run's exit code, nothing written yet.
+        print(f"shardtune {name}: interrupted while starting; nothing was written.", file=sys.stderr)
+        return 3

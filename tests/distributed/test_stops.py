@@ -249,3 +249,22 @@ def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
     assert f"removed {killed.name}, left by a merge that was killed" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no output, no temporary folder
     assert atomic.sweep_stale(tmp_path) == []
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_while_starting_leaves_one_line(tmp_path, delay):
+    """Ctrl-C while the command still imports its libraries (before the run's own handlers): exit 3, one line, no
+    traceback; early (imports) and later (checks) give the same outcome."""
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "shardtune", "plan", "--model_name_or_path", "meta-llama/Llama-2-70b-hf"]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"the command finished within {delay} s, before the signal")
+    assert proc.returncode == 3, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "interrupted" in err
+    assert not list(tmp_path.iterdir())
