@@ -11,7 +11,8 @@ tolerance's rtol, the same learning rate; that at least `min_trained_steps` of t
 that a nonzero learning rate had already moved (a run whose updates are all zero would otherwise compare its
 initial weights); and the trained tensors (adapter_model.safetensors, else model.safetensors) elementwise, each
 tensor whose start is known (lora_B starts at zero, or `start` gives it) moved by far more than the tolerance.
-The pieces, `assert_same_training` and `assert_same_tensors`, take records or tensors directly too.
+The pieces, `assert_same_training` and `assert_same_tensors`, take records or tensors directly too. `BUGS` are
+planted bugs that a negative control shows these checks catch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.mutation import Edit
 from tests.tolerance import TrainParity
 
 # A tensor "moved" when its largest change from its start exceeds this many times its tolerance: then agreeing
@@ -146,3 +148,29 @@ def assert_runs_match(
     """`assert_same_training` and `assert_same_tensors` of two output folders."""
     assert_same_training(ref, got, tol, min_trained_steps=min_trained_steps)
     assert_same_tensors(ref, got, tol, start=start)
+
+
+# Planted bugs of the class these comparisons exist for, as edits of the sources (tests/mutation.py): a run
+# started with `plant(BUGS[name], tmp_path)`'s environment must fail `assert_runs_match` against a correct run.
+_CLIP = "        grad_norm = clip_grad_norm(params, settings.max_grad_norm)\n"
+BUGS = {
+    # Every gradient halved before clipping: AdamW is almost scale-free, so losses barely move; grad_norm halves.
+    "halved_gradients": Edit(
+        "trainer.py", _CLIP, "        _ = [p.grad.mul_(0.5) for p in params if p.grad is not None]\n" + _CLIP
+    ),
+    # Each rank normalises its gradient by its own target count (times the ranks) instead of the global one, while
+    # the logged loss stays right: ranks whose packed rows hold more targets weigh less. Step 1's loss is exact;
+    # the later ones move by about 1e-5 relative.
+    "per_rank_normaliser": Edit(
+        "trainer.py",
+        "        loss, parts = objective.step(model, b, totals, info.dims.dp_size)\n",
+        "        own = {k: sum(c[k] for c in local) * info.dims.dp_size for k in keys}\n"
+        "        loss, parts = objective.step(model, b, own, info.dims.dp_size)\n",
+    ),
+    # Rank 1's shard of every gradient is lost (as if its reduce-scatter output were dropped).
+    "dropped_shard": Edit(
+        "trainer.py",
+        _CLIP,
+        "        if info.rank == 1:\n            _ = [p.grad.zero_() for p in params if p.grad is not None]\n" + _CLIP,
+    ),
+}

@@ -63,10 +63,10 @@ def test_decoder_chain_counts_the_sums():
 
 def test_train_parity_lies_between_the_measured_spread_and_a_small_bug():
     """4 steps of 768 targets: the bounds exceed the measured 1-vs-2-rank spread by a margin and stay below the
-    relative loss shift of a per-rank token normaliser (1.5e-5) and a halved gradient's grad_norm (0.5)."""
+    shifts of a per-rank token normaliser (loss 1.5e-5, grad_norm 2e-3) and a halved gradient (grad_norm 0.5)."""
     t = train_parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
-    assert 10 * TRAIN_SPREAD["loss"] < t.loss < 1.5e-5 / 5
-    assert 10 * TRAIN_SPREAD["grad_norm"] < t.grad_norm < 1.5e-5 / 5
+    assert 20 * TRAIN_SPREAD["loss"] < t.loss < 1.5e-5 / 5
+    assert 100 * TRAIN_SPREAD["grad_norm"] < t.grad_norm < 2e-3 / 20
     # Weights: above the measured |Δw| (6.5e-5 · steps · lr) by the margin, far below one dropped update (lr).
     assert t.atol == pytest.approx(WEIGHT_MARGIN * TRAIN_SPREAD["weight_per_lr_step"] * 4 * 3e-3)
     assert t.atol < 3e-3 / 100
@@ -92,7 +92,7 @@ def test_parity_helpers_fail_on_grad_norm_loss_and_tensors():
     ref = _records([6.4, 6.3, 6.2, 6.1], [9.0, 8.0, 3.0, 1.0], lrs)
     assert_same_training(ref, _records([6.4, 6.3, 6.2 * (1 + t.loss / 2), 6.1], [9.0, 8.0, 3.0, 1.0], lrs), t)
     with pytest.raises(AssertionError, match="step 3 grad_norm"):
-        assert_same_training(ref, _records([6.4, 6.3, 6.2, 6.1], [9.0, 8.0, 6.0, 1.0], lrs), t)
+        assert_same_training(ref, _records([6.4, 6.3, 6.2, 6.1], [9.0, 8.0, 3.0 * (1 + 2e-3), 1.0], lrs), t)
     with pytest.raises(AssertionError, match="step 4 loss"):
         assert_same_training(ref, _records([6.4, 6.3, 6.2, 6.1 * (1 + 1.5e-5)], [9.0, 8.0, 3.0, 1.0], lrs), t)
     with pytest.raises(AssertionError, match="nonzero learning rate"):
