@@ -36,23 +36,34 @@ Records = Path | str | list[dict]
 Tensors = Path | str | dict[str, torch.Tensor]
 
 
+def _records(run: Records) -> list[dict]:
+    if isinstance(run, (str, Path)):
+        return list(map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines()))
+    return run
+
+
 def train_steps(run: Records) -> dict[int, dict]:
     """Step → train record of an output folder's metrics.jsonl (or of a list of records); the last record of a
     step wins, as a resumed run redoes the steps after its checkpoint."""
-    if isinstance(run, (str, Path)):
-        lines = (Path(run) / "metrics.jsonl").read_text().splitlines()
-        run = [r for r in map(json.loads, lines) if r.get("type") == "train"]
-    return {r["step"]: r for r in run}
+    return {r["step"]: r for r in _records(run) if r.get("type") == "train"}
 
 
-def trained_steps(records: dict[int, dict]) -> list[int]:
+def trained_steps(run: Records) -> list[int]:
     """The steps whose loss and gradient were computed on weights a nonzero learning rate had moved.
 
     A record logs the learning rate after the scheduler stepped, the one the next step applies: step s's weights
-    were last updated by step s − 1 with the rate of record s − 2. Step 1's own rate is not logged, so it never
-    counts (a run with warmup_steps 0 counts one step fewer than it trained)."""
-    moved_after = min((s + 2 for s, r in records.items() if r["learning_rate"] > 0), default=math.inf)
-    return sorted(s for s in records if s >= moved_after)
+    were last updated by step s − 1 with the rate of record s − 2. Step 1's rate is the run's learning_rate
+    when it has no warmup (every transformers schedule starts a warmup at 0), read from the run's first start
+    record; without one (a list of train records only), step 1 is taken to have updated nothing."""
+    records = _records(run)
+    steps = train_steps(records)
+    moved_after = min((s + 2 for s, r in steps.items() if r["learning_rate"] > 0), default=math.inf)
+    start = next((r for r in records if r.get("type") == "start"), None)
+    if start is not None:
+        t = start["config"]["train"]
+        if t["learning_rate"] > 0 and not t["warmup_steps"] and not t["warmup_ratio"]:
+            moved_after = 2
+    return sorted(s for s in steps if s >= moved_after)
 
 
 def assert_same_training(ref: Records, got: Records, tol: TrainParity, *, min_trained_steps: int = 2) -> None:
@@ -61,7 +72,7 @@ def assert_same_training(ref: Records, got: Records, tol: TrainParity, *, min_tr
     a resumed `got` may not have)."""
     want, have = train_steps(ref), train_steps(got)
     assert have and set(have) <= set(want), f"steps logged: reference {sorted(want)}, compared run {sorted(have)}"
-    trained = [s for s in trained_steps(want) if s in have]
+    trained = [s for s in trained_steps(ref) if s in have]
     assert len(trained) >= min_trained_steps, (
         f"only steps {trained} of {sorted(have)} follow an update with a nonzero learning rate (want "
         f"{min_trained_steps}): the comparison would see untrained weights; train more steps or lower warmup_steps"
