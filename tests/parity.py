@@ -6,13 +6,14 @@ uninterrupted run vs a resumed one) must agree to a `tests.tolerance.TrainParity
 
     assert_runs_match(ref_dir, got_dir, train_parity(steps=4, seq=96, tokens_per_step=768, lr=3e-3))
 
-checks, from each run's metrics.jsonl train records, every step both logged: loss and grad_norm within the
-tolerance's rtol, the same learning rate; that at least `min_trained_steps` of them were computed on weights
+checks, from each run's metrics.jsonl train records, every step the compared run logged (the reference logged
+it too): loss and grad_norm within the tolerance's rtol, the same learning rate; that at least `min_trained_steps` of them were computed on weights
 that a nonzero learning rate had already moved (a run whose updates are all zero would otherwise compare its
 initial weights); and the trained tensors (adapter_model.safetensors, else model.safetensors) elementwise, each
 tensor whose start is known (lora_B starts at zero, or `start` gives it) moved by far more than the tolerance.
 The pieces, `assert_same_training` and `assert_same_tensors`, take records or tensors directly too. `BUGS` are
-planted bugs that a negative control shows these checks catch.
+planted bugs that a negative control shows these checks catch. Models other than the tiny one build their own
+`TrainParity` (its four numbers) from tests/tolerance.py's helpers.
 """
 
 from __future__ import annotations
