@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.conftest import run_cli, train_args
 from tests.mutation import plant
@@ -72,8 +73,6 @@ def _assert_planner_matches(out, model_dir, **kwargs):
 def test_lora_two_ranks_match_one_process(tiny_assets, lora_one, tmp_path, strategy):
     two = _two_ranks(tiny_assets, tmp_path / "two", LORA, env={"FSDP_SHARDING_STRATEGY": strategy})
     assert_runs_match(lora_one, two, CLOSE)
-    from safetensors.torch import load_file
-
     a = load_file(two / "adapter_model.safetensors")
     # Every decoder linear is adapted, and the rows of the chat template's new tokens are saved.
     assert sum(k.endswith("lora_A.weight") for k in a) == 2 * 7
