@@ -16,10 +16,12 @@ value, hence within twice the bound of each other:
     tol(dtype, K, scale) = 2 · K · u · scale
 
 with `scale` bounding Σ|x_i| / (number of stages) — in practice the magnitude of the values compared (the
-largest |reference| for an absolute tolerance; 1 for a relative one). This is a worst case, not a typical
-error (which grows like sqrt(K)); it is used so that no CPU's rounding can fail a correct result, and it is still
-orders of magnitude below the differences a real bug makes (a wrong mask, a missing shard, a dropped term:
-relative errors of 1e-3 and more), which each test's own "the values really differ" check shows.
+largest |reference| for an absolute tolerance; 1 for a relative one). This is a worst case, reached only when
+every rounding errs the same way; the typical error grows like sqrt(K). No CPU's rounding can fail it, but it is
+loose: over a whole training run's chain (`train_chain`, about 26,000 for 4 steps of the tiny model) it allows
+3e-3, while two fp32 runs split over 1 and 2 ranks agree to 1e-7 and a bug that each rank normalises the loss
+by its own token count moves the loss by 1.5e-5. `tol` is for one pass (a forward, a gradient) over few sums;
+training runs are compared with `train_parity` below.
 
 bf16 and fp16 computations accumulate their sums in fp32 (CPU and GPU matmul kernels alike) and round each
 stage's output once to the low-precision dtype; their error is dominated by those roundings, whose worst case
@@ -28,9 +30,22 @@ stage's output once to the low-precision dtype; their error is dominated by thos
 difference of standard deviation σ = u · sqrt(2 · roundings / 3), and a mean over `n` independent values divides
 σ by sqrt(n). The bound is 8σ: a Gaussian tail beyond 8σ has probability < 1e-15, so even the largest of 10^6
 compared elements stays inside it. When one side is exact (an fp32 reference), `one_sided` halves the variance.
+
+Training runs (`train_parity`) use the same statistical model in fp32. Each addition of a sum is one rounding
+(relative error uniform in [−u, u]), so a chain of K sums computed in two orders differs by σ ≈ u · sqrt(2K/3),
+the random walk's typical size; a loss is a mean over the `n` target tokens of a step, each through its own
+chain with its own errors, which divides σ by sqrt(n). The bound is again 8σ, tol_rounding(fp32, K, n=n), with K
+the chain of every step so far (`train_chain`): each update carries its difference into the later steps.
+grad_norm gets no such division: each gradient element is a sum over the tokens whose terms largely cancel, so
+its relative error is that of the chain itself, 8σ = tol_rounding(fp32, K) (6.3e-5 for 4 steps). A trained
+weight's difference is dominated by AdamW's normalisation, not by the sums: an element whose gradient nearly
+cancels has a large relative error in m/sqrt(v), so the absolute tolerance is a fraction of how far AdamW can
+move an element (lr per step), set from the measured spread with a stated margin (`TRAIN_SPREAD`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -64,8 +79,9 @@ def train_chain(*, steps: int, seq: int, tokens_per_step: int) -> int:
 
 
 def parity(*, steps: int, seq: int, tokens_per_step: int, lr: float) -> dict[str, float]:
-    """rtol and atol (for torch.testing.assert_close) of the losses and weights of two fp32 training runs of a
-    tiny model that differ only in how their sums are split (ranks, micro-batches, nodes, kernels).
+    """Worst-case rtol and atol (for torch.testing.assert_close) of the losses and weights of two fp32 training runs
+    of a tiny model that differ only in how their sums are split (ranks, micro-batches, nodes, kernels). Loose
+    (see the module docstring): distributed parity tests use `train_parity`, whose bounds a small bug exceeds.
 
     rtol: `tol` over the chain of `steps` forward+backward passes (relative: scale 1). atol: for values near
     zero (a lora_B that started at 0), which only hold the updates: AdamW moves each element by at most about lr
@@ -74,6 +90,43 @@ def parity(*, steps: int, seq: int, tokens_per_step: int, lr: float) -> dict[str
     """
     rtol = tol(torch.float32, train_chain(steps=steps, seq=seq, tokens_per_step=tokens_per_step))
     return {"rtol": rtol, "atol": steps * lr * rtol}
+
+
+# The 1-process vs 2-rank spread of fp32 training runs of the tiny model (tests/distributed/test_parity.py: LoRA,
+# full fine-tuning, SHARD_GRAD_OP, NO_SHARD; test_qlora.py's fp32 QLoRA; 2 or 4 steps of 8 packed rows of 96
+# tokens, lr 3e-3; AMD EPYC with AVX-512, torch 2.13 CPU): the largest relative difference of a step's loss and
+# grad_norm, and the largest |Δ weight| over (steps · lr), the most AdamW can move an element.
+TRAIN_SPREAD = {"loss": 1.1e-7, "grad_norm": 5.0e-7, "weight_per_lr_step": 6.5e-5}
+# Margin of the weights' atol over their measured spread. Another CPU (AVX2 rather than AVX-512) blocks its sums
+# differently, which changes which elements differ but not the size of the random walk; 15x covers that. The
+# atol (1e-3 · steps · lr) stays far below one element whose update flips sign (2 · lr) or a dropped update (lr).
+WEIGHT_MARGIN = 15
+
+
+@dataclass(frozen=True)
+class TrainParity:
+    """How close two fp32 training runs of the same data and schedule must be (tests/parity.py compares them)."""
+
+    loss: float  # rtol of each step's loss
+    grad_norm: float  # rtol of each step's gradient norm
+    rtol: float  # of each trained tensor, elementwise (with atol)
+    atol: float
+
+
+def train_parity(*, steps: int, seq: int, tokens_per_step: int, lr: float) -> TrainParity:
+    """The bounds of two fp32 runs of the tiny model over `steps` optimizer steps of `tokens_per_step` targets in
+    sequences of `seq`, peak learning rate `lr`, whose sums are split differently (ranks, nodes, micro-batches).
+
+    For 4 steps of 768 targets (the measured spreads: TRAIN_SPREAD): loss 8σ of the steps' chains averaged over a
+    step's tokens, 2.3e-6, 20x the measured spread and 6x below the shift of a per-rank token normaliser
+    (1.5e-5); grad_norm 8σ of the chains, 6.3e-5, 120x the measured spread and 30x below that normaliser's
+    (2e-3; a halved gradient: 0.5). Weights: rtol the loss's; atol WEIGHT_MARGIN × the measured |Δw| / (steps ·
+    lr), 1.2e-5, 1/250 of one step's largest move.
+    """
+    chain = train_chain(steps=steps, seq=seq, tokens_per_step=tokens_per_step)
+    loss = tol_rounding(torch.float32, chain, n=tokens_per_step)
+    atol = WEIGHT_MARGIN * TRAIN_SPREAD["weight_per_lr_step"] * steps * lr
+    return TrainParity(loss=loss, grad_norm=tol_rounding(torch.float32, chain), rtol=loss, atol=atol)
 
 
 def decoder_chain(

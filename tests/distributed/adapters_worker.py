@@ -150,6 +150,9 @@ def switching(base_dir: str, adapter_dir: str, info) -> dict:
     r["b_grad_diff"] = max(_diff(got[k], want[k]) for k in b_keys if got[k] is not None)
     r["b_grad_scale"] = max(float(want[k].abs().max()) for k in b_keys if want[k] is not None)
     r["b_grad_min_norm"] = min(float(got[k].norm()) for k in b_keys if got[k] is not None)
+    # The norm over all of b's gradients, as training's grad_norm: relative difference to the unsharded one.
+    norms = [torch.stack([g[k].norm() for k in b_keys if g[k] is not None]).norm() for g in (got, want)]
+    r["b_grad_norm_rel"] = float((norms[0] - norms[1]).abs() / norms[1])
     r["frozen_with_grads"] = [k for k, f in flags.items() if not f and got[k] is not None]
     return r
 

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from shardtune import adapters
-from tests.conftest import ROOT, _free_port, run_cli, train_records
+from tests.conftest import ROOT, _free_port, run_cli
 from tests.e2e.test_merge_after_training import _eval_loss, _peft_model
-from tests.tolerance import TINY, TINY_VOCAB, decoder_chain, parity, tol, tol_rounding
+from tests.parity import assert_runs_match
+from tests.tolerance import TINY, TINY_VOCAB, decoder_chain, tol, tol_rounding, train_parity
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -71,10 +72,14 @@ def test_switching_and_disabling_on_two_ranks_match_unsharded(tiny_assets, two_a
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
-    # Sharded vs unsharded fp32: the same sums in another order (module docstring of tests/tolerance.py). Logits
-    # of 2×12 tokens: the forward chain; b's gradients: two forward+backward passes over 24 targets, accumulated.
+    # Sharded vs unsharded fp32: the same sums in another order. Logits of 2×12 tokens: the forward chain; b's
+    # gradients: two forward+backward passes over 24 targets, accumulated. The bound is the typical (8σ, sqrt K)
+    # rounding difference of those chains (tests/tolerance.py), relative to the largest value compared; measured
+    # on AMD EPYC AVX-512: logits 6e-7 (24x inside), gradients 1.5e-6 (16x inside), both well above 0 only for
+    # adapter b, whose sharded DoRA forward is shardtune's own.
     logit_chain = decoder_chain(**TINY, seq=12)
     grad_chain = decoder_chain(**TINY, seq=12, vocab=TINY_VOCAB, tokens=24, backward=True) + 1
+    logit_tol, grad_tol = tol_rounding(torch.float32, logit_chain), tol_rounding(torch.float32, grad_chain)
     for rank in (0, 1):
         r = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert r["world_size"] == 2 and r["fast_dora_layers"] == 2 * 7
@@ -84,7 +89,7 @@ def test_switching_and_disabling_on_two_ranks_match_unsharded(tiny_assets, two_a
         assert r["gap_a_base"] > 1e-2 and r["gap_a_b"] > 1e-2
         # ...and the sharded model matches the unsharded one in each of them.
         for key in ("a", "disabled", "a_after_disabled", "using_b", "a_after_using"):
-            assert r[key] < tol(torch.float32, logit_chain, r["logit_scale"]), (rank, key, r[key])
+            assert r[key] <= logit_tol * r["logit_scale"], (rank, key, r[key])
         assert r["flags_after_disabled_unchanged"] and r["flags_after_using_unchanged"]
         assert r["active_inside"] == "b" and r["active_after_using"] == "a"
         # Switching to `b` for training after an eval forward: exactly b's weights train, on every block.
@@ -93,10 +98,11 @@ def test_switching_and_disabling_on_two_ranks_match_unsharded(tiny_assets, two_a
         assert r["n_b_params"] == 2 * 7 * 3  # lora_A, lora_B and the DoRA magnitude of 7 linears in 2 blocks
         assert r["b_grads_missing"] == [] and r["frozen_with_grads"] == []
         assert r["b_grad_min_norm"] > 0
-        assert r["b_grad_diff"] < tol(torch.float32, grad_chain, r["b_grad_scale"]), (rank, r["b_grad_diff"])
+        assert r["b_grad_diff"] <= grad_tol * r["b_grad_scale"], (rank, r["b_grad_diff"])
+        assert r["b_grad_norm_rel"] <= grad_tol, (rank, r["b_grad_norm_rel"])
         # --adapter_path with meta loading on rank 1: the loaded adapter, trainable, and the base when disabled.
-        bound = tol(torch.float32, logit_chain, r["continued_scale"])
-        assert r["continued"] < bound and r["continued_disabled"] < bound
+        bound = logit_tol * r["continued_scale"]
+        assert r["continued"] <= bound and r["continued_disabled"] <= bound
         assert r["continued_trainable"] == 2 * 7 * 2 + 1  # lora_A/lora_B of 14 linears + lm_head
 
 
@@ -151,7 +157,7 @@ def _dora_args(assets, out: Path, batch: int, extra: tuple[str, ...] = ()) -> li
     args = ["train", "--model_name_or_path", str(assets["model"]), "--dataset_name", str(assets["data"])]
     args += ["--chat_template_format", "chatml", "--max_seq_len", "96", "--packing", "True", "--seed", "7"]
     args += ["--max_steps", "4", "--logging_steps", "1", "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine"]
-    args += ["--warmup_steps", "1", "--save_strategy", "no", "--gradient_accumulation_steps", "2"]
+    args += ["--warmup_steps", "0", "--save_strategy", "no", "--gradient_accumulation_steps", "2"]
     args += ["--gradient_checkpointing", "True", "--eval_strategy", "epoch", "--per_device_eval_batch_size", "4"]
     args += ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
     args += ["--lora_target_modules", "all-linear", "--use_dora", "True"]
@@ -165,23 +171,15 @@ def test_dora_two_ranks_match_one_process_and_reload(tiny_assets, tmp_path):
     # The reference also names its adapter: the saved files do not depend on the name.
     run_cli(_dora_args(tiny_assets, one, 4, ("--adapter_name", "dora_one")), nproc=1, env=FSDP_ENV)
     run_cli(_dora_args(tiny_assets, two, 2, ("--merge_adapter", "True")), nproc=2, env=FSDP_ENV)
-    l1 = [r["loss"] for r in train_records(one)]
-    l2 = [r["loss"] for r in train_records(two)]
-    assert len(l1) == len(l2) == 4 and abs(l1[-1] - l1[0]) > 1e-3
-    # 4 steps of 2 micro-batches × 4 packed rows of 96 tokens, lr 3e-3 (_dora_args).
-    close = parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
-    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=close["rtol"], atol=0)
     a1 = load_file(one / "adapter_model.safetensors")
-    a2 = load_file(two / "adapter_model.safetensors")
-    assert a1.keys() == a2.keys()
     magnitudes = [k for k in a1 if "lora_magnitude_vector" in k]
     assert len(magnitudes) == 2 * 7
-    for k in a1:
-        torch.testing.assert_close(a2[k], a1[k], **close)
-    # The magnitudes trained away from their initial value, the norm of the base weight rows.
+    # A magnitude starts as the norm of its base weight's rows; with lora_B (from zero) it must have moved.
     base = load_file(tiny_assets["model"] / "model.safetensors")
-    k = next(k for k in magnitudes if "layers.0.self_attn.q_proj" in k)
-    assert float((a1[k] - base["model.layers.0.self_attn.q_proj.weight"].norm(dim=1)).abs().max()) > 1e-4
+    linear = {k: k.removeprefix("base_model.model.").split(".lora_magnitude_vector")[0] for k in magnitudes}
+    start = {k: base[f"{name}.weight"].norm(dim=1) for k, name in linear.items()}
+    # 4 steps of 2 micro-batches × 4 packed rows of 96 tokens, lr 3e-3 (_dora_args): loss, grad_norm, tensors.
+    assert_runs_match(one, two, train_parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3), start=start)
     # Reloaded with PeftModel, each adapter reproduces the eval loss its run reported.
     for out in (one, two):
         summary = json.loads((out / "train_summary.json").read_text())

@@ -1,5 +1,7 @@
 """Sharded checkpoints of 2-rank FSDP2 runs over gloo: what a checkpoint holds, exact resume after a rank is
-SIGKILLed mid-save, FULL_STATE_DICT, resuming on fewer and more ranks, and bitsandbytes' 8-bit AdamW."""
+SIGKILLed mid-save, FULL_STATE_DICT, resuming on fewer and more ranks, and bitsandbytes' 8-bit AdamW. A resumed
+run continues the uninterrupted one: the same per-step loss, grad_norm and learning rate, the same tensors
+(tests/parity.py); a resume that loses the optimizer state fails that comparison."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import _free_port, run_cli, train_records
-from tests.tolerance import parity
+from tests.mutation import Edit, plant
+from tests.parity import assert_same_tensors, assert_same_training, train_steps
+from tests.tolerance import train_parity
 
 FSDP_ENV = {
     "ACCELERATE_USE_FSDP": "true",
@@ -41,7 +45,7 @@ def _args(assets, out: Path, *extra: str, dropout: float = 0.1, steps: int = 6) 
         "--logging_steps", "1",
         "--learning_rate", "3e-3",
         "--lr_scheduler_type", "cosine",
-        "--warmup_steps", "1",
+        "--warmup_steps", "0",
         "--weight_decay", "0.01",
         "--per_device_train_batch_size", "2",
         "--gradient_accumulation_steps", "2",
@@ -71,9 +75,14 @@ def _wait(proc: subprocess.Popen, timeout: float = 300) -> int:
         raise
 
 
-def _losses(out: Path, after: int = 0) -> dict[int, float]:
-    """Step → loss of the last record of each step (a resumed run redoes steps after its checkpoint)."""
-    return {r["step"]: r["loss"] for r in train_records(out) if r["step"] > after}
+def _history(out: Path, after: int = 0) -> dict[int, tuple[float, float, float]]:
+    """Step → (loss, grad_norm, learning rate) of the last record of each step (a resumed run redoes the steps
+    after its checkpoint)."""
+    return {s: (r["loss"], r["grad_norm"], r["learning_rate"]) for s, r in train_steps(out).items() if s > after}
+
+
+# 4 steps of 2 micro-batches × 4 packed rows of 96 tokens, lr 3e-3; legs on other world sizes sum in other orders.
+CLOSE = train_parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
 
 
 def _copy_checkpoint(src: Path, out: Path) -> None:
@@ -131,8 +140,8 @@ def test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact(baseline
 
     run_cli([*_args(tiny_assets, out), "--resume_from_checkpoint", "latest"], nproc=2, env=FSDP_ENV)
     assert not (out / "checkpoints" / "checkpoint-4.tmp").exists()
-    # The resumed run redid steps 3..6: the same losses, the same adapter, bit for bit.
-    assert _losses(out, after=2) == _losses(baseline, after=2)
+    # The resumed run redid steps 3..6: the same losses, gradient norms and adapter, bit for bit.
+    assert _history(out, after=2) == _history(baseline, after=2)
     records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
     assert [r["type"] for r in records].count("start") == 2
     # The killed attempt's records after step 2 (the resumed checkpoint) were dropped: one history, redone from 3.
@@ -172,17 +181,11 @@ def test_resume_across_world_sizes_and_state_dict_types(tiny_assets, tmp_path):
     run_cli(
         _args(tiny_assets, again, "--resume_from_checkpoint", "latest", dropout=0.0, steps=4), nproc=2, env=FSDP_ENV
     )
-    want, got_one, got_again = _losses(two, after=2), _losses(one), _losses(again)
-    assert sorted(got_one) == [3, 4] and sorted(got_again) == [4]
-    # 4 steps of 2 micro-batches × 4 packed rows of 96 tokens, lr 3e-3; the legs sum in other orders.
-    close = parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
-    for step, loss in [*got_one.items(), *got_again.items()]:
-        assert loss == pytest.approx(want[step], rel=close["rtol"]), step
-    a = load_file(two / "adapter_model.safetensors")
+    assert sorted(train_steps(one)) == [3, 4] and sorted(train_steps(again)) == [4]
+    assert_same_training(two, one, CLOSE)
+    assert_same_training(two, again, CLOSE, min_trained_steps=1)
     for other in (one, again):
-        b = load_file(other / "adapter_model.safetensors")
-        for k in a:
-            torch.testing.assert_close(b[k], a[k], **close)
+        assert_same_tensors(two, other, CLOSE)
 
 
 def test_adamw_8bit_state_resumes_exactly_and_refuses_another_world_size(tiny_assets, tmp_path):
@@ -199,7 +202,7 @@ def test_adamw_8bit_state_resumes_exactly_and_refuses_another_world_size(tiny_as
         assert all(v["step"] == 2 for v in blob["state"]["state"].values())
     _copy_checkpoint(ck, resumed)
     run_cli(_args(tiny_assets, resumed, *extra, "--resume_from_checkpoint", "latest", steps=4), nproc=2, env=FSDP_ENV)
-    assert _losses(resumed) == _losses(first, after=2)
+    assert _history(resumed) == _history(first, after=2)
     a, b = load_file(first / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The same checkpoint on 1 rank: refused before any data or model is loaded.
@@ -210,3 +213,22 @@ def test_adamw_8bit_state_resumes_exactly_and_refuses_another_world_size(tiny_as
     assert proc.returncode == 2 and time.monotonic() - t0 < 60
     assert "cannot be resharded from 2 to 1 rank(s). Resume on 2 rank(s)" in proc.stderr
     assert "Data:" not in proc.stderr
+
+
+def test_resume_without_the_optimizer_state_fails_the_comparison(baseline, tiny_assets, tmp_path):
+    """Negative control: a planted resume that restores the weights but not AdamW's moments continues from
+    checkpoint-4 with fresh moments; its steps 5 and 6 differ from the uninterrupted run's."""
+    out = tmp_path / "run"
+    _copy_checkpoint(baseline / "checkpoints" / "checkpoint-4", out)
+    lost = Edit(
+        "distributed/checkpoint.py",
+        "    torch_optim = None if shards is not None else optimizer\n",
+        "    torch_optim = None\n",
+    )
+    args = [*_args(tiny_assets, out), "--resume_from_checkpoint", "latest"]
+    run_cli(args, nproc=2, env={**FSDP_ENV, **plant(lost, tmp_path / "planted")})
+    assert sorted(train_steps(out)) == [5, 6]
+    with pytest.raises(AssertionError, match="training differs"):
+        assert_same_training(baseline, out, CLOSE)
+    with pytest.raises(AssertionError, match="tensors differ"):
+        assert_same_tensors(baseline, out, CLOSE)
