@@ -12,11 +12,9 @@ import os
 import subprocess
 import sys
 
-import torch
-from safetensors.torch import load_file
-
 from tests.conftest import _free_port, run_cli, train_args, train_records
-from tests.tolerance import parity
+from tests.parity import assert_runs_match
+from tests.tolerance import train_parity
 
 
 def _env(strategy: str, load_log) -> dict[str, str]:
@@ -84,13 +82,7 @@ def test_full_shard_two_nodes_read_once_per_node_and_train_like_one_node(tiny_as
     run_cli(_flags(tiny_assets, one), nproc=4, env=_env("FULL_SHARD", tmp_path / "log1"))
     assert _read_by(tmp_path / "log2") == ["loaded-rank0", "loaded-rank2"]
     assert _read_by(tmp_path / "log1") == ["loaded-rank0"]
-    l2 = [r["loss"] for r in train_records(two)]
-    l1 = [r["loss"] for r in train_records(one)]
-    assert len(l2) == 3
-    # 3 steps of 4 ranks × 1 packed row of 96 tokens, lr 3e-3: the same sums split over other ranks/nodes.
-    close = parity(steps=3, seq=96, tokens_per_step=4 * 96, lr=3e-3)
-    torch.testing.assert_close(torch.tensor(l2), torch.tensor(l1), rtol=close["rtol"], atol=0)
-    a, b = load_file(two / "adapter_model.safetensors"), load_file(one / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and a
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], **close)
+    assert len(train_records(two)) == 3
+    # 3 steps of 4 ranks × 1 packed row of 96 tokens, lr 3e-3: the same sums split over other ranks/nodes; losses,
+    # grad_norm and the adapter within the measured-spread bounds (tests/parity.py's planted bugs fail them).
+    assert_runs_match(one, two, train_parity(steps=3, seq=96, tokens_per_step=4 * 96, lr=3e-3))
