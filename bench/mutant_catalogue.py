@@ -43,6 +43,10 @@ RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
 )
 MERGE_CASE = "tests/unit/test_merge.py::test_merged_model_matches_peft_model_untied[{}]"
+ORPO_FIRST_STEP = (
+    "tests/unit/test_reference_free_trainers.py::"
+    "test_orpo_first_step_equals_trls_orpo_trainer_but_for_the_prompt_in_the_nll"
+)
 RELOAD_LORA = "tests/e2e/test_reload.py::test_reload_in_fresh_process_gives_trained_eval_loss[lora]"
 
 TRAIN_STEP = (
@@ -219,6 +223,29 @@ MUTANTS: tuple[Mutant, ...] = (
             "            targets = np.ones(len(ids), dtype=bool)\n            completion += int(targets.sum())\n",
         ),
         ["tests/unit/test_preference.py::test_pairs_mask_the_prompt_and_keep_chosen_and_rejected_together"],
+    ),
+    _m(
+        "collate_padding_targets",
+        "masking",
+        "a batch's padding positions get the pad token as their label (padding trained on) instead of -100",
+        Edit(
+            "data/collate.py",
+            "    labels = np.full((batch_size, seq_len), IGNORE_INDEX, dtype=np.int64)",
+            "    labels = np.full((batch_size, seq_len), pad_id, dtype=np.int64)",
+        ),
+        [
+            "tests/unit/test_packing.py::test_unshuffled_batches_pad_to_the_longest_row",
+            "tests/unit/test_packing.py::test_epoch_covers_every_row_once_and_fills_the_last_batch_without_targets",
+        ],
+    ),
+    _m(
+        "concat_eos_target_assistant_only",
+        "masking",
+        "with --assistant_only_loss and --append_concat_token, the separator EOS after each conversation is a target",
+        Edit(
+            "data/prepare.py", "targets = np.append(targets, not assistant_only)", "targets = np.append(targets, True)"
+        ),
+        ["tests/unit/test_data.py::test_assistant_only_loss_masks_exactly_the_non_assistant_targets"],
     ),
     # ---------------------------------------------------------------- adapter save/gather
     _m(
@@ -432,5 +459,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "then the examples' own log-ratio)",
         Edit("data/preference.py", "mismatched = chunk[j - 1][1]", "mismatched = chunk[j][1]"),
         ["tests/unit/test_kto.py::test_kl_rows_pair_each_prompt_with_the_previous_completion_of_its_group"],
+    ),
+    _m(
+        "orpo_nll_not_backpropagated",
+        "preference",
+        "ORPO's NLL term is logged in the loss but left out of the tensor that is backpropagated",
+        Edit("loss.py", "            loss = loss + nll\n", "            loss = loss + 0 * nll\n"),
+        [
+            ORPO_FIRST_STEP,
+            "tests/unit/test_objective_backward.py",
+        ],
+    ),
+    _m(
+        "simpo_gamma_ignored",
+        "preference",
+        "SimPO's target margin gamma is left out",
+        Edit("loss.py", "chosen - rejected - self.simpo_gamma / beta", "chosen - rejected"),
+        ["tests/unit/test_reference_free_trainers.py::test_simpo_first_step_equals_trls_cpo_trainer"],
+    ),
+    _m(
+        "kto_weights_swapped",
+        "preference",
+        "KTO weighs desirable examples by undesirable_weight and undesirable ones by desirable_weight",
+        Edit(
+            "loss.py",
+            "        chosen = self.desirable_weight * (1",
+            "        chosen = self.undesirable_weight * (1",
+        ),
+        ["tests/unit/test_kto.py::test_kto_first_step_equals_trl"],
+    ),
+    _m(
+        "kto_kl_per_rank",
+        "normalisation",
+        "KTO's KL estimate is each rank's own mean, not the mean over the micro-batch of every rank",
+        Edit(
+            "loss.py", "        kl_sum, kl_count = all_reduce_sum(\n", "        kl_sum, kl_count = (lambda v, d: v)(\n"
+        ),
+        ["tests/distributed/test_kto_cli.py"],
     ),
 )
