@@ -312,6 +312,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ["tests/distributed/test_adapters.py::test_dora_two_ranks_match_one_process_and_reload"],
     ),
+    _m(
+        "adapter_modules_to_save_not_saved",
+        "adapter",
+        "the fully trained --modules_to_save (embed_tokens, lm_head) are left out of the written adapter",
+        Edit(
+            "export.py",
+            "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
+            "        tokenizer.save_pretrained(str(tmp))\n"
+            "        from safetensors.torch import load_file, save_file\n"
+            "        f = tmp / 'adapter_model.safetensors'\n"
+            "        kept = {k: v for k, v in load_file(f).items() if 'lora_' in k}\n"
+            "        save_file(kept, f, metadata={'format': 'pt'})\n"
+            "    return Path(output_dir)\n\n\ndef save_full_model(",
+        ),
+        ["tests/e2e/test_merge_after_training.py::test_modules_to_save_are_trained_in_full_saved_resized_and_reload"],
+    ),
     # ---------------------------------------------------------------- resume state
     _m(
         "resume_optimizer_not_restored",
@@ -325,6 +341,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "    state, optimizer = _template(model, None), None\n    try:\n        dcp.load(",
         ),
         [f"{CKPT_UNIT}::test_save_then_load_restores_everything_bit_for_bit"],
+    ),
+    _m(
+        "resume_full_optimizer_not_restored",
+        "resume",
+        "resuming a FULL_STATE_DICT checkpoint restores the weights but not the optimizer state",
+        Edit(
+            "distributed/checkpoint.py",
+            "    _apply(model, optimizer, _from_full(template, full))",
+            "    _apply(model, None, {'model': _from_full(template, full)['model']})",
+        ),
+        [f"{CKPT_UNIT}::test_save_then_load_restores_everything_bit_for_bit[adamw_torch-FULL_STATE_DICT]"],
     ),
     _m(
         "resume_scheduler_not_restored",
