@@ -129,7 +129,7 @@ def _classify(m: Mutant, proc: subprocess.CompletedProcess, junit: Path, t0: flo
         elif not any(case.find(x) is not None for x in ("error", "skipped")):
             passed.append(case.get("name", "?"))
     if counts["failures"]:
-        # With --each, the tests that passed under the bug too: they cannot fail for it.
+        # With --each, the tests that passed under the bug too.
         note = f"failed: {', '.join(failed)}" + (f"; passed: {', '.join(passed)}" if passed else "")
         return _row(m, "caught", t0, note=note, counts=counts)
     if counts["errors"] or proc.returncode != 0:  # 5: no test collected (a node id that is gone)
@@ -224,6 +224,9 @@ def write_doc(rows: list[dict], out: Path, meta: dict) -> None:
             f"{summary(rows)}."
         ),
         "Rows of earlier runs are kept when `--only` reruns a few (each row's date is in bench/results/mutants.json).",
+        "A row whose result lists tests that *passed* was run with `--each` (every named test, not only up to the",
+        "first failure): those tests did not fail under that bug. The time is the pytest run's, stopping at the first",
+        "failure unless `--each`.",
         "",
         table(rows),
         "",
