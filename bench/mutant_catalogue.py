@@ -282,8 +282,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "the trained rows of the chat template's new tokens (trainable_token_indices) are left out of the saved "
         "adapter",
-        # Left out of the written file: left out of the gathered state dict instead, peft's save_pretrained reads
-        # the rows from the sharded model on rank 0 alone and the run hangs (a mutant that says nothing).
+        # Left out of the written file: left out of the gathered state dict instead, the 2-rank run waited in a
+        # collective until its timeout (a mutant that says nothing about the tests).
         Edit(
             "export.py",
             "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
