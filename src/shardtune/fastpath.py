@@ -197,18 +197,35 @@ def _span(docs: list[tuple[int, int]], device: torch.device) -> Span:
     return Span(size, mask[None, None].to(device))
 
 
-def _span_attention(q, k, v, span: Span, dropout: float, scaling: float | None) -> torch.Tensor:
+def _span_attention(q, k, v, span: Span, dropout: float, scaling: float | None, mask=None) -> torch.Tensor:
     """[1, heads, L, d] -> [1, L, heads, d]. Spans up to SPAN_TOKENS run on SDPA's math kernel, which on CPU is
     2-3x faster than its flash kernel at these lengths (the whole score matrix is small); longer documents
-    run on the default (flash) kernel."""
+    run on the default (flash) kernel. `mask`: the family's own mask over the span, where it is not plain causal
+    within each document (chunked attention, a bias)."""
     gqa = q.shape[1] != k.shape[1]
     kw = {"dropout_p": dropout, "scale": scaling, "enable_gqa": gqa}
-    if span.size <= SPAN_TOKENS:
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    elif span.size <= SPAN_TOKENS:
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, is_causal=span.mask is None, **kw)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     return out.transpose(1, 2)
+
+
+def _family_mask(attention_mask: torch.Tensor | None, row: int, start: int, span: Span) -> torch.Tensor | None:
+    """The family's mask on a span's diagonal block, or None where it is the span's own (causal within each
+    document): transformers' mask of a packed row is block-diagonal over its documents, so its diagonal blocks
+    are all of it that a span needs, and they carry what shardtune would not know (chunked attention)."""
+    if attention_mask is None or attention_mask.ndim != 4:
+        return None
+    end = start + span.size
+    block = attention_mask[row : row + 1, :, start:end, start:end]
+    if block.dtype != torch.bool:
+        return block  # an additive mask (or bias): used as it is
+    own = span.mask if span.mask is not None else torch.ones(span.size, span.size, dtype=torch.bool).tril()
+    return None if bool((block == own.to(block.device)).all()) else block
 
 
 def packed_sdpa_attention(
@@ -241,11 +258,18 @@ def packed_sdpa_attention(
     # unbind and split: their backward writes each gradient once (slicing would add a zero-filled full-size
     # gradient per span).
     rows = []
-    for spans, q, k, v in zip(documents, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
+    for row, (spans, q, k, v) in enumerate(
+        zip(documents, query.unbind(0), key.unbind(0), value.unbind(0), strict=True)
+    ):
         sizes = [sp.size for sp in spans]
+        starts = itertools.accumulate([0, *sizes[:-1]])
         parts = [
-            _span_attention(qs[None], ks[None], vs[None], sp, dropout, scaling)
-            for sp, qs, ks, vs in zip(spans, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), strict=True)
+            _span_attention(
+                qs[None], ks[None], vs[None], sp, dropout, scaling, _family_mask(attention_mask, row, s, sp)
+            )
+            for sp, s, qs, ks, vs in zip(
+                spans, starts, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), strict=True
+            )
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))  # [1, seq, heads, head_dim]
     return torch.cat(rows, dim=0), None
