@@ -292,14 +292,17 @@ def verdict(config, attn_impl: str, training_cls) -> Verdict:
 def _quiet() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, threads = hf_logging.get_verbosity(), torch.get_num_threads()
     hf_logging.set_verbosity_error()
+    # One thread: the tiny copy's products are microseconds; waking a pool for each costs more than all of them.
+    torch.set_num_threads(1)
     try:
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
             warnings.simplefilter("ignore")
             yield
     finally:
         hf_logging.set_verbosity(level)
+        torch.set_num_threads(threads)
 
 
 def build_tiny(config, attn_impl: str, seed: int = 0):
@@ -366,7 +369,8 @@ def _probe_attention(config, attn_impl: str) -> str:
     """The attention the check runs the training side with: the run's, or shardtune's SDPA in place of a kernel
     that needs CUDA (flash-attention: the same per-document attention, from position_ids); then, as in
     training, eager where the family cannot run SDPA."""
-    impl = attn_impl if attn_impl in ("eager", "sdpa", fastpath.ATTENTION) else fastpath.register_attention()
+    shardtune_sdpa = fastpath.register_attention()
+    impl = attn_impl if attn_impl in ("eager", "sdpa", shardtune_sdpa) else shardtune_sdpa
     return _attention_choice(config, impl)[0]
 
 
