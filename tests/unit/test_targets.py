@@ -83,3 +83,22 @@ def test_remapped_leaf_names_are_left_out_only_where_peft_remaps_them(caplog):
         paths = modeling._target_modules("all-linear", _model("jamba"))
     assert paths == jamba.paths
     assert "LoRA targets (all-linear, " in caplog.text and "model.layers.*.mamba.in_proj (2)" in caplog.text
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", "falcon_h1"])
+def test_planner_counts_lora_on_the_layers_training_wraps(model_type):
+    """shardtune plan's LoRA count is PEFT's on the layers all-linear wraps (shared experts, Mamba projections);
+    on Llama it equals the count of the Llama names, elsewhere those undercount."""
+    from peft import LoraConfig, get_peft_model
+
+    from shardtune.planning.model import ModelShape, lora_param_count, resolve_lora_targets
+
+    config = families.tiny_config(CONFIG_MAPPING[model_type]())
+    shape = ModelShape.from_config(config)
+    names = resolve_lora_targets(shape, "all-linear")
+    model = _model(model_type)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets.plan_all_linear(model).paths))
+    trained = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert lora_param_count(shape, 4, names) == trained
+    llama_names = lora_param_count(shape, 4, tuple(names))
+    assert (llama_names == trained) == (model_type == "llama")
