@@ -106,17 +106,41 @@ def _child(fn, arg, conn) -> None:
         conn.send({"status": "skipped", "reason": _short(e)})
 
 
-def run_isolated(fn, arg, timeout: float) -> dict:
-    """fn(arg) in a forked child, killed after `timeout` seconds. The parent runs no torch operation itself: a
-    child forked after the parent started its OpenMP threads would hang."""
+def _start(fn, arg):
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(fn, arg, child))
     proc.start()
-    row = parent.recv() if parent.poll(timeout) else {"status": "skipped", "reason": f"over {timeout:.0f} s on CPU"}
-    proc.kill()
-    proc.join()
-    return row
+    return proc, parent, time.time()
+
+
+def run_isolated(fn, arg, timeout: float) -> dict:
+    """fn(arg) in a forked child, killed after `timeout` seconds. The parent runs no torch operation itself: a
+    child forked after the parent started its OpenMP threads would hang."""
+    return run_many(fn, [arg], timeout, jobs=1)[arg]
+
+
+def run_many(fn, args: list, timeout: float, jobs: int) -> dict:
+    """fn(a) for each a, in up to `jobs` forked children at a time, each killed after `timeout` seconds."""
+    pending, running, out = list(args), {}, {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            a = pending.pop(0)
+            running[a] = _start(fn, a)
+        for a, (proc, conn, t0) in list(running.items()):
+            late = time.time() - t0 > timeout
+            if conn.poll() or late:
+                row = conn.recv() if not late else {"status": "skipped", "reason": f"over {timeout:.0f} s on CPU"}
+                proc.kill()
+                proc.join()
+                if isinstance(row, dict):
+                    row["seconds"] = round(time.time() - t0, 1)
+                out[a] = row
+                del running[a]
+                if a is not None:
+                    print(f"{a:28s} {json.dumps(row)[:160]}", flush=True)
+        time.sleep(0.05)
+    return out
 
 
 def planted_bugs_fail(_=None) -> list[str]:
@@ -144,17 +168,13 @@ def planted_bugs_fail(_=None) -> list[str]:
     return missed
 
 
-def sweep(types: list[str], timeout: float) -> dict:
+def sweep(types: list[str], timeout: float, jobs: int) -> dict:
     missed = run_isolated(planted_bugs_fail, None, 600)
     if missed:
         raise SystemExit(f"the check missed planted bugs: {missed}; nothing written.")
-    t0, rows = time.time(), {}
-    for t in types:
-        s = time.time()
-        rows[t] = run_isolated(check_family, t, timeout)
-        rows[t]["seconds"] = round(time.time() - s, 1)
-        print(f"{t:28s} {json.dumps(rows[t])[:300]}", flush=True)
-    return {"families": rows, "seconds": round(time.time() - t0, 1), **_versions()}
+    t0 = time.time()
+    rows = run_many(check_family, types, timeout, jobs)
+    return {"families": {t: rows[t] for t in types}, "seconds": round(time.time() - t0, 1), **_versions()}
 
 
 def _versions() -> dict:
@@ -230,13 +250,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="", help="comma-separated model_types (default: every registered one)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
+    ap.add_argument("--jobs", type=int, default=1, help="families checked at a time")
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's conformance table")
     ap.add_argument("--from_json", action="store_true", help="only print (and write) the table of the last results")
     args = ap.parse_args()
     if args.from_json:
         result = json.loads(RESULTS.read_text())
     else:
-        result = sweep([t for t in args.types.split(",") if t] or list(families.causal_lm_types()), args.timeout)
+        result = sweep(
+            [t for t in args.types.split(",") if t] or list(families.causal_lm_types()), args.timeout, args.jobs
+        )
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     table = markdown(result)
