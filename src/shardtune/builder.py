@@ -162,7 +162,7 @@ def training_layout(spec: ModelSpec) -> families.Layout:
     attn = families.family_attention(config, spec.attn_impl)
     verdict = families.verdict(config, attn, modeling.CausalLMForTraining)
     layout = verdict.layout(spec.packing)
-    print0(families.summary(verdict, layout))
+    print0(families.summary(verdict, layout, spec.packing))
     if spec.packing and not verdict.packing_ok(layout):
         if not verdict.checked:
             print0(f"warning: --packing: packed documents are not verified to stay apart on {config.model_type} "

@@ -397,16 +397,21 @@ def _fast_layout(model, training_cls, ids, pos, want) -> tuple[Layout | None, st
     return None, "the decoder + chunked head do not give the model's logits (" + "; ".join(tried) + ")"
 
 
-def summary(v: Verdict, layout: Layout) -> str:
+def summary(v: Verdict, layout: Layout, packing: bool) -> str:
     """One log line: which forward trains and what was verified."""
     if layout.path == "fast":
         head = "" if layout.head == "identity" else f", head logits {layout.head}"
         what = f"shardtune's fast path (decoder {layout.decoder or 'get_decoder()'}{head})"
     else:
         what = "the model's own forward (full logits)"
-    packing = "packed documents stay apart" if v.packing_ok(layout) else "packed rows NOT kept apart"
-    why = f"; {v.reason}" if v.reason else ""
-    return f"{v.model_type}: training {what}, checked against its own forward on a tiny copy; {packing}{why}."
+    if not v.checked:
+        return f"{v.model_type}: training {what}; {v.reason}."
+    if v.packing_ok(layout):
+        rows = "packed documents stay apart"
+    else:
+        rows = "packed documents would not stay apart" + ("" if packing else " (rows are not packed)")
+    why = f"; {v.reason}" if v.reason and (packing or layout.path != "fast") else ""
+    return f"{v.model_type}: training {what}, checked against its own forward on a tiny copy; {rows}{why}."
 
 
 @functools.cache

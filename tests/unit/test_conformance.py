@@ -158,3 +158,18 @@ def test_packing_is_refused_before_weights_load(tmp_path, model_type, refused):
         assert builder.training_layout(spec).path == "fast"
     spec.packing = False
     assert builder.training_layout(spec).path == "fast"
+
+
+def test_tiny_copy_keeps_what_sets_the_family_apart():
+    """The copy is small but keeps the multipliers (the run's own values), a layer of each kind of a hybrid, and
+    windows shorter than the check's documents."""
+    from transformers import FalconH1Config, Qwen3NextConfig
+
+    next_ = families.tiny_config(Qwen3NextConfig())
+    kinds = set(Qwen3NextConfig().layer_types)
+    assert set(next_.layer_types) == kinds and len(next_.layer_types) == next_.num_hidden_layers < 48
+    assert next_.hidden_size == families.HIDDEN and next_.num_experts == families.EXPERTS
+    falcon = families.tiny_config(FalconH1Config(lm_head_multiplier=25.0))
+    assert falcon.lm_head_multiplier == 25.0 and falcon.hidden_size == families.HIDDEN
+    assert families.tiny_config(FalconH1Config(), discriminating=True).lm_head_multiplier == 2.5
+    assert families.tiny_config(CONFIG_MAPPING["mistral"](sliding_window=4096)).sliding_window < families.DOCS[0]
