@@ -120,8 +120,9 @@ def run_isolated(fn, arg, timeout: float) -> dict:
     return run_many(fn, [arg], timeout, jobs=1)[arg]
 
 
-def run_many(fn, args: list, timeout: float, jobs: int) -> dict:
-    """fn(a) for each a, in up to `jobs` forked children at a time, each killed after `timeout` seconds."""
+def run_many(fn, args: list, timeout: float, jobs: int, on_row=None) -> dict:
+    """fn(a) for each a, in up to `jobs` forked children at a time, each killed after `timeout` seconds;
+    on_row(a, row) as each finishes."""
     pending, running, out = list(args), {}, {}
     while pending or running:
         while pending and len(running) < jobs:
@@ -137,8 +138,8 @@ def run_many(fn, args: list, timeout: float, jobs: int) -> dict:
                     row["seconds"] = round(time.time() - t0, 1)
                 out[a] = row
                 del running[a]
-                if a is not None:
-                    print(f"{a:28s} {json.dumps(row)[:160]}", flush=True)
+                if on_row is not None:
+                    on_row(a, row)
         time.sleep(0.05)
     return out
 
@@ -168,13 +169,26 @@ def planted_bugs_fail(_=None) -> list[str]:
     return missed
 
 
-def sweep(types: list[str], timeout: float, jobs: int) -> dict:
+def sweep(types: list[str], timeout: float, jobs: int, out: Path) -> dict:
+    """Check `types`, writing `out` after each family; families already in `out` are kept (a resumed sweep)."""
     missed = run_isolated(planted_bugs_fail, None, 600)
     if missed:
         raise SystemExit(f"the check missed planted bugs: {missed}; nothing written.")
-    t0 = time.time()
-    rows = run_many(check_family, types, timeout, jobs)
-    return {"families": {t: rows[t] for t in types}, "seconds": round(time.time() - t0, 1), **_versions()}
+    result = json.loads(out.read_text()) if out.exists() else {"families": {}, "seconds": 0.0}
+    result.update(_versions())
+    t0, before = time.time(), result["seconds"]
+
+    def write(name: str, row: dict) -> None:
+        print(f"{name:28s} {json.dumps(row)[:160]}", flush=True)
+        result["families"][name] = row
+        result["seconds"] = round(before + time.time() - t0, 1)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    run_many(check_family, [t for t in types if t not in result["families"]], timeout, jobs, write)
+    result["families"] = dict(sorted(result["families"].items()))
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def _versions() -> dict:
@@ -250,18 +264,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="", help="comma-separated model_types (default: every registered one)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
+    ap.add_argument("--out", default=str(RESULTS), help="results JSON (written after each family; resumed)")
+    ap.add_argument("--reverse", action="store_true", help="check the families from the last")
     ap.add_argument("--jobs", type=int, default=1, help="families checked at a time")
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's conformance table")
     ap.add_argument("--from_json", action="store_true", help="only print (and write) the table of the last results")
     args = ap.parse_args()
+    out = Path(args.out)
     if args.from_json:
-        result = json.loads(RESULTS.read_text())
+        result = json.loads(out.read_text())
     else:
-        result = sweep(
-            [t for t in args.types.split(",") if t] or list(families.causal_lm_types()), args.timeout, args.jobs
-        )
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        types = [t for t in args.types.split(",") if t] or list(families.causal_lm_types())
+        result = sweep(types[::-1] if args.reverse else types, args.timeout, args.jobs, out)
     table = markdown(result)
     print(table)
     if args.readme:
