@@ -191,6 +191,17 @@ def sweep(types: list[str], timeout: float, jobs: int, out: Path) -> dict:
     return result
 
 
+def merge(parts: list[Path], out: Path) -> dict:
+    """The union of partial sweeps' rows; a registered family none of them reached is listed as not run."""
+    results = [json.loads(p.read_text()) for p in parts]
+    rows = {name: row for r in results for name, row in r["families"].items()}
+    for name in families.causal_lm_types():
+        rows.setdefault(name, {"status": "not run", "reason": "not reached by this sweep"})
+    merged = {**results[0], "families": dict(sorted(rows.items())), "seconds": sum(r["seconds"] for r in results)}
+    out.write_text(json.dumps(merged, indent=1) + "\n")
+    return merged
+
+
 def _versions() -> dict:
     import peft
     import transformers
@@ -200,7 +211,7 @@ def _versions() -> dict:
 
 def _cells(row: dict) -> list[str]:
     if row["status"] != "checked":
-        return ["skipped", "", "", "", row["reason"].replace("|", "/")]
+        return [row["status"], "", "", "", row["reason"].replace("|", "/")]
     if row["fast"]:
         head = "" if row["head"] == "identity" else f", logits {row['head']}"
         dec = "" if row["decoder"] == "" else f", decoder `{row['decoder']}`"
@@ -231,11 +242,13 @@ def markdown(result: dict) -> str:
     rows = result["families"]
     n_fast = sum(r.get("fast", False) for r in rows.values())
     n_own = sum(r["status"] == "checked" and not r["fast"] for r in rows.values())
-    n_skip = sum(r["status"] != "checked" for r in rows.values())
+    n_skip = sum(r["status"] == "skipped" for r in rows.values())
+    n_not_run = sum(r["status"] == "not run" for r in rows.values())
     n_refused = sum(r["status"] == "checked" and not r["packing"] for r in rows.values())
     counts = (
         f"{len(rows)} architectures: {n_fast} on the fast path, {n_own} on their own forward, {n_skip} skipped "
-        f"(not buildable on CPU from their defaults); packing refused on {n_refused}. Tested with transformers "
+        f"(not buildable on CPU from their defaults){f', {n_not_run} not run' if n_not_run else ''}; packing refused on "
+        f"{n_refused}. Tested with transformers "
         f"{result['transformers']}, peft {result['peft']}, torch {result['torch']}."
     )
     lines = [
@@ -265,13 +278,16 @@ def main() -> None:
     ap.add_argument("--types", default="", help="comma-separated model_types (default: every registered one)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
     ap.add_argument("--out", default=str(RESULTS), help="results JSON (written after each family; resumed)")
+    ap.add_argument("--merge", default="", help="comma-separated results JSONs of partial sweeps, merged into --out")
     ap.add_argument("--reverse", action="store_true", help="check the families from the last")
     ap.add_argument("--jobs", type=int, default=1, help="families checked at a time")
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's conformance table")
     ap.add_argument("--from_json", action="store_true", help="only print (and write) the table of the last results")
     args = ap.parse_args()
     out = Path(args.out)
-    if args.from_json:
+    if args.merge:
+        result = merge([Path(p) for p in args.merge.split(",")], out)
+    elif args.from_json:
         result = json.loads(out.read_text())
     else:
         types = [t for t in args.types.split(",") if t] or list(families.causal_lm_types())
