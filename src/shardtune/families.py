@@ -71,6 +71,7 @@ _SIZES: dict[str, int] = {
     "linear_num_key_heads": 4,
     "linear_num_heads": 4,
     "linear_head_dim": 16,
+    "rotary_dim": 8,
     "vocab_size": VOCAB,
 }
 
@@ -98,16 +99,34 @@ def _shrink(d: dict, discriminating: bool) -> None:
             d[key] = VOCAB - 1
         elif discriminating and isinstance(value, float) and value == 1.0 and _HEAD_ATTR.search(key):
             d[key] = 2.5
-    heads = next((k for k in ("num_attention_heads", "n_head", "num_heads") if isinstance(d.get(k), int)), None)
-    for k in ("num_key_value_heads", "n_kv_heads", "num_kv_heads"):
-        if heads and isinstance(d.get(k), int) and before.get(k) == before.get(heads):
-            d[k] = d[heads]  # multi-head attention stays multi-head (MLA needs it)
+    _keep_equal_sizes(d, before)
     _fit_mixers(d)
     d.pop("quantization_config", None)
-    d["dtype"] = "float32"
+    if "model_type" in d:  # a config (not a per-layer table of one)
+        d["dtype"] = "float32"
     layers = d.get("num_hidden_layers", d.get("n_layer", d.get("num_layers")))
     if isinstance(layers, int) and layers_before > layers:
         _keep_layer_lists(d, layers_before, layers)
+
+
+_HEAD_COUNTS = {"num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "n_heads"}
+_HEAD_COUNTS |= {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"}
+_WIDTHS = {"head_dim", "attention_head_dim", "kv_channels", "v_head_dim", "qk_rope_head_dim", "qk_nope_head_dim"}
+_WIDTHS |= {"rotary_dim", "kv_lora_rank", "q_lora_rank", "linear_key_head_dim", "linear_value_head_dim"}
+
+
+def _keep_equal_sizes(d: dict, before: dict) -> None:
+    """Head counts that were equal stay equal, and so do head widths (each the smaller new value): multi-head
+    attention stays multi-head (kv heads = heads), DeepSeek's head_dim stays its rotary width, and so on."""
+    for kind in (_HEAD_COUNTS, _WIDTHS):
+        groups: dict[int, list[str]] = {}
+        for key in kind & set(d):
+            if isinstance(before.get(key), int) and before[key] > 0 and isinstance(d[key], int):
+                groups.setdefault(before[key], []).append(key)
+        for keys in groups.values():
+            low = min(d[k] for k in keys)
+            for k in keys:
+                d[k] = low
 
 
 def _fit_mixers(d: dict) -> None:
@@ -133,6 +152,12 @@ def _keep_layer_lists(d: dict, before: int, after: int) -> None:
     for key, value in list(d.items()):
         if isinstance(value, list) and len(value) == before:
             d[key] = [value[i] for i in picked]
+    table = d.get("per_layer_config")
+    if isinstance(table, dict):  # per-layer overrides keyed by layer index, renumbered over the kept layers
+        by_index = {int(k): v for k, v in table.items()}
+        d["per_layer_config"] = {
+            type(next(iter(table)))(new): by_index[old] for new, old in enumerate(picked) if old in by_index
+        }
     for k in ("num_hidden_layers", "n_layer", "num_layers"):
         if k in d:
             d[k] = len(picked)
@@ -161,6 +186,9 @@ def _attention_choice(config, attn_impl: str) -> tuple[str, str | None]:
     cls = causal_lm_class(config)
     if cls is not None and not getattr(cls, "_supports_sdpa", True):
         return "eager", f"{cls.__name__} does not support SDPA attention"
+    if attn_impl == fastpath.ATTENTION and cls is not None and not getattr(cls, "_supports_attention_backend", True):
+        # Its attention classes are chosen by name (Falcon): registered functions never reach them.
+        return "sdpa", None
     if getattr(config.get_text_config(), "attn_logit_softcapping", None):
         name = getattr(cls, "__name__", config.model_type)
         return "eager", f"{name} soft-caps its attention scores, which SDPA cannot"
