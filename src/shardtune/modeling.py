@@ -16,7 +16,7 @@ from torch import nn
 
 from shardtune import dtypes, families, fastpath, quant, targets
 from shardtune.families import family_attention
-from shardtune.log import print0
+from shardtune.log import print0, warn0
 from shardtune.validation import tied_head_saved_problem
 from shardtune.weights import causal_lm_class, layout_conversions
 
@@ -350,6 +350,9 @@ class CausalLMForTraining(nn.Module):
         if layout is None:
             self.verdict = families.verdict(base.config, base.config._attn_implementation, type(self))
             layout = self.verdict.layout(packing)
+            if packing is not False and self.verdict.checked and not self.verdict.packing_ok(layout):
+                # shardtune train refuses --packing here (builder.training_layout); a direct caller is told.
+                warn0(f"{families.summary(self.verdict, layout, True)} Give it rows of one document each.")
         self.layout = layout
         # Plain attributes, not registered submodules: they are already registered under self.model.
         if layout.path == "fast":
