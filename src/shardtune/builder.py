@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtune import modeling, quant
+from shardtune import families, modeling, quant
 from shardtune.config import RunConfig
+from shardtune.errors import ConfigError
 from shardtune.log import print0
 
 
@@ -54,6 +55,8 @@ class ModelSpec:
     reshard_after_forward: bool | None = None
     torch_compile: bool = False
     loss_chunk_size: int = 1024
+    # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
+    packing: bool = False
     # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
     # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
     read_weights: bool = True
@@ -101,6 +104,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         transformer_cls_to_wrap=f.transformer_cls_to_wrap,
         reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
+        packing=cfg.data.packing or cfg.data.streaming,
     )
 
 
@@ -111,6 +115,7 @@ def build_training_module(
 
     on_meta: build a skeleton on the meta device (no weights read); quantize_device: where 4-bit weights are
     quantized while they are read (CUDA), or None."""
+    layout = training_layout(spec)  # before any weight is read: a refusal costs nothing
     # Step 2: real weights, or a skeleton on meta.
     base = modeling.load_base_model(
         spec.model_name_or_path,
@@ -137,7 +142,7 @@ def build_training_module(
     if spec.gradient_checkpointing:
         _enable_checkpointing(model, spec)
     train_module = modeling.CausalLMForTraining(
-        model, chunk_size=spec.loss_chunk_size, per_document_attention=not spec.torch_compile
+        model, chunk_size=spec.loss_chunk_size, per_document_attention=not spec.torch_compile, layout=layout
     )
     block_types = modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap)
     blocks = [m for m in train_module.modules() if isinstance(m, block_types)]
@@ -145,6 +150,30 @@ def build_training_module(
         for b in blocks:
             b.compile()
     return train_module, blocks
+
+
+def training_layout(spec: ModelSpec) -> families.Layout:
+    """How the training module computes the family's logits, from the conformance check on a tiny copy of the
+    model's config (shardtune.families): the fast path where it is the model's own function, else the model's own
+    forward; said in the log. Packed rows on a family whose forward cannot keep documents apart are refused."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.model_name_or_path, trust_remote_code=spec.trust_remote_code)
+    attn = families.family_attention(config, spec.attn_impl)
+    verdict = families.verdict(config, attn, modeling.CausalLMForTraining)
+    layout = verdict.layout(spec.packing)
+    print0(families.summary(verdict, layout, spec.packing))
+    if spec.packing and not verdict.packing_ok(layout):
+        if not verdict.checked:
+            print0(f"warning: --packing: packed documents are not verified to stay apart on {config.model_type} "
+                   "(the check could not run); train with --packing False to be sure.")  # fmt: skip
+        else:
+            problem = (
+                f"--packing: {config.model_type} cannot keep packed documents apart ({verdict.reason}: a "
+                "recurrent state or a mask runs across them); train it with --packing False."
+            )
+            raise ConfigError([problem])
+    return layout
 
 
 def _use_fast_paths(model: nn.Module, spec: ModelSpec) -> None:

@@ -163,6 +163,15 @@ class Span:
 Documents = tuple[tuple[Span, ...], ...]  # per row
 
 
+class PackedDocuments(tuple):
+    """Documents of one forward, with the spans' masks read from the family's masks (_span_masks)."""
+
+    def __new__(cls, rows):
+        self = super().__new__(cls, rows)
+        self.span_masks = {}
+        return self
+
+
 def packed_documents(position_ids: torch.Tensor, span_tokens: int = SPAN_TOKENS) -> Documents:
     """Each row cut into spans of whole documents. A document starts where the position does not follow the
     previous one (as transformers' find_packed_sequence_indices reads packed rows). Consecutive documents share a
@@ -185,7 +194,7 @@ def packed_documents(position_ids: torch.Tensor, span_tokens: int = SPAN_TOKENS)
             group.append((s, e))
         spans.append(_span(group, position_ids.device))
         rows.append(tuple(spans))
-    return tuple(rows)
+    return PackedDocuments(rows)
 
 
 def _span(docs: list[tuple[int, int]], device: torch.device) -> Span:
@@ -197,18 +206,55 @@ def _span(docs: list[tuple[int, int]], device: torch.device) -> Span:
     return Span(size, mask[None, None].to(device))
 
 
-def _span_attention(q, k, v, span: Span, dropout: float, scaling: float | None) -> torch.Tensor:
+def _span_attention(q, k, v, span: Span, dropout: float, scaling: float | None, mask=None) -> torch.Tensor:
     """[1, heads, L, d] -> [1, L, heads, d]. Spans up to SPAN_TOKENS run on SDPA's math kernel, which on CPU is
     2-3x faster than its flash kernel at these lengths (the whole score matrix is small); longer documents
-    run on the default (flash) kernel."""
+    run on the default (flash) kernel. `mask`: the family's own mask over the span, where it is not plain causal
+    within each document (chunked attention, a bias)."""
     gqa = q.shape[1] != k.shape[1]
     kw = {"dropout_p": dropout, "scale": scaling, "enable_gqa": gqa}
-    if span.size <= SPAN_TOKENS:
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    elif span.size <= SPAN_TOKENS:
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, is_causal=span.mask is None, **kw)
     else:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     return out.transpose(1, 2)
+
+
+def _family_mask(attention_mask: torch.Tensor | None, row: int, start: int, span: Span) -> torch.Tensor | None:
+    """The family's mask on a span's diagonal block, or None where it is the span's own (causal within each
+    document): transformers' mask of a packed row is block-diagonal over its documents, so its diagonal blocks
+    are all of it that a span needs, and they carry what shardtune would not know (chunked attention)."""
+    if attention_mask is None or attention_mask.ndim != 4:
+        return None
+    end = start + span.size
+    block = attention_mask[row : row + 1, :, start:end, start:end]
+    if block.dtype != torch.bool:
+        return block  # an additive mask (or bias): used as it is
+    own = span.mask
+    if own is None:
+        own = torch.ones(span.size, span.size, dtype=torch.bool, device=block.device).tril_()
+    return None if bool((block == own.to(block.device)).all()) else block
+
+
+def _span_masks(attention_mask: torch.Tensor | None, documents: Documents) -> list[list[torch.Tensor | None]]:
+    """_family_mask of every span of every row. transformers builds one mask per kind of layer, shared by every
+    layer of that kind: the spans' masks are read (a host sync each) once per forward and kept with the forward's
+    documents (PackedDocuments), not once per layer."""
+    if attention_mask is None:
+        return [[None] * len(spans) for spans in documents]
+    cache = getattr(documents, "span_masks", {})
+    hit = cache.get(id(attention_mask))
+    if hit is not None and hit[0] is attention_mask:
+        return hit[1]
+    masks = []
+    for row, spans in enumerate(documents):
+        starts = itertools.accumulate([0, *[sp.size for sp in spans[:-1]]])
+        masks.append([_family_mask(attention_mask, row, start, sp) for start, sp in zip(starts, spans, strict=True)])
+    cache[id(attention_mask)] = (attention_mask, masks)
+    return masks
 
 
 def packed_sdpa_attention(
@@ -241,11 +287,16 @@ def packed_sdpa_attention(
     # unbind and split: their backward writes each gradient once (slicing would add a zero-filled full-size
     # gradient per span).
     rows = []
-    for spans, q, k, v in zip(documents, query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
+    span_masks = _span_masks(attention_mask, documents)
+    for spans, masks, q, k, v in zip(
+        documents, span_masks, query.unbind(0), key.unbind(0), value.unbind(0), strict=True
+    ):
         sizes = [sp.size for sp in spans]
         parts = [
-            _span_attention(qs[None], ks[None], vs[None], sp, dropout, scaling)
-            for sp, qs, ks, vs in zip(spans, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), strict=True)
+            _span_attention(qs[None], ks[None], vs[None], sp, dropout, scaling, m)
+            for sp, m, qs, ks, vs in zip(
+                spans, masks, q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), strict=True
+            )
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))  # [1, seq, heads, head_dim]
     return torch.cat(rows, dim=0), None

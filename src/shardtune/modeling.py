@@ -9,14 +9,14 @@ import contextlib
 import importlib.util
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune import dtypes, fastpath, quant
-from shardtune.log import print0
+from shardtune import dtypes, families, fastpath, quant, targets
+from shardtune.families import family_attention
+from shardtune.log import print0, warn0
 from shardtune.validation import tied_head_saved_problem
 from shardtune.weights import causal_lm_class, layout_conversions
 
@@ -30,29 +30,6 @@ def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
         reason = "not on CUDA" if device_type != "cuda" else "flash_attn is not installed"
         print0(f"--use_flash_attn: {reason}; using SDPA attention, run per document of each packed row.")
     return fastpath.register_attention()
-
-
-_SAID: set[str] = set()
-
-
-def family_attention(config, attn_impl: str) -> str:
-    """attn_impl, or eager attention where the family cannot run SDPA: its class says it does not support SDPA
-    (Gemma 2), or its config soft-caps the attention scores, which SDPA cannot do. Eager attention receives
-    transformers' block-diagonal causal mask over packed rows, so packed documents still never see each other."""
-    if attn_impl not in (fastpath.ATTENTION, "sdpa"):
-        return attn_impl
-    cls = causal_lm_class(config)
-    reason = None
-    if cls is not None and not getattr(cls, "_supports_sdpa", True):
-        reason = f"{cls.__name__} does not support SDPA attention"
-    elif getattr(config, "attn_logit_softcapping", None):
-        reason = f"{getattr(cls, '__name__', config.model_type)} soft-caps its attention scores, which SDPA cannot"
-    if reason is None:
-        return attn_impl
-    if reason not in _SAID:
-        _SAID.add(reason)
-        print0(f"{reason}; using eager attention (packed documents stay separated by its block-diagonal mask).")
-    return "eager"
 
 
 def load_tokenizer(
@@ -217,40 +194,18 @@ def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> 
 
 
 def _target_modules(spec: str, model: nn.Module | None = None) -> str | list[str]:
-    """all-linear (on mixture-of-experts models: the linear layers only), one regular expression (peft full-matches
-    a string against module names), or a list of names."""
+    """all-linear (given the model: the module paths of shardtune.targets.plan_all_linear, said in the log), one
+    regular expression (peft full-matches a string against module names), or a list of names."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["all-linear"]:
-        return (_moe_all_linear(model) if model is not None else None) or "all-linear"
+        if model is None:
+            return "all-linear"
+        plan = targets.plan_all_linear(model)
+        for line in plan.log_lines():
+            print0(line)
+        return plan.paths or "all-linear"
     if len(names) == 1 and any(c in names[0] for c in "*+?[](){}|^$\\"):
         return names[0]
-    return names
-
-
-def _moe_all_linear(model: nn.Module) -> list[str] | None:
-    """What `all-linear` means on a mixture-of-experts model whose experts are fused 3-D parameters (transformers
-    5: Mixtral, Qwen3-MoE, ...): every nn.Linear (attention, shared experts), not the experts nor the router.
-
-    PEFT would otherwise wrap the expert tensors and the router as target_parameters (ParamWrapper), which refuses
-    lora_dropout != 0 and DoRA and which shardtune's merge cannot fold yet; for v4 compatibility PEFT also turns any
-    target named like an expert projection (gate_proj, up_proj, down_proj, gate, w1..w3) into one, so those leaf
-    names are left out too. None when the model has no fused experts (PEFT's own all-linear applies)."""
-    fused = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.ndim == 3})
-    if not fused:
-        return None
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
-    from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
-
-    model_type = getattr(model.config, "model_type", None)
-    remapped = set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {}))
-    remapped |= {"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"}
-    linear = _maybe_include_all_linear_layers(LoraConfig(target_modules="all-linear"), model).target_modules
-    names = sorted({n.rpartition(".")[2] for n in linear} - remapped)
-    print0(
-        f"all-linear on a mixture-of-experts model: LoRA on {', '.join(names)}; the experts (fused parameters in "
-        f"{fused[0]}{' and others' if len(fused) > 1 else ''}) and the router are not trained (docs/adapters.md)."
-    )
     return names
 
 
@@ -368,28 +323,45 @@ class CausalLMForTraining(nn.Module):
     """Wraps a (PEFT) causal LM: runs the decoder, then the output head and cross-entropy in chunks of
     positions, recomputing each chunk's logits in backward, so full fp32 [batch, seq, vocab] logits are never held.
 
+    That fast path is used where it is the model's own function (shardtune.families checks it on a tiny copy of
+    the config: the decoder it calls, the head's logit transform, per-document attention); elsewhere the model's
+    own forward runs (full logits) and only the loss is chunked. `layout` forces one (the check passes its
+    candidates); `packing`: whether rows hold several documents (None: maybe), which the fast path must keep
+    apart to be chosen.
+
     Labels are already shifted (labels[i] is the target of position i; -100 means none). Returns the summed
     loss and the number of targets, so that the caller normalises over the whole global batch.
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 1024, per_document_attention: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        chunk_size: int = 1024,
+        per_document_attention: bool = True,
+        layout: families.Layout | None = None,
+        packing: bool | None = None,
+    ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.per_document_attention = per_document_attention  # see shardtune.fastpath
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.verdict = None
+        if layout is None:
+            self.verdict = families.verdict(base.config, base.config._attn_implementation, type(self))
+            layout = self.verdict.layout(packing)
+            if packing is not False and self.verdict.checked and not self.verdict.packing_ok(layout):
+                # shardtune train refuses --packing here (builder.training_layout); a direct caller is told.
+                warn0(f"{families.summary(self.verdict, layout, True)} Give it rows of one document each.")
+        self.layout = layout
         # Plain attributes, not registered submodules: they are already registered under self.model.
-        object.__setattr__(self, "_decoder", base.get_decoder())
+        if layout.path == "fast":
+            object.__setattr__(self, "_decoder", families.resolve_decoder(base, layout.decoder))
         object.__setattr__(self, "_head", base.get_output_embeddings())
-        # The language model's config: a multimodal class loaded as a causal LM (Gemma 3n and Gemma 4 are
-        # *ForConditionalGeneration) keeps these in its text_config, where its forward reads them.
-        cfg = base.config.get_text_config()
-        # Families whose forward changes the head's output: Granite divides by logits_scaling, Gemma 2, Gemma 3n and
-        # Gemma 4 soft-cap (cap·tanh(z/cap)); Cohere's logit_scale multiplies.
-        self.logit_divisor = float(getattr(cfg, "logits_scaling", None) or 1.0)
-        if getattr(cfg, "logit_scale", None):
-            self.logit_divisor /= float(cfg.logit_scale)
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        # The family's logit transform (Granite's division by logits_scaling, a muP multiplier, Gemma's final
+        # soft-capping, ...), read from the language model's config: a multimodal class loaded as a causal LM
+        # (Gemma 3n and Gemma 4 are *ForConditionalGeneration) keeps it in its text_config.
+        self._transform = families.head_transform(base.config, layout.head)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         extra = {}
@@ -399,10 +371,16 @@ class CausalLMForTraining(nn.Module):
         out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         return out.last_hidden_state
 
+    def _outputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states (fast path), or the own forward's logits, which the head then leaves as they are."""
+        if self.layout.path == "fast":
+            return self.hidden_states(input_ids, position_ids)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False
     ):
-        h = self.hidden_states(input_ids, position_ids)
+        h = self._outputs(input_ids, position_ids)
         if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
             return self._sequence_logps(h, labels)
         h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
@@ -426,14 +404,12 @@ class CausalLMForTraining(nn.Module):
         return F.cross_entropy(self.chunk_logits(h), y, reduction="sum")
 
     def chunk_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The family's fp32 logits of a chunk of hidden states, as its own forward computes them (logit scaling,
-        final soft-capping): the one place every loss gets its logits from."""
-        logits = self._head(h).float()
-        if self.logit_divisor != 1.0:
-            logits = logits / self.logit_divisor
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        """The family's fp32 logits of a chunk of hidden states, as its own forward computes them (the head's
+        logit transform verified by shardtune.families): the one place every loss gets its logits from. On the
+        own-forward path `h` already holds the model's logits."""
+        if self.layout.path != "fast":
+            return h.float()
+        return self._transform(self._head(h).float())
 
     def _sequence_logps(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of the targets' log-probs, number of targets) per row, through the same chunked head as the loss.
@@ -458,12 +434,9 @@ class CausalLMForTraining(nn.Module):
         return -F.cross_entropy(self.chunk_logits(h), y, reduction="none")
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits (for tests and evaluation of small batches)."""
+        """The fp32 logits the loss sees, [batch, seq, vocab] (the conformance check compares them with the
+        model's own forward's)."""
         if hasattr(self, "unshard"):
             # Sharded root: calling the decoder directly skips the root's FSDP hooks, so gather its weights here.
             self.unshard()
-        return self.chunk_logits(self.hidden_states(input_ids, position_ids))
-
-
-def write_tokenizer(tokenizer, out_dir: str | Path) -> None:
-    tokenizer.save_pretrained(str(out_dir))
+        return self.chunk_logits(self._outputs(input_ids, position_ids))

@@ -121,6 +121,38 @@ def test_per_document_attention_matches_the_masked_attention(dtype, tol):
         assert err <= tol * float(g.float().abs().max()), (k, err)
 
 
+def test_per_document_attention_keeps_a_mask_it_does_not_know(monkeypatch):
+    """A family's mask that is not plain causal within documents (attention chunks of 8 positions, as Llama 4's)
+    is applied on each span's diagonal block, read once per forward however many layers share it; planted bug: the
+    spans' own causal masks instead, which attend across chunks."""
+    import torch.nn.functional as F
+
+    pos = _positions(20, 12, 30, 150)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate((20, 12, 30, 150))])
+    p = pos.flatten()
+    chunk = (p[:, None] // 8) == (p[None, :] // 8)
+    mask = ((doc[:, None] == doc[None, :]) & torch.ones(len(doc), len(doc), dtype=torch.bool).tril() & chunk)[
+        None, None
+    ]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, len(doc), 16, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    documents = fastpath.packed_documents(pos)
+    reads = []
+    family_mask = fastpath._family_mask
+    monkeypatch.setattr(fastpath, "_family_mask", lambda *a: reads.append(a[2]) or family_mask(*a))
+    for _ in range(3):  # three layers sharing the mask
+        got, _ = fastpath.packed_sdpa_attention(nn.Module(), q, k, v, mask, shardtune_documents=documents)
+        # fp32, the same softmax sums over at most 150 keys of 16-wide products in another grouping.
+        torch.testing.assert_close(got, want, rtol=0, atol=tol(torch.float32, 150 + 16))
+    assert len(reads) == len(documents[0])  # once per span, not per layer
+    monkeypatch.setattr(fastpath, "_family_mask", lambda *a: None)
+    bug, _ = fastpath.packed_sdpa_attention(
+        nn.Module(), q, k, v, mask, shardtune_documents=fastpath.packed_documents(pos)
+    )
+    assert float((bug - want).abs().max()) > 100 * tol(torch.float32, 150 + 16)
+
+
 def test_attention_without_spans_is_transformers_sdpa():
     """Generation and any caller that passes no spans get transformers' SDPA, mask included."""
     ref = _tiny_llama("sdpa", torch.float32)

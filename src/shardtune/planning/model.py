@@ -54,6 +54,10 @@ class ModelShape:
     # embed_tokens; it grows with the vocabulary when tokens are added, and its new rows are trainable tokens too.
     per_layer_vocab_size: int = 0
     per_layer_width: int = 0
+    # The layers `all-linear` really wraps on this family (shardtune.targets, read off the model class built on
+    # meta): (module-path pattern, fan_in, fan_out, count). Empty when the class cannot be built here: the LoRA
+    # count then assumes the Llama names above.
+    all_linear_layers: tuple[tuple[str, int, int, int], ...] = ()
 
     def block_linears(self) -> tuple[str, ...]:
         """The nn.Linear layers of one block: attention only when the MLP is a mixture of experts."""
@@ -145,9 +149,12 @@ class ModelShape:
             per_layer_vocab_size=int(get("vocab_size_per_layer_input") or 0) if per_layer_input else 0,
             per_layer_width=int(get("num_hidden_layers")) * per_layer_input,
         )
-        real = None if isinstance(config, dict) else _real_param_count(text)
+        meta = None if isinstance(config, dict) else _meta_model(text)
+        real = None if meta is None else sum(p.numel() for p in meta.parameters())
         if real is not None and text is not config:
             _warn_uncounted_towers(config, real)
+        if meta is not None:
+            shape = replace(shape, all_linear_layers=all_linear_layers(meta))
         return shape if real is None else replace(shape, extra_params=real - base_param_count(shape))
 
 
@@ -239,26 +246,56 @@ def base_param_count(shape: ModelShape) -> int:
     return llama + shape.extra_params
 
 
-def _real_param_count(config: Any) -> int | None:
-    """The parameters of the config's model class, built on the meta device (no memory, nothing initialised);
-    None for an architecture transformers cannot build here (remote code)."""
+def _meta_model(config: Any):
+    """The config's model class built on the meta device (no memory, nothing initialised); None for an
+    architecture transformers cannot build here (remote code)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, ImportError, OSError):
         return None
-    return sum(p.numel() for p in model.parameters())
+
+
+def _real_param_count(config: Any) -> int | None:
+    """The parameters of the config's model class; None where it cannot be built here."""
+    model = _meta_model(config)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def all_linear_layers(model: Any) -> tuple[tuple[str, int, int, int], ...]:
+    """What `all-linear` wraps on `model`, as training picks it (shardtune.targets, by module path): one
+    (pattern with layer indices as *, fan_in, fan_out, count) per distinct pattern and shape."""
+    import re
+    from collections import Counter
+
+    from shardtune.targets import plan_all_linear  # lazily: torch and peft, only when a model is built
+
+    counts: Counter = Counter()
+    for path in plan_all_linear(model).paths:
+        module = model.get_submodule(path)
+        fan_in = getattr(module, "in_features", None) or module.weight.shape[0]  # GPT-2's Conv1D is (in, out)
+        fan_out = getattr(module, "out_features", None) or module.weight.shape[1]
+        counts[(re.sub(r"\.\d+(?=\.|$)", ".*", path), int(fan_in), int(fan_out))] += 1
+    return tuple((p, i, o, n) for (p, i, o), n in sorted(counts.items()))
+
+
+class AllLinear(tuple):
+    """The Llama names all-linear stands for (the activation estimate's), marked so that the LoRA count and the
+    adapter's bytes use the layers training really wraps (ModelShape.all_linear_layers) where they are known."""
 
 
 def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str]) -> tuple[str, ...]:
-    """The linear layers LoRA wraps. all-linear is every nn.Linear of the decoder blocks (peft excludes lm_head)."""
+    """The linear layers LoRA wraps, as Llama-style names (q_proj ... down_proj, lm_head). all-linear: AllLinear of
+    those names; its LoRA parameters are counted on the model's own layers where the class builds here
+    (shardtune.targets by module path: routers, experts' fused tensors and the head excluded), and assume the
+    Llama names otherwise. Explicit names are matched against the Llama names."""
     names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
     names = [n for n in names if n]
     if names == ["all-linear"]:
-        return shape.block_linears()
+        return AllLinear(shape.block_linears())
     known = shape.block_linears() + ROOT_LINEARS
     targets = tuple(n for n in known if any(t == n or t.endswith("." + n) for t in names))
     if not targets:
@@ -275,9 +312,10 @@ def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str])
 
 def lora_param_count(shape: ModelShape, lora_r: int, targets: Iterable[str], use_dora: bool = False) -> int:
     """LoRA parameters of the whole model: r * (in + out) per wrapped linear (+ out for DoRA's magnitude)."""
+    targets = targets if isinstance(targets, AllLinear) else tuple(targets)
     return sum(
         _numel(shp) * (shape.num_layers if group == "block" else 1)
-        for _, shp, group in _lora_tensors(shape, lora_r, tuple(targets), use_dora)
+        for _, shp, group in _lora_tensors(shape, lora_r, targets, use_dora)
     )
 
 
@@ -302,6 +340,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _lora_tensors(shape: ModelShape, r: int, targets: tuple[str, ...], use_dora: bool):
+    if isinstance(targets, AllLinear) and shape.all_linear_layers:
+        yield from _real_lora_tensors(shape, r, use_dora)
+        return
     dims = {**shape.linear_dims(), "lm_head": (shape.hidden_size, shape.vocab_size)}
     for name in targets:
         fan_in, fan_out = dims[name]
@@ -310,6 +351,19 @@ def _lora_tensors(shape: ModelShape, r: int, targets: tuple[str, ...], use_dora:
         yield f"{name}.lora_B", (fan_out, r), group
         if use_dora:
             yield f"{name}.lora_magnitude_vector", (fan_out,), group
+
+
+def _real_lora_tensors(shape: ModelShape, r: int, use_dora: bool):
+    """LoRA tensors of the layers all-linear wraps: a pattern found once per decoder layer is a block tensor; any
+    other (hybrid models' layer kinds, a shared expert on some layers) is counted whole, in the root group."""
+    for pattern, fan_in, fan_out, n in shape.all_linear_layers:
+        per_layer = n == shape.num_layers and "*" in pattern
+        k = 1 if per_layer else n
+        group = "block" if per_layer else "root"
+        yield f"{pattern}.lora_A", (k * r, fan_in), group
+        yield f"{pattern}.lora_B", (k * fan_out, r), group
+        if use_dora:
+            yield f"{pattern}.lora_magnitude_vector", (k * fan_out,), group
 
 
 def packed_4bit_shape(numel: int, storage_bytes: int) -> tuple[int, int]:
