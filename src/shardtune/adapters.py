@@ -35,11 +35,6 @@ def peft_model_of(model: nn.Module):
     return inner
 
 
-def adapter_names(model: nn.Module) -> list[str]:
-    """Names of the adapters loaded in the model, in load order."""
-    return list(peft_model_of(model).peft_config)
-
-
 def active_adapter(model: nn.Module) -> str:
     return peft_model_of(model).active_adapter
 
