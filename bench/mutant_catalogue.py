@@ -35,7 +35,7 @@ def _m(name: str, kind: str, bug: str, edits: Edit | list[Edit], tests: list[str
 
 
 PARITY = "tests/distributed/test_parity.py"
-PARITY_LORA = f"{PARITY}::test_lora_two_ranks_match_one_process[False]"
+PARITY_LORA = f"{PARITY}::test_lora_two_ranks_match_one_process[FULL_SHARD]"
 PARITY_FULL = f"{PARITY}::test_full_finetune_two_ranks_match_one_process"
 ZERO_TARGETS = "tests/unit/test_zero_targets.py::test_two_ranks_one_without_targets_equal_one_process"
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
