@@ -15,7 +15,7 @@ import torch
 
 from shardtune.demo import write_preference_dataset
 from tests.conftest import run_cli, train_records
-from tests.families import assert_runs_match, run_tolerance, saved_tensors
+from tests.families import SPREAD, assert_runs_match, run_tolerance, saved_tensors
 from tests.tolerance import TINY, TINY_VOCAB, decoder_chain
 
 FSDP_ENV = {
@@ -73,11 +73,16 @@ def runs(tiny_assets, tmp_path_factory):
     return {"data": data, "single": single, "sharded": sharded, "killed": killed}
 
 
-def _tolerance(steps: int):
+# Full fine-tuning's measured 1-process vs 2-rank spread (fp32, AMD EPYC with AVX-512, torch 2.13 CPU): AdamW moves
+# every weight, and a few whose gradient nearly cancels differ by up to 2.5e-3 · steps · lr (tests/families.py).
+FULL_SPREAD = {"grad_norm": 1.7e-6, "weight_per_lr_step": 2.5e-3}
+
+
+def _tolerance(steps: int, spread: dict = SPREAD):
     """fp32 runs that split the same sums over ranks and micro-batches: each step's loss is a mean over its 8 pairs,
     each pair's log-ratios sums over rows of up to 64 tokens through the tiny decoder (tests/families.py)."""
     one_step = decoder_chain(**TINY, seq=64, vocab=TINY_VOCAB, tokens=64, backward=True)
-    return run_tolerance(chain=steps * one_step, n=8, steps=steps, lr=LR)
+    return run_tolerance(chain=steps * one_step, n=8, steps=steps, lr=LR, spread=spread)
 
 
 def _by_step(out: Path, kind: str = "train") -> dict[int, dict]:
@@ -143,7 +148,7 @@ def test_full_fine_tuning_precomputes_the_reference_once(runs, tiny_assets, tmp_
     for step, record in _by_step(single).items():
         for key in METRICS:
             assert record[key] == pytest.approx(steps[step][key], rel=1e-4, abs=1e-6), (step, key)
-    close = _tolerance(steps=2)
+    close = _tolerance(steps=2, spread=FULL_SPREAD)
     trained = assert_runs_match(sharded, single, close, min_updates=2)  # loss, grad_norm, the model's tensors
     base = saved_tensors(tiny_assets["model"])
     assert max(float((trained[k] - v).abs().max()) for k, v in base.items()) > LR > 3 * close.atol  # it moved
