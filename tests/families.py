@@ -1,6 +1,7 @@
 """Tiny random models of every architecture family shardtune supports, built locally from each family's
 transformers config class, and the tokenizer cases users bring (used by tests/e2e/test_families.py and
-bench/family_matrix.py; no network).
+bench/family_matrix.py; no network); and `assert_runs_match`, which compares two training runs' per-step losses and
+gradient norms and their trained tensors (the matrix, the preference objectives and the speed options use it).
 
 Every model is small (hidden 64, 2 layers) but keeps what sets its family apart: tied embeddings, qkv bias, q/k
 norms, soft-capping and sliding windows, fused qkv/gate_up, Conv1D, logit scaling, experts.

@@ -263,3 +263,16 @@ def test_qlora_quantizes_gpt2_conv1d_as_transformers_does(tmp_path):
         mine = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
         theirs = bnb.functional.dequantize_4bit(ref[name].weight.data, ref[name].weight.quant_state)
         assert torch.equal(mine, theirs), name
+
+
+def test_steps_at_learning_rate_zero_do_not_count(tmp_path):
+    """assert_runs_match counts the updates whose rate was not 0: with warmup_steps 1 over 2 steps, step 1 updates
+    nothing (metrics.jsonl logs, at each step, the rate of the next one)."""
+    config = {"train": {"learning_rate": 1e-3, "warmup_steps": 1, "warmup_ratio": 0.0}}
+    records = [{"type": "start", "config": config}] + [
+        {"type": "train", "step": s, "loss": 1.0, "grad_norm": 1.0, "learning_rate": lr}
+        for s, lr in ((1, 1e-3), (2, 0))
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(AssertionError, match=r"only steps \[2\] of \[1, 2\] updated the weights"):
+        assert_runs_match(tmp_path, tmp_path, matrix_tolerance("llama"), min_updates=2)
