@@ -465,7 +465,7 @@ def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Without a tied head stored as a copy of the input embedding (a sharded full save writes it, one process's save
     leaves it out; transformers re-ties it on load either way)."""
     head = tensors.get("lm_head.weight")
-    embeddings = [v for k, v in tensors.items() if k.endswith("embed_tokens.weight")]
-    if head is not None and any(e.shape == head.shape and torch.equal(e, head) for e in embeddings):
+    others = [v for k, v in tensors.items() if k != "lm_head.weight"]
+    if head is not None and any(v.shape == head.shape and torch.equal(v, head) for v in others):
         return {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     return tensors
