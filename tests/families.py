@@ -1,6 +1,7 @@
 """Tiny random models of every architecture family shardtune supports, built locally from each family's
 transformers config class, and the tokenizer cases users bring (used by tests/e2e/test_families.py and
-bench/family_matrix.py; no network).
+bench/family_matrix.py; no network); and `assert_runs_match`, which compares two training runs' per-step losses and
+gradient norms and their trained tensors (the matrix, the preference objectives and the speed options use it).
 
 Every model is small (hidden 64, 2 layers) but keeps what sets its family apart: tied embeddings, qkv bias, q/k
 norms, soft-capping and sliding windows, fused qkv/gate_up, Conv1D, logit scaling, experts.
@@ -160,6 +161,7 @@ FSDP_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 STEPS = 3
+LR = 5e-3
 METHODS = {
     "lora": ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"],
     "dora": [
@@ -194,7 +196,7 @@ def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, d
         "max_seq_len": 96,
         "seed": 5,
         "max_steps": STEPS,
-        "learning_rate": 5e-3,
+        "learning_rate": LR,
         "per_device_train_batch_size": batch,
         "per_device_eval_batch_size": 3,
         "eval_strategy": "epoch",
@@ -217,18 +219,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900) -> dict:
-    """Run the jobs in one process (or one torchrun of nproc ranks); return {name: exit code or error text}."""
+def run_jobs(
+    jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900, env: dict | None = None, tag: str = ""
+) -> dict:
+    """Run the jobs in one process (or one torchrun of nproc ranks); return {name: exit code or error text}.
+    env: overrides (tests/mutation.py's planted sources); tag: names the jobs, results and log files apart."""
     import json
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    jobs_file, results_file = workdir / f"jobs-{nproc}.json", workdir / f"results-{nproc}.json"
+    jobs_file, results_file = workdir / f"jobs-{nproc}{tag}.json", workdir / f"results-{nproc}{tag}.json"
     jobs_file.write_text(json.dumps([{**j, "argv": list(map(str, j["argv"]))} for j in jobs]))
     worker = [str(root / "tests" / "family_worker.py"), str(jobs_file), str(results_file)]
-    env = {**os.environ, **FSDP_ENV}
+    env = {**os.environ, **FSDP_ENV, **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     if nproc > 1:
@@ -237,7 +242,7 @@ def run_jobs(jobs: list[dict], workdir: Path, *, nproc: int, timeout: int = 900)
     else:
         cmd = [sys.executable, *worker]
     proc = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout, check=False)
-    (workdir / f"log-{nproc}.txt").write_text(proc.stdout + proc.stderr)
+    (workdir / f"log-{nproc}{tag}.txt").write_text(proc.stdout + proc.stderr)
     if not results_file.exists():
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(results_file.read_text())
@@ -348,3 +353,119 @@ def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) ->
         **inputs, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False, pad_token_id=tok.pad_token_id
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist(), model.get_input_embeddings().weight.shape[0]
+
+
+# ---------------------------------------------------------------- comparing two training runs
+
+# Two fp32 runs of the same batches and schedule whose sums are split differently (1 process vs 2 ranks, 1 vs 2
+# micro-batches, compiled vs eager) differ by rounding only. Their loss and grad_norm, each a mean over a step's
+# targets of values through the chain of sums of every step so far, get tests/tolerance.py's 8σ bound. A trained
+# weight's difference is dominated by AdamW's normalisation instead: an element whose gradient nearly cancels (or is
+# near AdamW's eps) has a large relative error in m/sqrt(v), so its atol is a multiple of the measured spread,
+# in units of how far AdamW moves an element (lr per step).
+#
+# The spread measured on this matrix (1 process vs 2 ranks, fp32, AMD EPYC with AVX-512, torch 2.13 CPU, 3 steps at
+# lr 5e-3): a step's grad_norm within 5.7e-7 relative and the weights within 4.9e-4 · steps · lr, except Gemma 4,
+# whose grad_norm from step 2 on differs by up to 8.7e-5 and whose weights by 7.6e-3 · steps · lr -- and by as much
+# between 1 and 2 micro-batches in one process, so summation order, not sharding: its first AdamW update moves
+# elements whose gradient is within rounding of zero by a fraction of lr, which the later gradients see.
+SPREAD = {"grad_norm": 5.7e-7, "weight_per_lr_step": 4.9e-4}
+SENSITIVE = {"gemma4": {"grad_norm": 8.7e-5, "weight_per_lr_step": 7.6e-3}}
+# Margin over the measured spread: another CPU blocks its sums differently (AVX2 rather than AVX-512), which changes
+# which elements differ, not the size of the differences. The atols stay below one dropped update (lr), 70x for the
+# dense families and 4x for Gemma 4; the grad_norm bounds 500x below a halved gradient.
+MARGIN = 10
+
+
+@dataclass(frozen=True)
+class RunTolerance:
+    loss: float  # rtol of each step's loss
+    grad_norm: float  # rtol of each step's gradient norm
+    rtol: float  # of each saved tensor, elementwise (with atol)
+    atol: float
+
+
+def run_tolerance(*, chain: int, n: int, steps: int, lr: float, spread: dict = SPREAD) -> RunTolerance:
+    """Bounds of two fp32 runs over `steps` optimizer steps at peak rate `lr`: `chain` is the total length of the
+    sums of all steps (tests/tolerance.decoder_chain, times steps), `n` the values a step's loss averages."""
+    from tests.tolerance import tol_rounding
+
+    rel = tol_rounding(torch.float32, chain, n=n)
+    return RunTolerance(
+        loss=rel,
+        grad_norm=max(rel, MARGIN * spread["grad_norm"]),
+        rtol=rel,
+        atol=MARGIN * spread["weight_per_lr_step"] * steps * lr,
+    )
+
+
+def matrix_tolerance(family: str) -> RunTolerance:
+    """The matrix's bounds: STEPS steps of 4 packed rows of 96 positions, the families' tiny decoders."""
+    from tests.tolerance import decoder_chain
+
+    chain = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": 96, "vocab": 608}
+    one_step = decoder_chain(**chain, tokens=4 * 96, backward=True)
+    return run_tolerance(chain=STEPS * one_step, n=4 * 96, steps=STEPS, lr=LR, spread=SENSITIVE.get(family, SPREAD))
+
+
+def train_steps(out: Path) -> dict[int, dict]:
+    """metrics.jsonl's train records by step (a step redone after a resume keeps its latest record)."""
+    from tests.conftest import train_records
+
+    return {r["step"]: r for r in train_records(out)}
+
+
+def update_rates(out: Path) -> dict[int, float]:
+    """{step: the learning rate its optimizer update used}. metrics.jsonl logs, at step s, the scheduler's rate after
+    the step, which is the rate of step s+1's update; step 1's is the configured rate, or 0 under warmup."""
+    import json
+
+    records = train_steps(out)
+    assert sorted(records) == list(range(1, len(records) + 1)), f"{out}: not every step logged (--logging_steps 1)"
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    config = [r for r in map(json.loads, lines) if r.get("type") == "start"][-1]["config"]["train"]
+    first = 0.0 if config["warmup_steps"] or config["warmup_ratio"] else config["learning_rate"]
+    return {s: first if s == 1 else records[s - 1]["learning_rate"] for s in records}
+
+
+def saved_tensors(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files at the top of a run's output folder (the adapter, or the model)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(out).glob("*.safetensors"))
+    assert files, f"no safetensors in {out}"
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+def assert_runs_match(ref: Path, got: Path, tol: RunTolerance, *, min_updates: int = 1) -> dict:
+    """The run in `got` trained as the one in `ref`: every step's loss and grad_norm, then every saved tensor
+    elementwise, within `tol`; at least `min_updates` steps updated at a nonzero learning rate (a step at rate 0
+    leaves the weights, hence every later number, as they were). Returns ref's tensors, for a "they moved" check."""
+    want, have = train_steps(ref), train_steps(got)
+    assert sorted(have) == sorted(want), (sorted(want), sorted(have))
+    rates = update_rates(ref)
+    assert update_rates(got) == rates, "the runs' learning rates differ"  # one schedule: the same floats
+    updated = [s for s, lr in rates.items() if lr > 0]
+    assert len(updated) >= min_updates, f"only steps {updated} of {sorted(rates)} updated the weights (lr > 0)"
+    bad = []
+    for s in sorted(want):
+        for key, rtol in (("loss", tol.loss), ("grad_norm", tol.grad_norm)):
+            rel = abs(have[s][key] - want[s][key]) / max(abs(want[s][key]), 1e-30)
+            if not rel <= rtol:  # `not`: a NaN fails
+                bad.append(f"step {s} {key}: {have[s][key]!r} vs {want[s][key]!r} (relative {rel:.3g} > {rtol:.3g})")
+    assert not bad, "training differs:\n  " + "\n  ".join(bad)
+    reference, tensors = _untied(saved_tensors(ref)), _untied(saved_tensors(got))
+    assert sorted(tensors) == sorted(reference), sorted(tensors.keys() ^ reference.keys())[:6]
+    for key, value in reference.items():
+        torch.testing.assert_close(tensors[key], value, rtol=tol.rtol, atol=tol.atol, msg=lambda m, k=key: f"{k}: {m}")
+    return reference
+
+
+def _untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Without a tied head stored as a copy of the input embedding (a sharded full save writes it, one process's save
+    leaves it out; transformers re-ties it on load either way)."""
+    head = tensors.get("lm_head.weight")
+    others = [v for k, v in tensors.items() if k != "lm_head.weight"]
+    if head is not None and any(v.shape == head.shape and torch.equal(v, head) for v in others):
+        return {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    return tensors

@@ -49,7 +49,7 @@ def precompute_reference(
 
 @torch.no_grad()
 def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int, disable: bool) -> np.ndarray:
-    from shardtune.adapters import disabled_adapter
+    from shardtune.adapters import disabled_adapter, reshard
 
     was_training = model.training
     model.eval()
@@ -64,6 +64,10 @@ def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int
             for j, pair in enumerate(batch["pair_index"].tolist()):
                 if pair >= 0:
                     local.append((pair, float(chosen[j]), float(rejected[j])))
+    # FSDP2 leaves the root and the last block on their unsharded parameters after a forward: model.parameters()
+    # would then list those (which never get a gradient) to the training loop's gradient clipping, in place of
+    # the sharded ones the optimizer steps.
+    reshard(model)
     model.train(was_training)
     values = np.full(2 * len(split), np.nan)
     for part in all_gather_objects(local):

@@ -1,6 +1,6 @@
 """`shardtune train --objective kto` with QLoRA end to end: 2 FSDP2 ranks with the reference precomputed (KL rows
 included) give the losses, KL estimates and rewards of 1 process whose reference is the 4-bit base with the adapter
-disabled."""
+disabled; the gradient norms and the trained adapter agree too."""
 
 from __future__ import annotations
 
@@ -13,10 +13,13 @@ from shardtune.data.collate import epoch_order
 from shardtune.demo import write_preference_dataset
 from tests.conftest import run_cli, train_records
 from tests.distributed.test_preference_cli import FSDP_ENV
+from tests.families import assert_runs_match, run_tolerance
+from tests.tolerance import TINY, TINY_VOCAB, decoder_chain
 from tests.unit.test_kto import write_unpaired
 
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 DESIRABLE_WEIGHT = 1.33
+LR = 2e-3
 
 
 def _args(assets, data: Path, out: Path, *, per_device: int, **flags) -> list[str]:
@@ -33,7 +36,7 @@ def _args(assets, data: Path, out: Path, *, per_device: int, **flags) -> list[st
         "per_device_eval_batch_size": per_device,  # the KL estimate is per global micro-batch, in eval too
         "gradient_accumulation_steps": 2,
         "max_steps": 3,
-        "learning_rate": 2e-3,
+        "learning_rate": LR,
         "logging_steps": 1,
         "save_strategy": "no",
         "eval_strategy": "steps",
@@ -86,6 +89,12 @@ def test_two_ranks_with_a_precomputed_reference_give_the_numbers_of_one_process(
     rows = [json.loads(line) for line in (runs["data"] / "train.jsonl").read_text().splitlines()]
     assert single[1]["kl"] == 0 and single[1]["rewards/chosen"] == 0
     assert abs(single[3]["rewards/chosen"]) > 1e-4  # the policy has left the reference
+    # fp32 compute on the same 4-bit base: each step's loss a mean over its 8 examples, each a sum over up to 64
+    # tokens through the tiny decoder.
+    one_step = decoder_chain(**TINY, seq=64, vocab=TINY_VOCAB, tokens=64, backward=True)
+    close = run_tolerance(chain=3 * one_step, n=8, steps=3, lr=LR)
+    adapter = assert_runs_match(runs["single"], runs["sharded"], close, min_updates=3)  # loss, grad_norm, tensors
+    assert max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > LR > 3 * close.atol  # from 0
     # fp32 runs that differ in how sums split over ranks and micro-batches and in the reference's batch shapes:
     # rounding of ~1e-7 relative grown over 3 AdamW steps; 1e-4 relative as in the other parity tests.
     for step in single:

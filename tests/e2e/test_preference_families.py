@@ -20,6 +20,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from shardtune.modeling import CausalLMForTraining
 from shardtune.recipe.objective import router_aux_note
 from tests.conftest import train_records
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, build_family_model, run_jobs
+from tests.mutation import Edit, plant
 from tests.tolerance import decoder_chain, tol
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
@@ -160,27 +164,42 @@ def _models(model_dir: Path, noisy: str):
     return models["policy"], models["ref"]
 
 
-@functools.cache
-def _first_steps(root: str, family: str, objective: str, trl_coef: float | None) -> tuple[dict, dict]:
-    """(shardtune's, TRL's) first-step metrics on the first N_TRAIN pairs (KTO: examples) of the conversational set.
-    trl_coef: TRL's router_aux_loss_coef (None: its default, the config's coefficient)."""
+def _setup(root: str, family: str, objective: str) -> tuple:
+    """(tokenizer, policy, reference, shardtune's train split, the objective's knobs) of the first-step comparison."""
     model_dir, data = Path(root) / family, Path(root) / ("pairs" if objective == "dpo" else "kto")
     tok = _tokenizer(model_dir)
     knobs = {"beta": BETA, "loss_type": "sigmoid", "simpo_gamma": 0.5}
     if objective == "dpo":
         policy, ref = _models(model_dir, noisy="policy")
         train, _ = build_pairs(tok, data, splits="train", max_length=MAX_LENGTH)
-        config, trainer = {"loss_type": ["sigmoid"]}, (trl.DPOTrainer, trl.DPOConfig)
     else:
         policy, ref = _models(model_dir, noisy=KTO_NOISY[family])
         train, _ = build_pairs(tok, data, splits="train", max_length=MAX_LENGTH, kto_group=N_TRAIN)
-        config, trainer = dict(KTO_WEIGHTS), (trl.KTOTrainer, trl.KTOConfig)
         knobs.update(KTO_WEIGHTS)
-    ours = shardtune_first_step(
-        build_objective(objective, **knobs), policy, ref, train, batch_size=N_TRAIN, pad_id=tok.pad_token_id
-    )
+    return tok, policy, ref, train, knobs
+
+
+def shardtune_side(root: str, family: str, objective: str, setup: tuple | None = None) -> dict:
+    """shardtune's first-step metrics (the negative control runs this in a subprocess with planted sources)."""
+    tok, policy, ref, train, knobs = setup or _setup(root, family, objective)
+    objective = build_objective(objective, **knobs)
+    return shardtune_first_step(objective, policy, ref, train, batch_size=N_TRAIN, pad_id=tok.pad_token_id)
+
+
+@functools.cache
+def _first_steps(root: str, family: str, objective: str, trl_coef: float | None) -> tuple[dict, dict]:
+    """(shardtune's, TRL's) first-step metrics on the first N_TRAIN pairs (KTO: examples) of the conversational set.
+    trl_coef: TRL's router_aux_loss_coef (None: its default, the config's coefficient)."""
+    setup = _setup(root, family, objective)
+    ours = shardtune_side(root, family, objective, setup)
+    tok, policy, ref, _, _ = setup
+    if objective == "dpo":
+        config, trainer = {"loss_type": ["sigmoid"]}, (trl.DPOTrainer, trl.DPOConfig)
+    else:
+        config, trainer = dict(KTO_WEIGHTS), (trl.KTOTrainer, trl.KTOConfig)
     if trl_coef is not None:
         config["router_aux_loss_coef"] = trl_coef
+    data = Path(root) / ("pairs" if objective == "dpo" else "kto")
     theirs = trl_first_step(
         *trainer, policy=policy, ref=ref, data=data / "train.jsonl", tok=tok, batch_size=N_TRAIN,
         out=Path(root) / f"trl-{family}-{objective}", beta=BETA, max_length=MAX_LENGTH, **config,
@@ -188,16 +207,8 @@ def _first_steps(root: str, family: str, objective: str, trl_coef: float | None)
     return ours, theirs
 
 
-@pytest.mark.parametrize("objective", ["dpo", "kto"])
-@pytest.mark.parametrize("family", list(SETUPS))
-def test_first_step_equals_trl(assets, family, objective):
-    ours, theirs = _first_steps(str(assets["root"]), family, objective, 0.0)
-    assert theirs["rewards/margins"] != 0
-    if objective == "kto":
-        assert theirs["kl"] > 0.01  # the batch exercises the KL term
-    t = logps_tol(
-        len(_tokenizer(assets["root"] / family)), max(abs(theirs["logps/chosen"]), abs(theirs["logps/rejected"]))
-    )
+def _assert_equals_trl(ours: dict, theirs: dict, vocab: int, objective: str) -> None:
+    t = logps_tol(vocab, max(abs(theirs["logps/chosen"]), abs(theirs["logps/rejected"])))
     # Rewards are β × (log π − log ref): two sums, each within t. DPO's loss moves at most as much as β times the
     # margin's four sums; KTO's (λ · σ' ≤ λ/4 times β · (ratio + KL), each two sums) at most λ_max · β · t.
     bounds = {"logps/chosen": t, "logps/rejected": t, "rewards/chosen": 2 * BETA * t, "rewards/rejected": 2 * BETA * t,
@@ -210,6 +221,44 @@ def test_first_step_equals_trl(assets, family, objective):
         bounds.update(loss=max(KTO_WEIGHTS.values()) * BETA * t, kl=2 * t)
     for key, bound in bounds.items():
         assert ours[key] == pytest.approx(theirs[key], abs=bound), key
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+@pytest.mark.parametrize("family", list(SETUPS))
+def test_first_step_equals_trl(assets, family, objective):
+    ours, theirs = _first_steps(str(assets["root"]), family, objective, 0.0)
+    assert theirs["rewards/margins"] != 0
+    if objective == "kto":
+        assert theirs["kl"] > 0.01  # the batch exercises the KL term
+    _assert_equals_trl(ours, theirs, len(_tokenizer(assets["root"] / family)), objective)
+
+
+def test_dpo_loss_without_its_reference_fails_the_trl_comparison(assets, tmp_path):
+    """Negative control: DPO's loss on the policy's margin alone (the reference log-probs dropped from the loss, the
+    rewards left right) differs from TRL's by far more than the bound, in shardtune's own process with the bug
+    planted."""
+    planted = plant(
+        Edit(
+            "loss.py",
+            "-F.logsigmoid(beta * (chosen_ratio - rejected_ratio))",
+            "-F.logsigmoid(beta * (chosen - rejected))",
+        ),
+        tmp_path,
+    )
+    code = (
+        "import json, sys, shardtune; from tests.e2e.test_preference_families import shardtune_side; "
+        "print(json.dumps({'file': shardtune.__file__, **shardtune_side(sys.argv[1], 'qwen3', 'dpo')}))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **planted}
+    cmd = [sys.executable, "-c", code, str(assets["root"])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ours.pop("file").startswith(str(tmp_path))
+    _, theirs = _first_steps(str(assets["root"]), "qwen3", "dpo", 0.0)
+    # The log-probs and rewards (compared first) still agree: the loss alone is caught.
+    with pytest.raises(AssertionError, match=r"^loss\n"):
+        _assert_equals_trl(ours, theirs, len(_tokenizer(assets["root"] / "qwen3")), "dpo")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma4"])
