@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from tests.parity import train_steps
+from tests.tolerance import TrainParity
+
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 # Sliding window shorter than the 96-position packed rows, so that the window really cuts attention.
 WINDOW = 32
@@ -377,21 +380,13 @@ SENSITIVE = {"gemma4": {"grad_norm": 8.7e-5, "weight_per_lr_step": 7.6e-3}}
 MARGIN = 10
 
 
-@dataclass(frozen=True)
-class RunTolerance:
-    loss: float  # rtol of each step's loss
-    grad_norm: float  # rtol of each step's gradient norm
-    rtol: float  # of each saved tensor, elementwise (with atol)
-    atol: float
-
-
-def run_tolerance(*, chain: int, n: int, steps: int, lr: float, spread: dict = SPREAD) -> RunTolerance:
+def run_tolerance(*, chain: int, n: int, steps: int, lr: float, spread: dict = SPREAD) -> TrainParity:
     """Bounds of two fp32 runs over `steps` optimizer steps at peak rate `lr`: `chain` is the total length of the
     sums of all steps (tests/tolerance.decoder_chain, times steps), `n` the values a step's loss averages."""
     from tests.tolerance import tol_rounding
 
     rel = tol_rounding(torch.float32, chain, n=n)
-    return RunTolerance(
+    return TrainParity(
         loss=rel,
         grad_norm=max(rel, MARGIN * spread["grad_norm"]),
         rtol=rel,
@@ -399,20 +394,13 @@ def run_tolerance(*, chain: int, n: int, steps: int, lr: float, spread: dict = S
     )
 
 
-def matrix_tolerance(family: str) -> RunTolerance:
+def matrix_tolerance(family: str) -> TrainParity:
     """The matrix's bounds: STEPS steps of 4 packed rows of 96 positions, the families' tiny decoders."""
     from tests.tolerance import decoder_chain
 
     chain = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": 96, "vocab": 608}
     one_step = decoder_chain(**chain, tokens=4 * 96, backward=True)
     return run_tolerance(chain=STEPS * one_step, n=4 * 96, steps=STEPS, lr=LR, spread=SENSITIVE.get(family, SPREAD))
-
-
-def train_steps(out: Path) -> dict[int, dict]:
-    """metrics.jsonl's train records by step (a step redone after a resume keeps its latest record)."""
-    from tests.conftest import train_records
-
-    return {r["step"]: r for r in train_records(out)}
 
 
 def update_rates(out: Path) -> dict[int, float]:
@@ -437,7 +425,7 @@ def saved_tensors(out: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
-def assert_runs_match(ref: Path, got: Path, tol: RunTolerance, *, min_updates: int = 1) -> dict:
+def assert_runs_match(ref: Path, got: Path, tol: TrainParity, *, min_updates: int = 1) -> dict:
     """The run in `got` trained as the one in `ref`: every step's loss and grad_norm, then every saved tensor
     elementwise, within `tol`; at least `min_updates` steps updated at a nonzero learning rate (a step at rate 0
     leaves the weights, hence every later number, as they were). Returns ref's tensors, for a "they moved" check."""
