@@ -34,6 +34,9 @@ class FSDPSettings:
     # accelerate's parallelism_config (PARALLELISM_CONFIG_* variables): {"dp_replicate_size": "2", ...} as given,
     # checked and mapped onto the sharding strategy by parallelism_plan; None when the launch has none.
     parallelism: dict[str, str] | None = None
+    # One process (world size 1): "auto" trains the plain module without fully_shard where that path is verified
+    # (not with fsdp_offload_params, which is FSDP2's offload); "fsdp" keeps FSDP (SHARDTUNE_FSDP_SINGLE_PROCESS).
+    single_process: str = "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,7 +108,26 @@ def fsdp_settings_from_env(env: Mapping[str, str]) -> FSDPSettings:
     s.activation_checkpointing = env_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING"), False)
     s.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     s.parallelism = parallelism_from_env(env)
+    s.single_process = single_process_setting(env.get(SINGLE_PROCESS_ENV, "auto"))
     return s
+
+
+SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"
+SINGLE_PROCESS_CHOICES = ("auto", "fsdp")
+
+
+def single_process_setting(value: str) -> str:
+    """SHARDTUNE_FSDP_SINGLE_PROCESS as one of SINGLE_PROCESS_CHOICES (empty: auto); anything else is refused."""
+    v = value.strip().lower() or "auto"
+    if v not in SINGLE_PROCESS_CHOICES:
+        from shardtune.errors import ConfigError  # lazy: errors is only needed for this message
+
+        why = (
+            f"{SINGLE_PROCESS_ENV}={value!r} is not a choice; set it to auto (one process trains without FSDP "
+            "where it can) or fsdp (one process keeps FSDP)."
+        )
+        raise ConfigError([why])
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------

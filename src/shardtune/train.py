@@ -189,7 +189,9 @@ def _build(cfg: RunConfig, info) -> _Built:
     spe = data.steps_per_epoch_for(cfg, train_split, info)
     total = data.total_steps(cfg, spe)
     _seed_everything(t.seed)
-    model = build_sharded_model(model_spec(cfg, info.device.type, len(tokenizer), new_ids), info)
+    model = build_sharded_model(
+        model_spec(cfg, info.device.type, len(tokenizer), new_ids), info, cfg.fsdp.single_process
+    )
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
     evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
