@@ -22,6 +22,12 @@ from tests.mutation import Edit, plant
 
 LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear"]
 FULL = ["--use_peft_lora", "False"]
+# QLoRA: LoRA on a 4-bit base whose packed weights are bf16 parameters (bitsandbytes' CPU kernels).
+QLORA = [
+    *LORA,
+    *("--use_4bit_quantization", "True", "--use_nested_quant", "True", "--bnb_4bit_quant_type", "nf4"),
+    *("--bnb_4bit_quant_storage_dtype", "bfloat16", "--bnb_4bit_compute_dtype", "bfloat16"),
+]
 NO_FSDP_LINE = "No FSDP at world size 1"
 
 
@@ -82,10 +88,11 @@ def _flatten(d, prefix: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_fsdp(tiny_assets, tmp_path_factory):
-    """The old path: one process under FSDP2, LoRA in bf16 (shared by the comparison and its control)."""
-    out = tmp_path_factory.mktemp("lora") / "fsdp"
-    log = _run(tiny_assets, out, [*LORA, "--bf16", "True"], mode="fsdp")
+def qlora_fsdp(tiny_assets, tmp_path_factory):
+    """The old path: one process under FSDP2, QLoRA in bf16 (shared by the comparison and its control)."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path_factory.mktemp("qlora") / "fsdp"
+    log = _run(tiny_assets, out, [*QLORA, "--bf16", "True"], mode="fsdp")
     assert "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp" in log and NO_FSDP_LINE not in log
     return out
 
@@ -96,10 +103,10 @@ def _without_fsdp(assets, out, extra, env=None):
     return out
 
 
-def test_lora_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path, lora_fsdp):
-    """bf16 compute over fp32 adapter masters, lora dropout, checkpointed blocks and 2 accumulated micro-batches:
-    the plain module gives FSDP2's numbers bit for bit."""
-    _assert_equal_runs(_without_fsdp(tiny_assets, tmp_path / "plain", LORA), lora_fsdp)
+def test_qlora_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path, qlora_fsdp):
+    """bf16 compute over fp32 adapter masters and a 4-bit base, lora dropout, checkpointed blocks and 2
+    accumulated micro-batches: the plain module gives FSDP2's numbers bit for bit."""
+    _assert_equal_runs(_without_fsdp(tiny_assets, tmp_path / "plain", QLORA), qlora_fsdp)
 
 
 def test_full_finetune_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path):
@@ -107,24 +114,32 @@ def test_full_finetune_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path):
     plain = _without_fsdp(tiny_assets, tmp_path / "plain", FULL)
     fsdp = tmp_path / "fsdp"
     _run(tiny_assets, fsdp, [*FULL, "--bf16", "True"], mode="fsdp")
+    _assert_equal_runs(plain, fsdp)
     losses, _ = _curve(plain)
     assert abs(losses[-1] - losses[0]) > 1e-3  # it trained
 
 
-def test_planted_dropped_gradient_fails(tiny_assets, tmp_path, lora_fsdp):
-    """Control: the bf16 copy cut off from its fp32 master (no gradient reaches the adapter) is caught."""
-    env = plant(
-        Edit(
-            "distributed/fsdp.py",
-            "copies.setdefault(id(p), p.to(self.dtype))",
-            "copies.setdefault(id(p), p.detach().to(self.dtype))",
-        ),
-        tmp_path / "mutant",
-    )
-    mutant = _without_fsdp(tiny_assets, tmp_path / "planted", LORA, env=env)
+# Planted bugs of the no-FSDP path: the bf16 copy cut off from its fp32 master (no gradient reaches the adapter),
+# and no bf16 copy at all (the adapters computed in fp32, as FSDP2's mixed precision would not).
+DROPPED_GRADIENT = Edit(
+    "distributed/fsdp.py",
+    "copies.setdefault(id(p), p.to(self.dtype))",
+    "copies.setdefault(id(p), p.detach().to(self.dtype))",
+)
+NO_CAST = Edit("distributed/fsdp.py", "    if mp.param_dtype is not None:\n", "    if False:\n")
+
+
+@pytest.mark.parametrize("bug", [DROPPED_GRADIENT, NO_CAST], ids=["dropped_gradient", "no_cast"])
+def test_planted_bug_fails(tiny_assets, tmp_path, qlora_fsdp, bug):
+    """Control: each planted bug makes the comparison with FSDP fail."""
+    mutant = _without_fsdp(tiny_assets, tmp_path / "planted", QLORA, env=plant(bug, tmp_path / "mutant"))
     with pytest.raises(AssertionError):
-        _assert_equal_runs(mutant, lora_fsdp)
-    assert all(g == 0 for g in _curve(mutant)[1])  # grad_norm: no gradient reaches the adapters
+        _assert_equal_runs(mutant, qlora_fsdp)
+    grad_norms = _curve(mutant)[1]
+    if bug is DROPPED_GRADIENT:
+        assert all(g == 0 for g in grad_norms)  # no gradient reaches the adapters
+    else:
+        assert grad_norms != _curve(qlora_fsdp)[1]
 
 
 def test_single_process_setting_refuses_other_values():

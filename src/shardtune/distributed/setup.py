@@ -56,6 +56,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "
         _shard(train_module, blocks, spec, info)
     else:
         without_fsdp(train_module, blocks=blocks, param_dtype=spec.param_dtype)
+        quant.drop_quant_state_keys(train_module)
     if not spec.read_weights:
         return train_module
     _fill(train_module, spec, info, full_tensors, node)
