@@ -34,8 +34,10 @@ class FSDPSettings:
     # accelerate's parallelism_config (PARALLELISM_CONFIG_* variables): {"dp_replicate_size": "2", ...} as given,
     # checked and mapped onto the sharding strategy by parallelism_plan; None when the launch has none.
     parallelism: dict[str, str] | None = None
-    # One process (world size 1): "auto" trains the plain module without fully_shard where that path is verified
-    # (not with fsdp_offload_params, which is FSDP2's offload); "fsdp" keeps FSDP (SHARDTUNE_FSDP_SINGLE_PROCESS).
+    # One process (world size 1), SHARDTUNE_FSDP_SINGLE_PROCESS: "auto" trains the plain module without fully_shard
+    # where that path is verified and saves memory (not with fsdp_offload_params, which is FSDP2's offload, nor for
+    # mixed-precision full fine-tuning: shardtune.distributed.setup.use_fsdp); "fsdp" keeps FSDP; "no_fsdp" skips it
+    # but with fsdp_offload_params.
     single_process: str = "auto"
 
 
@@ -113,7 +115,7 @@ def fsdp_settings_from_env(env: Mapping[str, str]) -> FSDPSettings:
 
 
 SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"
-SINGLE_PROCESS_CHOICES = ("auto", "fsdp")
+SINGLE_PROCESS_CHOICES = ("auto", "fsdp", "no_fsdp")
 
 
 def single_process_setting(value: str) -> str:
@@ -124,7 +126,8 @@ def single_process_setting(value: str) -> str:
 
         why = (
             f"{SINGLE_PROCESS_ENV}={value!r} is not a choice; set it to auto (one process trains without FSDP "
-            "where it can) or fsdp (one process keeps FSDP)."
+            "where it can), fsdp (one process keeps FSDP) or no_fsdp (one process never uses FSDP, but with "
+            "fsdp_offload_params)."
         )
         raise ConfigError([why])
     return v

@@ -111,9 +111,13 @@ def test_qlora_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path, qlora_fsdp):
 
 def test_full_finetune_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path):
     """Every weight an fp32 master computed in bf16 (the embeddings and the head too)."""
-    plain = _without_fsdp(tiny_assets, tmp_path / "plain", FULL)
+    plain = tmp_path / "plain"
+    log = _run(tiny_assets, plain, [*FULL, "--bf16", "True"], mode="no_fsdp")
+    assert NO_FSDP_LINE in log and "blocks on one process without FSDP" in log
+    # auto keeps FSDP here (one block's bf16 copy at a time rather than the whole model's), and says why.
     fsdp = tmp_path / "fsdp"
-    _run(tiny_assets, fsdp, [*FULL, "--bf16", "True"], mode="fsdp")
+    log = _run(tiny_assets, fsdp, [*FULL, "--bf16", "True"])
+    assert "FSDP at world size 1: full fine-tuning computes every fp32 weight in bfloat16" in log
     _assert_equal_runs(plain, fsdp)
     losses, _ = _curve(plain)
     assert abs(losses[-1] - losses[0]) > 1e-3  # it trained
@@ -145,5 +149,6 @@ def test_planted_bug_fails(tiny_assets, tmp_path, qlora_fsdp, bug):
 def test_single_process_setting_refuses_other_values():
     assert fsdp_settings_from_env({}).single_process == "auto"
     assert fsdp_settings_from_env({SINGLE_PROCESS_ENV: " FSDP "}).single_process == "fsdp"
+    assert fsdp_settings_from_env({SINGLE_PROCESS_ENV: "no_fsdp"}).single_process == "no_fsdp"
     with pytest.raises(ConfigError, match=f"{SINGLE_PROCESS_ENV}='none' is not a choice; set it to auto"):
         fsdp_settings_from_env({SINGLE_PROCESS_ENV: "none"})

@@ -19,6 +19,7 @@ read weights and does 5-7.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardtune import hooks, modeling, quant
@@ -87,10 +88,22 @@ def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool
         return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
     if spec.offload:
         return True, "FSDP at world size 1: fsdp_offload_params keeps the weights in host RAM through FSDP2's offload."
+    if single_process == "auto" and _casts_every_weight(spec):
+        # Without FSDP the compute-dtype copies live from forward to the end of backward (fsdp.MixedPrecisionCasts):
+        # a few MiB of adapters, but the whole model in full fine-tuning, where FSDP gathers one block at a time.
+        return True, (
+            "FSDP at world size 1: full fine-tuning computes every fp32 weight in "
+            f"{str(spec.param_dtype).removeprefix('torch.')}, and FSDP holds one block's copy at a time "
+            "(SHARDTUNE_FSDP_SINGLE_PROCESS=no_fsdp trains without it, holding the whole model's copy)."
+        )
     return False, (
         "No FSDP at world size 1: the plain module trains with FSDP2's mixed-precision numerics and without its "
         "all-gather and reduce-scatter copies (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp keeps FSDP)."
     )
+
+
+def _casts_every_weight(spec: ModelSpec) -> bool:
+    return not spec.use_peft_lora and spec.param_dtype not in (None, torch.float32)
 
 
 def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo) -> None:
