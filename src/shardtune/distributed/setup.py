@@ -79,7 +79,7 @@ def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool
     """Whether to `fully_shard`, and the one line saying why. Several processes always shard. One process skips
     FSDP unless told to keep it (single_process "fsdp") or unless it needs FSDP itself: fsdp_offload_params is
     FSDP2's CPUOffloadPolicy, and a model built without weights (`shardtune plan --trace`) is traced by FSDP2's
-    memory tracker."""
+    memory tracker. "auto" also keeps it for mixed-precision full fine-tuning (below); "no_fsdp" does not."""
     if info.world_size > 1:
         return True, f"FSDP: {info.world_size} processes shard the model."
     if not spec.read_weights:
