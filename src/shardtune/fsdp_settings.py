@@ -34,6 +34,11 @@ class FSDPSettings:
     # accelerate's parallelism_config (PARALLELISM_CONFIG_* variables): {"dp_replicate_size": "2", ...} as given,
     # checked and mapped onto the sharding strategy by parallelism_plan; None when the launch has none.
     parallelism: dict[str, str] | None = None
+    # One process (world size 1), SHARDTUNE_FSDP_SINGLE_PROCESS: "auto" trains the plain module without fully_shard
+    # where that path is verified and saves memory (not with fsdp_offload_params, which is FSDP2's offload, nor for
+    # mixed-precision full fine-tuning: shardtune.distributed.setup.use_fsdp); "fsdp" keeps FSDP; "no_fsdp" skips it
+    # but with fsdp_offload_params.
+    single_process: str = "auto"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,7 +110,27 @@ def fsdp_settings_from_env(env: Mapping[str, str]) -> FSDPSettings:
     s.activation_checkpointing = env_bool(env.get("FSDP_ACTIVATION_CHECKPOINTING"), False)
     s.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     s.parallelism = parallelism_from_env(env)
+    s.single_process = single_process_setting(env.get(SINGLE_PROCESS_ENV, "auto"))
     return s
+
+
+SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"
+SINGLE_PROCESS_CHOICES = ("auto", "fsdp", "no_fsdp")
+
+
+def single_process_setting(value: str) -> str:
+    """SHARDTUNE_FSDP_SINGLE_PROCESS as one of SINGLE_PROCESS_CHOICES (empty: auto); anything else is refused."""
+    v = value.strip().lower() or "auto"
+    if v not in SINGLE_PROCESS_CHOICES:
+        from shardtune.errors import ConfigError  # lazy: errors is only needed for this message
+
+        why = (
+            f"{SINGLE_PROCESS_ENV}={value!r} is not a choice; set it to auto (one process trains without FSDP "
+            "where it can), fsdp (one process keeps FSDP) or no_fsdp (one process never uses FSDP, but with "
+            "fsdp_offload_params)."
+        )
+        raise ConfigError([why])
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------

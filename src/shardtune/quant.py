@@ -255,3 +255,20 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
             t = getattr(holder, attr)
             out["quant_state"] += t.numel() * t.element_size()
     return out
+
+
+def drop_quant_state_keys(model: nn.Module) -> None:
+    """Keep the packed weights' quantization state out of state dicts on a model trained without FSDP.
+
+    Without FSDP, bitsandbytes' forward wraps the plain packed weight as Params4bit with its state (what
+    `fix_4bit_weight_quant_state_from_module` does once the state is missing), and Linear4bit's state dict then
+    adds the state's tensors as `weight.absmax`, `weight.quant_map`, ... Under FSDP2 the weight between steps is
+    the sharded parameter, which carries no state: dropping these keys keeps one layout for checkpoints and
+    exports, so a checkpoint written by one process resumes on several ranks and the reverse."""
+    for _, module in linear4bit_modules(model):
+        module.register_state_dict_post_hook(_drop_weight_state)
+
+
+def _drop_weight_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(f"{prefix}weight.")]:
+        del state_dict[key]

@@ -233,7 +233,8 @@ def _build(cfg: RunConfig, info) -> _Built:
     _seed_everything(t.seed)
     STOP.at("loading the model")
     hooks.at("load", step=0, rank=info.rank)
-    model = build_sharded_model(model_spec(cfg, info.device.type, len(tokenizer), new_ids), info)
+    spec = model_spec(cfg, info.device.type, len(tokenizer), new_ids)
+    model = build_sharded_model(spec, info, cfg.fsdp.single_process)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
     evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated

@@ -1,7 +1,9 @@
-"""FSDP2 sharding of a (PEFT) causal LM: each decoder block, then the root."""
+"""FSDP2 sharding of a (PEFT) causal LM: each decoder block, then the root; or, on one process, the plain module
+with FSDP2's mixed-precision numerics (`without_fsdp`)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -9,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardtune.parallel import strategy
 
@@ -95,3 +98,86 @@ def local_state_bytes(model: nn.Module) -> dict[str, int]:
         t = p.to_local() if isinstance(p, DTensor) else p
         out["trainable" if p.requires_grad else "frozen"] += t.numel() * t.element_size()
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One process without fully_shard: the same numerics as mixed_precision_policy, on the plain module
+
+
+class MixedPrecisionCasts:
+    """What `fully_shard` with `mixed_precision_policy(param_dtype)` does to the numbers, without FSDP's copies.
+
+    At world size 1 FSDP2's all-gather copies each parameter into a buffer in param_dtype, the forward and
+    backward run on that copy, and the reduce-scatter casts its gradient to reduce_dtype (fp32) and into the
+    parameter's own dtype. Here the root's forward pre-hook registers `p.to(param_dtype)` in place of every
+    floating parameter stored in another dtype (the fp32 adapter masters of a bf16 run) and autograd's cast-back
+    is FSDP's fp32 reduce: one bf16 gradient per parameter and forward (summed over its uses in bf16, as on FSDP's
+    unsharded parameter), cast to fp32 and accumulated there. The copies stay registered until backward ends (as
+    the root's unsharded parameters do: checkpointed blocks and loss chunks recompute on them), or until a
+    forward without gradients ends. Floating inputs of the root and of each block are cast like
+    MixedPrecisionPolicy(cast_forward_inputs=True) casts them. Parameters already in param_dtype (a bf16 frozen
+    base, the 4-bit packed weights) are used as they are."""
+
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], param_dtype: torch.dtype):
+        self.dtype = param_dtype
+        self.slots = [
+            (module, name)
+            for module in model.modules()
+            for name, p in module._parameters.items()
+            if p is not None and p.is_floating_point() and p.dtype != param_dtype
+        ]
+        self.masters: list[torch.Tensor] | None = None  # the registered parameters while the copies are in place
+        model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        model.register_forward_hook(self._root_post_forward)
+        for block in blocks:
+            block.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+
+    def _cast_inputs(self, module: nn.Module, args, kwargs):
+        cast = functools.partial(_cast_floating, self.dtype)
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_pre_forward(self, module: nn.Module, args, kwargs):
+        # A second forward before backward (a preference objective's two passes) keeps the same copies, as
+        # FSDP's root keeps its unsharded parameters until backward.
+        if self.masters is None:
+            self.masters = [m._parameters[n] for m, n in self.slots]
+            copies: dict[int, torch.Tensor] = {}
+            for (owner, name), p in zip(self.slots, self.masters, strict=True):
+                # Tied parameters share one copy, as they share one unsharded FSDP parameter.
+                owner._parameters[name] = copies.setdefault(id(p), p.to(self.dtype))
+        return self._cast_inputs(module, args, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args, output):
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            self.restore()
+        for t in tensors:
+            t.register_hook(self._at_backward_start)
+        return output
+
+    def _at_backward_start(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.restore)
+
+    def restore(self) -> None:
+        """Register the parameters themselves again (those the optimizer steps and the state dict holds)."""
+        if self.masters is None:
+            return
+        for (owner, name), p in zip(self.slots, self.masters, strict=True):
+            owner._parameters[name] = p
+        self.masters = None
+
+
+def _cast_floating(dtype: torch.dtype, x):
+    # FSDP2's _cast_fp_tensor: floating tensors only, and only when the dtype differs.
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def without_fsdp(model: nn.Module, *, blocks: list[nn.Module], param_dtype: torch.dtype | None) -> nn.Module:
+    """One process, no `fully_shard`: the plain module computes in `param_dtype` as FSDP2's mixed precision would
+    (MixedPrecisionCasts); a fp32 run (param_dtype None or fp32) needs nothing."""
+    mp = mixed_precision_policy(param_dtype)
+    if mp.param_dtype is not None:
+        model._mixed_precision_casts = MixedPrecisionCasts(model, blocks, mp.param_dtype)
+    return model

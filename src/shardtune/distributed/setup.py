@@ -7,7 +7,8 @@
    the storage dtype (= FSDP's param dtype) with their quantization state kept on the layer.
 4. Activation checkpointing per decoder block.
 5. `fully_shard` each decoder block, then the root (each node's rank 0 first hands its real tensors to the
-   loader, so that it shards on meta like the others).
+   loader, so that it shards on meta like the others). One process may skip it (`use_fsdp`): the plain module
+   then computes with FSDP2's mixed-precision numerics (fsdp.without_fsdp), without its all-gather copies.
 6. Materialize and fill the shards (scattered from the node's rank 0 one tensor at a time / slice from each rank's
    own copy); give every rank the 4-bit quantization states, replicated, on its device.
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
@@ -18,11 +19,12 @@ read weights and does 5-7.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardtune import hooks, modeling, quant
 from shardtune.builder import ModelSpec, build_training_module
-from shardtune.distributed.fsdp import assert_sharded, shard_model
+from shardtune.distributed.fsdp import assert_sharded, shard_model, without_fsdp
 from shardtune.distributed.loading import (
     broadcast_quant_states,
     materialize_from_rank0,
@@ -33,8 +35,11 @@ from shardtune.distributed.mesh import DistInfo, all_gather_objects
 from shardtune.log import print0
 
 
-def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMForTraining:
-    """Steps 2-7 of the setup order; returns the sharded training module."""
+def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "fsdp") -> modeling.CausalLMForTraining:
+    """Steps 2-7 of the setup order; returns the sharded training module (the plain one when `use_fsdp` says one
+    process runs without FSDP; `single_process` is fsdp_settings' setting, "fsdp" keeping FSDP everywhere)."""
+    fsdp, why = use_fsdp(spec, info, single_process)
+    print0(why)
     from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1 and spec.read_weights
     node = node_group(info.rank, info.local_rank) if from_rank0 else None
     on_meta = (from_rank0 and not info.is_local_main) or not spec.read_weights
@@ -48,7 +53,11 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     quantize_device = info.device if info.device.type == "cuda" else None
     train_module, blocks = build_training_module(spec, on_meta=on_meta, quantize_device=quantize_device)
     full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_local_main else None
-    _shard(train_module, blocks, spec, info)
+    if fsdp:
+        _shard(train_module, blocks, spec, info)
+    else:
+        without_fsdp(train_module, blocks=blocks, param_dtype=spec.param_dtype)
+        quant.drop_quant_state_keys(train_module)
     if not spec.read_weights:
         return train_module
     _fill(train_module, spec, info, full_tensors, node)
@@ -58,11 +67,43 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo) -> modeling.CausalLMFor
     trainable, total = modeling.count_parameters(train_module)
     print0(
         f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
-        f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks sharded over {info.world_size} rank(s)."
+        f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks "
+        + (f"sharded over {info.world_size} rank(s)." if fsdp else "on one process without FSDP.")
     )
     if spec.quantization_config is not None:
         _report_4bit(train_module, shards, spec.offload)
     return train_module
+
+
+def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool, str]:
+    """Whether to `fully_shard`, and the one line saying why. Several processes always shard. One process skips
+    FSDP unless told to keep it (single_process "fsdp") or unless it needs FSDP itself: fsdp_offload_params is
+    FSDP2's CPUOffloadPolicy, and a model built without weights (`shardtune plan --trace`) is traced by FSDP2's
+    memory tracker. "auto" also keeps it for mixed-precision full fine-tuning (below); "no_fsdp" does not."""
+    if info.world_size > 1:
+        return True, f"FSDP: {info.world_size} processes shard the model."
+    if not spec.read_weights:
+        return True, "FSDP at world size 1: the traced step runs under FSDP2's memory tracker."
+    if single_process == "fsdp":
+        return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
+    if spec.offload:
+        return True, "FSDP at world size 1: fsdp_offload_params keeps the weights in host RAM through FSDP2's offload."
+    if single_process == "auto" and _casts_every_weight(spec):
+        # Without FSDP the compute-dtype copies live from forward to the end of backward (fsdp.MixedPrecisionCasts):
+        # a few MiB of adapters, but the whole model in full fine-tuning, where FSDP gathers one block at a time.
+        return True, (
+            "FSDP at world size 1: full fine-tuning computes every fp32 weight in "
+            f"{str(spec.param_dtype).removeprefix('torch.')}, and FSDP holds one block's copy at a time "
+            "(SHARDTUNE_FSDP_SINGLE_PROCESS=no_fsdp trains without it, holding the whole model's copy)."
+        )
+    return False, (
+        "No FSDP at world size 1: the plain module trains with FSDP2's mixed-precision numerics and without its "
+        "all-gather and reduce-scatter copies (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp keeps FSDP)."
+    )
+
+
+def _casts_every_weight(spec: ModelSpec) -> bool:
+    return not spec.use_peft_lora and spec.param_dtype not in (None, torch.float32)
 
 
 def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo) -> None:

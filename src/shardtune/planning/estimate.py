@@ -188,6 +188,38 @@ def _fsdp_buffers(
     }
 
 
+def _buffers(fsdp: bool, shape, tensors, a, shard, strategy, prefetch, offload, world_size) -> dict[str, Any]:
+    if fsdp:
+        return _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
+    return _plain_buffers(shape, tensors, a, world_size, offload)
+
+
+def _plain_buffers(shape: ModelShape, tensors: list[Tensor], a: int, world_size: int, offload: bool) -> dict[str, Any]:
+    """The pieces of StepParts `_fsdp_buffers` gives, for one process without FSDP: the weights are used where
+    they are stored, so nothing is gathered and no gradient waits for a reduce-scatter (autograd casts each bf16
+    gradient to its fp32 parameter's dtype as it is made). What remains is the compute-dtype copy of every
+    parameter stored in another dtype (the fp32 adapters of a bf16 run), alive from forward to the end of
+    backward (fsdp.MixedPrecisionCasts): it takes the all-gather row's place, counted as the root's."""
+    if world_size > 1 or offload:
+        raise ValueError("fsdp=False plans one process without offload: world_size 1, offload False")
+    cast = [t for t in tensors if not t.quantized and t.itemsize != a]
+    # `tensors` lists one block's parameters (group "block") and the root's.
+    copies = sum(sharded_bytes(t, 1, itemsize=a) * (shape.num_layers if t.group == "block" else 1) for t in cast)
+    zero = dict.fromkeys(("block_gathered", "offload_copies", "block_scatter", "block_scatter_input"), 0)
+    return {
+        **zero,
+        "root_gathered": copies,
+        "root_casts": (),
+        "block_casts": (),
+        "blocks_in_flight": 1,
+        "kept_after_forward": 1,
+        "flat_copy": False,
+        "root_scatter": 0,
+        "root_grad_shard": sum(sharded_bytes(t, 1) for t in tensors if t.group == "root" and t.trainable),
+        "root_early_grads": 0,
+    }
+
+
 def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
     """(copies, gathered) bytes at the peak of an FSDP1 SHARDED_STATE_DICT `model.state_dict()`.
 
@@ -354,6 +386,7 @@ def estimate_memory(
     allocator_overhead: float | None = None,
     gather_stream_cache: bool = True,
     expandable_segments: bool = True,
+    fsdp: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
@@ -361,6 +394,7 @@ def estimate_memory(
     describe other trainers (e.g. a base held in fp32 with bf16 autocast; the HF Trainer saving FSDP1 checkpoints
     with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU; FSDP1, whose all-gathers use one
     stream in forward and backward: gather_stream_cache=False), which the published comparisons use.
+    fsdp=False: one process without fully_shard (a single-device trainer; fsdp.without_fsdp): _plain_buffers.
     """
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = as_shape(model)
@@ -371,7 +405,7 @@ def estimate_memory(
     tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
     state = state_per_rank(shape, tensors, shard, optim, None)
     a = compute_dtype_bytes(bf16, fp16)
-    buffers = _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
+    buffers = _buffers(fsdp, shape, tensors, a, shard, strategy, prefetch, offload, world_size)
     dyn_kwargs = _dynamic_kwargs(shape, settings)
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
@@ -382,7 +416,7 @@ def estimate_memory(
     device = dict(by_phase[phase])
     if allocator_overhead is None:
         allocator_overhead = ALLOCATOR_OVERHEAD_EXPANDABLE if expandable_segments else ALLOCATOR_OVERHEAD
-    terms = _allocator_terms(parts, by_phase, allocator_overhead, gather_stream_cache)
+    terms = _allocator_terms(parts, by_phase, allocator_overhead, gather_stream_cache and fsdp)
     device["allocator overhead"] = terms["reserved"] - sum(device.values())
     if sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
