@@ -102,17 +102,19 @@ def target_logits(model, batch):
 @contextlib.contextmanager
 def leaking_documents():
     """The planted error of the attention check: the per-document spans computed as if each row were one document
-    (the RoPE positions still restart), so every token also attends to the documents before it in its row."""
+    (the RoPE positions still restart), and the family's own (block-diagonal) mask not consulted on the span, so
+    every token also attends to the documents before it in its row."""
     import torch
 
     from shardtune import fastpath
 
-    real = fastpath.packed_documents
+    real, family_mask = fastpath.packed_documents, fastpath._family_mask
     fastpath.packed_documents = lambda pos, *a, **kw: real(torch.arange(pos.shape[1], device=pos.device).expand_as(pos))
+    fastpath._family_mask = lambda *a, **kw: None
     try:
         yield
     finally:
-        fastpath.packed_documents = real
+        fastpath.packed_documents, fastpath._family_mask = real, family_mask
 
 
 def free_port() -> int:
