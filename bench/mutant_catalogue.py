@@ -188,15 +188,25 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "doc_attention_span_leak",
         "masking",
-        "a span of several short documents gets a plain causal mask: each document attends to the ones before it",
-        Edit(
-            "fastpath.py",
-            "    mask = (doc[:, None] == doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
-            "    mask = (doc[:, None] >= doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
-        ),
+        "a span of several short documents gets a plain causal mask and the family's block-diagonal mask is not"
+        " consulted on it (either alone keeps documents apart): each document attends to the ones before it",
+        [
+            Edit(
+                "fastpath.py",
+                "    mask = (doc[:, None] == doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
+                "    mask = (doc[:, None] >= doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
+            ),
+            Edit(
+                "fastpath.py",
+                "    if attention_mask is None or attention_mask.ndim != 4:\n        return None\n    end = start",
+                "    if True:\n        return None\n    end = start",
+            ),
+        ],
         [
             "tests/unit/test_fastpath.py::test_per_document_attention_matches_the_masked_attention",
             "tests/unit/test_data.py::test_packed_batches_from_the_pipeline_match_documents_run_alone",
+            # the run-time conformance check sees the leak and trains on the own forward instead: caught there
+            "tests/unit/test_conformance.py::test_conforming_families_take_the_fast_path",
         ],
     ),
     _m(
