@@ -65,8 +65,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_command(name, rest)
+    except Exception as e:  # a library's lazy import wraps a Ctrl-C that hits it in its own error
+        if not _interrupted(e):
+            raise
     except KeyboardInterrupt:
-        # Ctrl-C before a command installs its own handlers (torch and transformers take seconds to import): one
-        # line, the interrupted run's exit code, nothing written yet.
-        print(f"shardtune {name}: interrupted while starting; nothing was written.", file=sys.stderr)
-        return 3
+        pass
+    # Ctrl-C before a command installs its own handlers (torch and transformers take seconds to import): one line,
+    # the interrupted run's exit code, nothing written yet.
+    print(f"shardtune {name}: interrupted while starting; nothing was written.", file=sys.stderr)
+    return 3
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of `error`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
