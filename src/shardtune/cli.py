@@ -7,7 +7,9 @@ check run it). It is the one place that sets up the process before the command t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
 import sys
 
 from shardtune import cuda_allocator
@@ -63,17 +65,54 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean `shardtune {close[0]}`?" if close else ""
         print(f"shardtune: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
-    try:
-        return run_command(name, rest)
-    except Exception as e:  # a library's lazy import wraps a Ctrl-C that hits it in its own error
-        if not _interrupted(e):
-            raise
-    except KeyboardInterrupt:
-        pass
-    # Ctrl-C before a command installs its own handlers (torch and transformers take seconds to import): one line,
-    # the interrupted run's exit code, nothing written yet.
+    with _sigint_noted() as signalled:
+        try:
+            code = run_command(name, rest)
+        except BaseException as e:
+            # A Ctrl-C before the command installs its own handlers (torch and transformers take seconds to
+            # import). Some libraries' lazy imports catch it and raise their own error without chaining it, so the
+            # signal is recorded when it arrives rather than only read from the exception.
+            if not (signalled() or _interrupted(e)):
+                raise
+        else:
+            if not signalled():
+                return code
+            # A library caught the KeyboardInterrupt inside its import and the command went on to its end.
+            print(f"shardtune {name}: interrupted while starting; the command had already finished.", file=sys.stderr)
+            return 3
     print(f"shardtune {name}: interrupted while starting; nothing was written.", file=sys.stderr)
     return 3
+
+
+@contextlib.contextmanager
+def _sigint_noted():
+    """While the command runs, a SIGINT handler that records the signal and raises KeyboardInterrupt as Python's
+    default does (a command replaces it with its own once its run starts); the caller's handler is put back after.
+    Yields a function telling whether it fired."""
+    fired = []
+
+    def handler(signum, frame):
+        fired.append(signum)
+        raise KeyboardInterrupt
+
+    def unraisable(info):
+        # A KeyboardInterrupt raised inside a finalizer (`__del__`) cannot propagate: Python prints it as "Exception
+        # ignored in ..." with its traceback and goes on. It is recorded in `fired` already; the other cases are
+        # reported as before.
+        if not isinstance(info.exc_value, KeyboardInterrupt):
+            hook_before(info)
+
+    before, hook_before = signal.getsignal(signal.SIGINT), sys.unraisablehook
+    ours = before is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, handler)
+        sys.unraisablehook = unraisable
+    try:
+        yield lambda: bool(fired)
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, before)
+            sys.unraisablehook = hook_before
 
 
 def _interrupted(error: BaseException | None) -> bool:

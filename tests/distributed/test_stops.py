@@ -251,10 +251,12 @@ def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
     assert atomic.sweep_stale(tmp_path) == []
 
 
-@pytest.mark.parametrize("delay", [0.3])
+@pytest.mark.parametrize("delay", [0.3, 0.9, 1.6])
 def test_ctrl_c_while_starting_leaves_one_line(tmp_path, delay):
     """Ctrl-C while the command still imports its libraries (before the run's own handlers): exit 3, one line, no
-    traceback. (Later during start-up, a Ctrl-C inside some libraries' imports can still end with exit 1.)"""
+    traceback, at any point of the imports — also where a library's import catches the KeyboardInterrupt and
+    raises its own error, or swallows it and goes on (the delays land in torch's, transformers' and
+    bitsandbytes' imports on this machine; a command that finished before the signal is skipped)."""
     import time
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -266,5 +268,5 @@ def test_ctrl_c_while_starting_leaves_one_line(tmp_path, delay):
     if proc.returncode == 0:
         pytest.skip(f"the command finished within {delay} s, before the signal")
     assert proc.returncode == 3, (proc.returncode, err[-2000:])
-    assert "Traceback" not in err and "interrupted" in err
+    assert "Traceback" not in err and "interrupted while starting" in err.strip().splitlines()[-1], err[-2000:]
     assert not list(tmp_path.iterdir())
