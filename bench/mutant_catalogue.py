@@ -534,4 +534,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ["tests/distributed/test_kto_cli.py"],
     ),
+    _m(
+        "replicated_base_not_sent",
+        "sharding",
+        "With the frozen base replicated, rank 0 keeps its weights and the other ranks' copies are never sent (zeros)",
+        Edit(
+            "distributed/loading.py",
+            "        dist.broadcast(buf, src=node.src, group=node.group)\n        param.copy_(buf)\n",
+            "        param.copy_(buf) if sender else param.zero_()\n",
+        ),
+        ["tests/distributed/test_frozen_base.py::test_qlora_bf16_replicated_trains_as_sharded"],
+    ),
+    _m(
+        "replicated_base_uncast",
+        "sharding",
+        "With the frozen base replicated, weights stored in another dtype are left in it (FSDP would cast them)",
+        Edit("distributed/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"),
+        ["tests/unit/test_frozen_base_choice.py::test_frozen_parameters_are_cast_once_to_the_compute_dtype"],
+    ),
 )

@@ -74,6 +74,15 @@ class ModelArguments:
         False, "Refused: 8-bit bitsandbytes layers cannot be sharded by FSDP2; use --use_4bit_quantization (QLoRA)."
     )
     use_4bit_quantization: bool = _f(False, "Load the frozen base in 4-bit (bitsandbytes, QLoRA).")
+    frozen_base: str = _f(
+        "auto",
+        "LoRA, DoRA and QLoRA on several ranks: sharded keeps the frozen base sharded by FSDP (each block's "
+        "weights gathered for its forward and again for its backward, every step); replicated holds it whole on "
+        "every GPU (bf16 or 4-bit), never gathered, while the adapters, their gradients and optimizer state stay "
+        "sharded. auto: replicated where `shardtune plan` finds that it fits the GPU's memory with the run's "
+        "activations, sharded otherwise (and on machines without CUDA).",
+        choices=["auto", "sharded", "replicated"],
+    )
     use_reentrant: bool = _f(False, "Reentrant activation checkpointing.")
     torch_dtype: str | None = _f(
         None,

@@ -53,6 +53,9 @@ class ModelSpec:
     backward_prefetch: str = "BACKWARD_PRE"
     transformer_cls_to_wrap: str | None = None
     reshard_after_forward: bool | None = None
+    # LoRA/DoRA/QLoRA on several ranks: the frozen base "sharded" by FSDP (gathered for every block's forward and
+    # backward) or "replicated", whole on every rank (shardtune.distributed.placement decides --frozen_base auto).
+    frozen_base: str = "sharded"
     torch_compile: bool = False
     loss_chunk_size: int = 1024
     # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.

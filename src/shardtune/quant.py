@@ -258,7 +258,8 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def drop_quant_state_keys(model: nn.Module) -> None:
-    """Keep the packed weights' quantization state out of state dicts on a model trained without FSDP.
+    """Keep the packed weights' quantization state out of state dicts on a model whose packed weights FSDP does not
+    manage (one process without FSDP; the frozen base replicated).
 
     Without FSDP, bitsandbytes' forward wraps the plain packed weight as Params4bit with its state (what
     `fix_4bit_weight_quant_state_from_module` does once the state is missing), and Linear4bit's state dict then

@@ -234,6 +234,7 @@ def _build(cfg: RunConfig, info) -> _Built:
     STOP.at("loading the model")
     hooks.at("load", step=0, rank=info.rank)
     spec = model_spec(cfg, info.device.type, len(tokenizer), new_ids)
+    spec.frozen_base = checks.frozen_base_placement(cfg, info)
     model = build_sharded_model(spec, info, cfg.fsdp.single_process)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.

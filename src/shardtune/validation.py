@@ -107,6 +107,11 @@ def _adapter_problems(cfg: RunConfig) -> list[str]:
             p.append(f"--lora_dropout must be in [0, 1) (got {m.lora_dropout}).")
         if not _split(m.lora_target_modules):
             p.append("--lora_target_modules is empty; give module names or all-linear.")
+        if m.frozen_base == "replicated" and cfg.fsdp.offload_params:
+            p.append(
+                "--frozen_base replicated holds the frozen base whole on every GPU, while fsdp_offload_params keeps "
+                "the sharded weights in host RAM: choose one (--frozen_base sharded, or fsdp_offload_params: false)."
+            )
     elif m.use_4bit_quantization or m.use_8bit_quantization:
         p.append("a quantized base cannot be fully fine-tuned: add --use_peft_lora True.")
     else:
@@ -229,6 +234,7 @@ def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[
 
 # Flags that only mean something for an adapter; refused when given explicitly with full fine-tuning.
 ADAPTER_FLAGS = (
+    "frozen_base",
     "lora_r",
     "lora_alpha",
     "lora_dropout",

@@ -305,6 +305,7 @@ _RESUME_FREE = {
     "overwrite_output_dir",
     "dataloader_num_workers",
     "dataset_num_proc",
+    "frozen_base",  # the checkpoint holds the trainable state only, the same for either placement
 }
 
 

@@ -35,13 +35,17 @@ def shard_model(
     forward_prefetch: bool = False,
     backward_prefetch: str = "BACKWARD_PRE",
     reshard_after_forward: bool | None = None,
+    replicate_frozen: bool = False,
 ) -> nn.Module:
     """`fully_shard` each decoder block, then the root (setup order step 5). With `offload`, FSDP2's
-    CPUOffloadPolicy keeps the shards in host RAM (pinned when `pin_memory`, which needs CUDA)."""
+    CPUOffloadPolicy keeps the shards in host RAM (pinned when `pin_memory`, which needs CUDA). With
+    `replicate_frozen`, FSDP manages the trainable parameters only (`frozen_parameters`): every rank keeps the
+    whole frozen base, which is never gathered."""
     if reshard_after_forward is None:
         reshard_after_forward = strategy(sharding_strategy).reshard_after_forward
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     mp = mixed_precision_policy(param_dtype)
+    ignored = frozen_parameters(model, param_dtype) if replicate_frozen else None
     # Reshard after forward follows the YAML's strategy: freeing each block's gathered weights after its forward is
     # what lets a 70B model fit (FULL_SHARD), at one more all-gather per block in backward (docs/speed.md measures
     # the choices). Two exceptions cost one block's weights and save a gather each step:
@@ -53,11 +57,30 @@ def shard_model(
             mp_policy=mp,
             offload_policy=policy,
             reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+            ignored_params=ignored,
         )
     # the root (embeddings, final norm, head) runs last in forward and first in backward.
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False)
+    fully_shard(
+        model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=False, ignored_params=ignored
+    )
     _set_prefetch(blocks, forward_prefetch, backward_prefetch)
     return model
+
+
+def frozen_parameters(model: nn.Module, param_dtype: torch.dtype | None) -> set[nn.Parameter]:
+    """The frozen parameters, for `fully_shard(ignored_params=...)`: FSDP leaves them as they are, whole on every
+    rank, without all-gathers (their gradients, of which there are none, would not be reduced either).
+
+    FSDP would cast each of them to `param_dtype` at every all-gather; left out of FSDP they are cast once, here,
+    which is the same number (a frozen weight never changes) and what the layers then compute with. The 4-bit
+    packed weights are stored in that dtype already (shardtune.quant.prepare_for_fsdp)."""
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    if param_dtype is not None:
+        with torch.no_grad():
+            for p in frozen:
+                if p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
+    return frozen
 
 
 def _set_prefetch(blocks: list[nn.Module], forward: bool, backward: str) -> None:

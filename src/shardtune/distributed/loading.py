@@ -100,7 +100,8 @@ def materialize_from_rank0(
         assert full_tensors is not None and names <= set(full_tensors), "the node's rank 0 lacks some parameters"
     _allocate(model, params_on=torch.device("cpu") if offload else device, buffers_on=device)
     for name, param in model.named_parameters():
-        full = full_tensors.pop(name).to(device) if sender else None
+        # A frozen parameter FSDP leaves whole was cast to the compute dtype on every rank (fsdp.frozen_parameters).
+        full = full_tensors.pop(name).to(device=device, dtype=param.dtype) if sender else None
         _scatter_rows(param, full, device, node, offloaded=offload)
         del full
         release_free_memory()

@@ -57,21 +57,24 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "
         _shard(train_module, blocks, spec, info)
     else:
         without_fsdp(train_module, blocks=blocks, param_dtype=spec.param_dtype)
+    if not fsdp or spec.frozen_base == "replicated":  # packed weights that FSDP does not manage
         quant.drop_quant_state_keys(train_module)
     if not spec.read_weights:
         return train_module
     _fill(train_module, spec, info, full_tensors, node)
     # Step 7.
     shards = info.dims.dp_shard
+    replicated = fsdp and spec.frozen_base == "replicated"
     assert_sharded(train_module, shards)
     trainable, total = modeling.count_parameters(train_module)
     print0(
         f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
         f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks "
         + (f"sharded over {info.world_size} rank(s)." if fsdp else "on one process without FSDP.")
+        + (" The frozen base is replicated: whole on every rank, never gathered." if replicated else "")
     )
     if spec.quantization_config is not None:
-        _report_4bit(train_module, shards, spec.offload)
+        _report_4bit(train_module, 1 if replicated else shards, spec.offload)
     return train_module
 
 
@@ -128,6 +131,7 @@ def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, in
         forward_prefetch=spec.forward_prefetch,
         backward_prefetch=spec.backward_prefetch,
         reshard_after_forward=spec.reshard_after_forward,
+        replicate_frozen=spec.frozen_base == "replicated",
     )
 
 
@@ -146,12 +150,14 @@ def _fill(train_module: nn.Module, spec: ModelSpec, info: DistInfo, full_tensors
 
 
 def _report_4bit(model: nn.Module, shards: int, offload: bool) -> None:
-    """Each rank holds 1/N of the packed 4-bit bytes; the quantization states are replicated."""
+    """Each rank holds 1/N of the packed 4-bit bytes (all of them with the frozen base replicated: shards 1); the
+    quantization states are replicated."""
     per_rank = all_gather_objects(quant.quantized_bytes(model))
     mib = 2**20
     held = ", ".join(f"{b['packed_local'] / mib:.2f}" for b in per_rank)
     print0(
-        f"4-bit base: {per_rank[0]['packed_total'] / mib:.2f} MiB of packed weights sharded over {shards} rank(s), "
-        f"held per rank: [{held}] MiB{' (in host RAM: fsdp_offload_params)' if offload else ''}; quantization "
+        f"4-bit base: {per_rank[0]['packed_total'] / mib:.2f} MiB of packed weights "
+        + (f"sharded over {shards} rank(s), " if shards > 1 else "whole on every rank, ")
+        + f"held per rank: [{held}] MiB{' (in host RAM: fsdp_offload_params)' if offload else ''}; quantization "
         f"states {per_rank[0]['quant_state'] / mib:.2f} MiB replicated on every rank."
     )

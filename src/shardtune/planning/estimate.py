@@ -387,6 +387,7 @@ def estimate_memory(
     gather_stream_cache: bool = True,
     expandable_segments: bool = True,
     fsdp: bool = True,
+    replicate_base: bool = False,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
@@ -395,6 +396,8 @@ def estimate_memory(
     with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU; FSDP1, whose all-gathers use one
     stream in forward and backward: gather_stream_cache=False), which the published comparisons use.
     fsdp=False: one process without fully_shard (a single-device trainer; fsdp.without_fsdp): _plain_buffers.
+    replicate_base: LoRA's frozen base left out of FSDP (`--frozen_base replicated`, fsdp.frozen_parameters):
+    every rank holds all of it, in the compute dtype, and FSDP gathers and reduces the trainable tensors only.
     """
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = as_shape(model)
@@ -403,9 +406,12 @@ def estimate_memory(
     strategy = sharding_strategy.upper()
     shard = shard_group_size(world_size, num_nodes, strategy)
     tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
-    state = state_per_rank(shape, tensors, shard, optim, None)
+    if replicate_base and (offload or not use_peft_lora):
+        raise ValueError("replicate_base plans LoRA's frozen base whole on every GPU: use_peft_lora, no offload")
+    state = state_per_rank(shape, tensors, shard, optim, None, frozen_shard=1 if replicate_base else shard)
     a = compute_dtype_bytes(bf16, fp16)
-    buffers = _buffers(fsdp, shape, tensors, a, shard, strategy, prefetch, offload, world_size)
+    managed = [t for t in tensors if t.trainable] if replicate_base else tensors  # what FSDP gathers
+    buffers = _buffers(fsdp, shape, managed, a, shard, strategy, prefetch, offload, world_size)
     dyn_kwargs = _dynamic_kwargs(shape, settings)
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs

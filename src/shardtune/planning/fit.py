@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from shardtune import cuda_allocator, dtypes
+from shardtune import cuda_allocator, dtypes, parallel
 from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
 from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.loss import rows_per_example
@@ -107,7 +107,71 @@ def run_kwargs(
         "optim": train.optim,
         "grad_accum": train.gradient_accumulation_steps,
         "loss_chunk_tokens": loss_chunk_tokens,
+        "replicate_base": replicates_base(model, launch.world_size, launch.offload),
     }
+
+
+def replicates_base(model: ModelArguments, world_size: int, offload: bool) -> bool:
+    """Whether --frozen_base replicated applies: LoRA on several ranks without offload (validation refuses it with
+    offload; one process holds the whole base either way). auto is planned sharded: `frozen_base_choice` decides
+    it for a GPU."""
+    return model.frozen_base == "replicated" and model.use_peft_lora and world_size > 1 and not offload
+
+
+# --frozen_base auto replicates only where the plan fits this much under the GPU's memory: the planner's largest
+# leave-one-out error on the published runs (12.9%, bench/plan_loo.py; docs/plan.md), rounded up. A run that auto
+# made run out of memory would be worse than one that gathers its base.
+AUTO_REPLICATE_MARGIN = 0.13
+
+
+def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) -> tuple[str, str | None]:
+    """--frozen_base as a run on `launch` applies it: "sharded" or "replicated", and the line saying why (None:
+    nothing to say, as for full fine-tuning, which has no frozen base, or one process, which holds the whole base
+    either way). auto plans the replicated run against `gpu_bytes`, one GPU's memory (None: no GPU)."""
+    m, world_size = cfg.model, launch.world_size
+    if not m.use_peft_lora:
+        return "sharded", None
+    if world_size == 1:
+        why = "--frozen_base replicated: one process holds the whole frozen base anyway." if m.frozen_base == "replicated" else None
+        return "sharded", why
+    gathered = "each block's frozen weights are all-gathered for its forward and again for its backward"
+    if m.frozen_base == "sharded":
+        return "sharded", f"Frozen base sharded over {world_size} ranks (--frozen_base sharded): {gathered}."
+    if m.frozen_base == "replicated":
+        return "replicated", "Frozen base replicated on every rank (--frozen_base replicated): never all-gathered."
+    if launch.offload:
+        return "sharded", "Frozen base sharded (--frozen_base auto): fsdp_offload_params keeps the shards in host RAM."
+    if not parallel.strategy(launch.sharding_strategy).sharded:
+        return "sharded", None  # NO_SHARD: FSDP replicates everything already
+    if gpu_bytes is None:
+        return "sharded", (
+            f"Frozen base sharded (--frozen_base auto): no GPU memory to plan a replicated base against; {gathered} "
+            "(--frozen_base replicated holds it whole on every rank)."
+        )
+    need = _replicated_need(cfg, launch)
+    if need is not None and need * (1 + AUTO_REPLICATE_MARGIN) <= gpu_bytes:
+        return "replicated", (
+            f"Frozen base replicated on every rank (--frozen_base auto): the plan needs {need / GiB:.1f} GiB per GPU "
+            f"of {gpu_bytes / GiB:.1f} GiB, within its {AUTO_REPLICATE_MARGIN:.0%} margin; the base is never "
+            "all-gathered (--frozen_base sharded shards it)."
+        )
+    planned = "cannot be planned" if need is None else f"would need {need / GiB:.1f} GiB per GPU"
+    return "sharded", (
+        f"Frozen base sharded (--frozen_base auto): replicated it {planned}, of {gpu_bytes / GiB:.1f} GiB with a "
+        f"{AUTO_REPLICATE_MARGIN:.0%} margin; {gathered}."
+    )
+
+
+def _replicated_need(cfg: RunConfig, launch: Launch) -> int | None:
+    """The planned bytes per GPU of this run with its frozen base replicated (None: the config cannot be read)."""
+    try:
+        shape = plan_shape(
+            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
+        )
+    except ConfigError:
+        return None
+    kwargs = {**run_kwargs(cfg.model, cfg.data, cfg.train, launch), "replicate_base": True}
+    return estimate_memory(shape, **kwargs).total
 
 
 def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:

@@ -128,18 +128,20 @@ def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_qu
 
 
 def state_per_rank(
-    shape: ModelShape, tensors: list[Tensor], shard: int, optim: str, rank: int | None
+    shape: ModelShape, tensors: list[Tensor], shard: int, optim: str, rank: int | None, frozen_shard: int | None = None
 ) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer states on one rank; the frozen tensors are split over
+    `frozen_shard` ranks (default `shard`; 1: replicated, whole on every rank)."""
     out = {"frozen": 0, "trainable": 0, "gradients": 0, "optimizer": 0}
     for t in tensors:
         n = shape.num_layers if t.group == "block" else 1
-        local = sharded_bytes(t, shard, rank) * n
         if t.trainable:
+            local = sharded_bytes(t, shard, rank) * n
             out["trainable"] += local
             out["gradients"] += local
             out["optimizer"] += optimizer_bytes(t, shard, optim, rank) * n
         else:
-            out["frozen"] += local
+            out["frozen"] += sharded_bytes(t, shard if frozen_shard is None else frozen_shard, rank) * n
     return out
 
 

@@ -110,3 +110,20 @@ def open_trackers_for_run(cfg: RunConfig, info) -> list:
     if problem:
         raise ValueError(problem)
     return trackers
+
+
+def frozen_base_placement(cfg: RunConfig, info) -> str:
+    """--frozen_base as this run applies it ("sharded" or "replicated"), decided on rank 0 from the plan and its
+    GPU's memory (shardtune.planning.fit.frozen_base_choice) and sent to every rank, which must all place the base
+    alike; the reason is logged once."""
+    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.planning.fit import frozen_base_choice, launch_from_env
+
+    choice = None
+    if info.is_main:
+        gpu = torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda" else None
+        choice = frozen_base_choice(cfg, launch_from_env(), gpu)
+    placement, why = broadcast_object(choice)
+    if why:
+        print0(why)
+    return placement
