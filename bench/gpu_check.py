@@ -103,8 +103,10 @@ def _failed(name: str, r: dict) -> bool:
         return not r["equal"] or not r["control"]["failed"]
     if name in ("offload_loading", "kill_resume"):
         return not r["resume_equal"]
-    if name == "memory_vs_plan":  # the plan estimated for another allocator setting than the run had
-        return r["plan_expandable_segments"] != r["expandable_segments"]
+    if name == "memory_vs_plan":  # the plan estimated another allocator setting, or FSDP, than the run had
+        return r["plan_expandable_segments"] != r["expandable_segments"] or (
+            r["plan_fsdp"] and r["single_process_setting"] == "auto"
+        )
     if name == "bnb_optimizers":
         return not all(v["resume_equal"] for v in r["optimizers"].values())
     return False
@@ -136,7 +138,8 @@ def _summary(name: str, r: dict) -> str:
     if name == "memory_vs_plan":
         m = r["measured_gib"]
         return (f"measured/plan: allocated {m['allocated']:.2f} GiB {r['allocated_over_plan']:.2f}x, reserved "
-                f"{m['reserved']:.2f} GiB {r['reserved_over_plan']:.2f}x, weights {r['weights_over_plan']:.2f}x")  # fmt: skip
+                f"{m['reserved']:.2f} GiB {r['reserved_over_plan']:.2f}x, weights {r['weights_over_plan']:.2f}x"
+                f"{'' if r['plan_fsdp'] else ', one process without FSDP'}")  # fmt: skip
     if name == "reference_stack":
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "- (lora_world1 did not run)"
         return f"{r['tokens_per_s']:.0f} tok/s, shardtune/reference {ratio}"

@@ -397,6 +397,10 @@ def check_memory_vs_plan(ctx: dict) -> dict:
         "allocator": cuda_allocator.describe(),
         "expandable_segments": cuda_allocator.expandable_segments(),
         "plan_expandable_segments": plan["allocator"]["expandable_segments"],
+        # One process trains LoRA without FSDP by default (SHARDTUNE_FSDP_SINGLE_PROCESS=auto), and the plan says
+        # so; the replay above is of the FSDP trace (a model without weights is traced under FSDP2's tracker).
+        "plan_fsdp": plan["settings"]["fsdp"],
+        "single_process_setting": os.environ.get("SHARDTUNE_FSDP_SINGLE_PROCESS", "auto"),
         "outside_allocator_gib": outside_allocator / gib,
         "host_peak_rss_gib": host_peak_rss / gib,
         "weights_over_plan": at_first_step[0] / weights,

@@ -549,7 +549,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "replicated_base_uncast",
         "sharding",
         "With the frozen base replicated, weights stored in another dtype are left in it (FSDP would cast them)",
-        Edit("distributed/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"),
+        Edit(
+            "distributed/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"
+        ),
         ["tests/unit/test_frozen_base_choice.py::test_frozen_parameters_are_cast_once_to_the_compute_dtype"],
     ),
 )

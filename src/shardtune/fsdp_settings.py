@@ -118,6 +118,20 @@ SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"
 SINGLE_PROCESS_CHOICES = ("auto", "fsdp", "no_fsdp")
 
 
+def single_process_fsdp_reason(setting: str, *, offload: bool, full_mixed_precision: bool) -> str | None:
+    """Why one process keeps FSDP, or None when it trains the plain module (the rule `shardtune train` applies,
+    shardtune.distributed.setup.use_fsdp, and the planner plans): "setting" (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp),
+    "offload" (fsdp_offload_params is FSDP2's CPUOffloadPolicy), "full_mixed_precision" (auto, full fine-tuning
+    computing fp32 weights in bf16/fp16: FSDP holds one block's copy at a time, the plain module all of them)."""
+    if setting == "fsdp":
+        return "setting"
+    if offload:
+        return "offload"
+    if setting == "auto" and full_mixed_precision:
+        return "full_mixed_precision"
+    return None
+
+
 def single_process_setting(value: str) -> str:
     """SHARDTUNE_FSDP_SINGLE_PROCESS as one of SINGLE_PROCESS_CHOICES (empty: auto); anything else is refused."""
     v = value.strip().lower() or "auto"

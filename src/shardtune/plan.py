@@ -9,6 +9,7 @@ published measurements.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -26,10 +27,12 @@ from shardtune.config import (
     parse_args,
     validate,
 )
+from shardtune.fsdp_settings import SINGLE_PROCESS_ENV, single_process_setting
 from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
     CHAT_NEW_TOKENS,
+    frozen_base_choice,
     launch_from_settings,
     plan_shape,
     run_kwargs,
@@ -128,6 +131,7 @@ def read_accelerate_config(path: str) -> Launch:
 def _launch(plan: PlanArguments) -> Launch:
     launch = read_accelerate_config(plan.config_file) if plan.config_file else Launch()
     launch.expandable_segments = cuda_allocator.expandable_segments()  # the environment the run would start in
+    launch.single_process = single_process_setting(os.environ.get(SINGLE_PROCESS_ENV, "auto"))
     if plan.num_processes is not None:
         launch.world_size = plan.num_processes
     if plan.num_machines is not None:
@@ -188,6 +192,9 @@ def make_plan(argv: list[str]) -> Plan:
     config = load_model_config(model.model_name_or_path, model.trust_remote_code)
     shape = plan_shape(config, model.chat_template_format)
     kwargs = run_kwargs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
+    gpu_bytes = parse_bytes(plan.gpu_memory) if plan.gpu_memory else None
+    run = RunConfig(model, data, train, _fsdp_settings(launch))
+    placement_note = _frozen_base_note(run, launch, gpu_bytes, shape, kwargs)
     result = Plan(
         model.model_name_or_path,
         shape,
@@ -195,15 +202,17 @@ def make_plan(argv: list[str]) -> Plan:
         estimate_memory(shape, **kwargs),
         launch,
         as_json=bool(plan.json),
-        run=RunConfig(model, data, train, _fsdp_settings(launch)),
+        run=run,
         config=config,
     )
+    if placement_note:
+        result.estimate.notes.append(placement_note)
     if train.objective != "sft":
         result.estimate.notes.append(
             reference_note(train.objective, model.use_peft_lora, model.adapter_path, train.precompute_ref_log_probs)
         )
-    if plan.gpu_memory:
-        result.gpu_bytes = parse_bytes(plan.gpu_memory)
+    if gpu_bytes is not None:
+        result.gpu_bytes = gpu_bytes
         if not result.estimate.fits(result.gpu_bytes):
             result.recommendation = recommend(kwargs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
     if plan.host_memory:
@@ -220,6 +229,25 @@ def make_plan(argv: list[str]) -> Plan:
             )
         result.trace = run_trace(result)
     return result
+
+
+def _frozen_base_note(run: RunConfig, launch: Launch, gpu_bytes: int | None, shape, kwargs: dict) -> str | None:
+    """What --frozen_base the run would take, as `shardtune train` decides it on a GPU of `gpu_bytes`; `kwargs`
+    become the replicated run's where auto replicates. Without --gpu_memory, auto is planned sharded and the note
+    gives the replicated figure beside it."""
+    if run.model.frozen_base != "auto" or not run.model.use_peft_lora or launch.world_size == 1:
+        return None
+    placement, why = frozen_base_choice(run, launch, gpu_bytes)
+    if placement == "replicated":
+        kwargs["replicate_base"] = True
+        return why
+    if gpu_bytes is None and not launch.offload:
+        need = estimate_memory(shape, **{**kwargs, "replicate_base": True}).total
+        return (
+            f"--frozen_base auto: planned sharded; `shardtune train` replicates the frozen base on a GPU with room "
+            f"for it ({need / GiB:.1f} GiB per GPU replicated, plus a margin: --gpu_memory decides it here)."
+        )
+    return why
 
 
 def _fsdp_settings(launch: Launch) -> FSDPSettings:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_cli, train_args, train_records
 from tests.mutation import Edit, plant
-from tests.parity import assert_runs_match, assert_same_training, train_steps
+from tests.parity import assert_runs_match, train_steps
 from tests.tolerance import train_parity
 
 FSDP_ENV = {

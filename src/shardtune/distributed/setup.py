@@ -32,6 +32,7 @@ from shardtune.distributed.loading import (
     take_full_tensors,
 )
 from shardtune.distributed.mesh import DistInfo, all_gather_objects
+from shardtune.fsdp_settings import single_process_fsdp_reason
 from shardtune.log import print0
 
 
@@ -87,11 +88,14 @@ def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool
         return True, f"FSDP: {info.world_size} processes shard the model."
     if not spec.read_weights:
         return True, "FSDP at world size 1: the traced step runs under FSDP2's memory tracker."
-    if single_process == "fsdp":
+    reason = single_process_fsdp_reason(
+        single_process, offload=spec.offload, full_mixed_precision=_casts_every_weight(spec)
+    )
+    if reason == "setting":
         return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
-    if spec.offload:
+    if reason == "offload":
         return True, "FSDP at world size 1: fsdp_offload_params keeps the weights in host RAM through FSDP2's offload."
-    if single_process == "auto" and _casts_every_weight(spec):
+    if reason == "full_mixed_precision":
         # Without FSDP the compute-dtype copies live from forward to the end of backward (fsdp.MixedPrecisionCasts):
         # a few MiB of adapters, but the whole model in full fine-tuning, where FSDP gathers one block at a time.
         return True, (

@@ -14,7 +14,7 @@ from typing import Any
 
 # Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
 import shardtune.planning.activations as act
-from shardtune import parallel
+from shardtune.planning.buffers import state_and_buffers
 from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
 from shardtune.planning.phases import (
     StepParts,
@@ -33,7 +33,6 @@ from shardtune.planning.state import (
     quant_constants,
     run_tensors,
     shard_group_size,
-    state_per_rank,
 )
 
 # nvidia-smi counts the CUDA context (driver, lazily loaded kernels) and NCCL's buffers besides PyTorch's
@@ -133,91 +132,6 @@ class MemoryEstimate:
             "temporaries_bytes": self.temporaries,
             "allocator": {"expandable_segments": self.settings.get("expandable_segments"), **self.allocator_terms},
         }
-
-
-def _unsharded_bytes(tensors: list[Tensor], group: str, compute_bytes: int, trainable_only: bool = False) -> int:
-    """Bytes of one group's parameters once all-gathered: quantized weights as stored, the rest in the compute
-    dtype (FSDP2's MixedPrecisionPolicy casts them)."""
-    return sum(
-        t.numel * (t.itemsize if t.quantized else compute_bytes)
-        for t in tensors
-        if t.group == group and (t.trainable or not trainable_only)
-    )
-
-
-def _cast_sizes(tensors: list[Tensor], group: str, compute_bytes: int, shard: int) -> tuple[int, ...]:
-    """Bytes of each of one group's shards that FSDP2 casts to the compute dtype before all-gathering it."""
-    return tuple(
-        sharded_bytes(t, shard, itemsize=compute_bytes)
-        for t in tensors
-        if t.group == group and not t.quantized and t.itemsize != compute_bytes
-    )
-
-
-def _fsdp_buffers(
-    shape: ModelShape, tensors: list[Tensor], *, a: int, shard: int, strategy: str, prefetch: bool, offload: bool
-) -> dict[str, Any]:
-    """The FSDP pieces of StepParts: one block's and the root's unsharded parameters in the compute dtype
-    (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
-    and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
-    s = parallel.strategy(strategy)
-    keep_all = s.sharded and not s.reshard_after_forward  # ZeRO-2: every block stays gathered after forward
-    # With one rank per shard group FSDP2 copies a prefetched block's shard at its wait, not at its issue, so
-    # one block is gathered at a time in backward; otherwise the prefetched block's all-gather output exists.
-    in_flight = (2 if prefetch and shard > 1 else 1) if not keep_all else shape.num_layers
-    block_shard = sum(sharded_bytes(t, shard) for t in tensors if t.group == "block")
-    return {
-        "root_gathered": _unsharded_bytes(tensors, "root", a),
-        # FSDP2 casts each shard stored in another dtype (fp32 adapters, full fine-tuning's fp32 weights) to the
-        # compute dtype on the all-gather copy-in stream before copying it in (_get_param_all_gather_inputs)
-        "root_casts": _cast_sizes(tensors, "root", a, shard),
-        "block_casts": _cast_sizes(tensors, "block", a, shard),
-        "block_gathered": _unsharded_bytes(tensors, "block", a),
-        "blocks_in_flight": min(in_flight, shape.num_layers),
-        "kept_after_forward": shape.num_layers if keep_all else 1,
-        "flat_copy": shard > 1,
-        "offload_copies": block_shard * (2 if prefetch else 1) if offload else 0,
-        "block_scatter": _unsharded_bytes(tensors, "block", a + 4, trainable_only=True),
-        "block_scatter_input": _unsharded_bytes(tensors, "block", 4, trainable_only=True),
-        "root_scatter": _unsharded_bytes(tensors, "root", a + 4, trainable_only=True),
-        "root_grad_shard": sum(sharded_bytes(t, shard) for t in tensors if t.group == "root" and t.trainable),
-        # The head's and final norm's gradients are made in the loss's backward and wait, unsharded in the compute
-        # dtype, for the root's reduce-scatter after every block; the embeddings' come last.
-        "root_early_grads": a
-        * sum(t.numel for t in tensors if t.group == "root" and t.trainable and not t.name.startswith("embed_")),
-    }
-
-
-def _buffers(fsdp: bool, shape, tensors, a, shard, strategy, prefetch, offload, world_size) -> dict[str, Any]:
-    if fsdp:
-        return _fsdp_buffers(shape, tensors, a=a, shard=shard, strategy=strategy, prefetch=prefetch, offload=offload)
-    return _plain_buffers(shape, tensors, a, world_size, offload)
-
-
-def _plain_buffers(shape: ModelShape, tensors: list[Tensor], a: int, world_size: int, offload: bool) -> dict[str, Any]:
-    """The pieces of StepParts `_fsdp_buffers` gives, for one process without FSDP: the weights are used where
-    they are stored, so nothing is gathered and no gradient waits for a reduce-scatter (autograd casts each bf16
-    gradient to its fp32 parameter's dtype as it is made). What remains is the compute-dtype copy of every
-    parameter stored in another dtype (the fp32 adapters of a bf16 run), alive from forward to the end of
-    backward (fsdp.MixedPrecisionCasts): it takes the all-gather row's place, counted as the root's."""
-    if world_size > 1 or offload:
-        raise ValueError("fsdp=False plans one process without offload: world_size 1, offload False")
-    cast = [t for t in tensors if not t.quantized and t.itemsize != a]
-    # `tensors` lists one block's parameters (group "block") and the root's.
-    copies = sum(sharded_bytes(t, 1, itemsize=a) * (shape.num_layers if t.group == "block" else 1) for t in cast)
-    zero = dict.fromkeys(("block_gathered", "offload_copies", "block_scatter", "block_scatter_input"), 0)
-    return {
-        **zero,
-        "root_gathered": copies,
-        "root_casts": (),
-        "block_casts": (),
-        "blocks_in_flight": 1,
-        "kept_after_forward": 1,
-        "flat_copy": False,
-        "root_scatter": 0,
-        "root_grad_shard": sum(sharded_bytes(t, 1) for t in tensors if t.group == "root" and t.trainable),
-        "root_early_grads": 0,
-    }
 
 
 def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
@@ -406,12 +320,7 @@ def estimate_memory(
     strategy = sharding_strategy.upper()
     shard = shard_group_size(world_size, num_nodes, strategy)
     tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
-    if replicate_base and (offload or not use_peft_lora):
-        raise ValueError("replicate_base plans LoRA's frozen base whole on every GPU: use_peft_lora, no offload")
-    state = state_per_rank(shape, tensors, shard, optim, None, frozen_shard=1 if replicate_base else shard)
-    a = compute_dtype_bytes(bf16, fp16)
-    managed = [t for t in tensors if t.trainable] if replicate_base else tensors  # what FSDP gathers
-    buffers = _buffers(fsdp, shape, managed, a, shard, strategy, prefetch, offload, world_size)
+    state, buffers = state_and_buffers(shape, tensors, settings, shard, strategy)
     dyn_kwargs = _dynamic_kwargs(shape, settings)
     dynamic = _dynamic(
         shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
@@ -420,9 +329,8 @@ def estimate_memory(
     by_phase = step_phases(parts)
     phase = peak_phase(by_phase)
     device = dict(by_phase[phase])
-    if allocator_overhead is None:
-        allocator_overhead = ALLOCATOR_OVERHEAD_EXPANDABLE if expandable_segments else ALLOCATOR_OVERHEAD
-    terms = _allocator_terms(parts, by_phase, allocator_overhead, gather_stream_cache and fsdp)
+    fragmentation = _fragmentation(allocator_overhead, expandable_segments)
+    terms = _allocator_terms(parts, by_phase, fragmentation, gather_stream_cache and fsdp)
     device["allocator overhead"] = terms["reserved"] - sum(device.values())
     if sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
@@ -433,6 +341,13 @@ def estimate_memory(
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps, terms)
+
+
+def _fragmentation(allocator_overhead: float | None, expandable_segments: bool) -> float:
+    """The allocator's fragmentation factor: the one given, or the calibrated one for the allocator setting."""
+    if allocator_overhead is not None:
+        return allocator_overhead
+    return ALLOCATOR_OVERHEAD_EXPANDABLE if expandable_segments else ALLOCATOR_OVERHEAD
 
 
 def _allocator_terms(parts: StepParts, by_phase: dict, fragmentation: float, gather_stream: bool) -> dict[str, int]:

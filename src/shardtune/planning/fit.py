@@ -11,7 +11,7 @@ from typing import Any
 
 from shardtune import cuda_allocator, dtypes, parallel
 from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
-from shardtune.fsdp_settings import fsdp_settings_from_env
+from shardtune.fsdp_settings import fsdp_settings_from_env, single_process_fsdp_reason
 from shardtune.loss import rows_per_example
 from shardtune.parallel import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
@@ -37,6 +37,7 @@ def launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> La
         offload=s.offload_params,
         mixed_precision=s.mixed_precision,
         activation_checkpointing=s.activation_checkpointing,
+        single_process=s.single_process,
     )
 
 
@@ -108,6 +109,13 @@ def run_kwargs(
         "grad_accum": train.gradient_accumulation_steps,
         "loss_chunk_tokens": loss_chunk_tokens,
         "replicate_base": replicates_base(model, launch.world_size, launch.offload),
+        "fsdp": launch.world_size > 1
+        or single_process_fsdp_reason(
+            launch.single_process,
+            offload=launch.offload,
+            full_mixed_precision=not model.use_peft_lora and precision.param_dtype is not None,
+        )
+        is not None,
     }
 
 
@@ -132,7 +140,11 @@ def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) ->
     if not m.use_peft_lora:
         return "sharded", None
     if world_size == 1:
-        why = "--frozen_base replicated: one process holds the whole frozen base anyway." if m.frozen_base == "replicated" else None
+        why = (
+            "--frozen_base replicated: one process holds the whole frozen base anyway."
+            if m.frozen_base == "replicated"
+            else None
+        )
         return "sharded", why
     gathered = "each block's frozen weights are all-gathered for its forward and again for its backward"
     if m.frozen_base == "sharded":

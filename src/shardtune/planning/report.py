@@ -26,6 +26,7 @@ class Launch:
     mixed_precision: str = "no"
     activation_checkpointing: bool = False
     expandable_segments: bool = True  # the CUDA allocator's setting the processes run with (shardtune.cuda_allocator)
+    single_process: str = "auto"  # SHARDTUNE_FSDP_SINGLE_PROCESS: whether one process keeps FSDP
 
 
 @dataclass
@@ -79,8 +80,9 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     transformers no positions to read) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
     keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
     CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
-    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout)."""
-    out = {**kwargs, "attn_implementation": "sdpa", "packing": True}
+    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP."""
+    # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
+    out = {**kwargs, "attn_implementation": "sdpa", "packing": True, "fsdp": True}
     if device == "cpu":
         out["offload"] = False
         out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
@@ -244,12 +246,18 @@ def _describe_run(p: Plan) -> list[str]:
         ),
         f"  {method}",
         (
-            f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {k['sharding_strategy']}"
+            f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {_sharding(k)}"
             f"{', CPU offload' if k['offload'] else ''}, {dtype}, batch {k['batch_size']} x {k['seq_len']} tokens, "
             f"{'gradient checkpointing' if k['gradient_checkpointing'] else 'no checkpointing'}, "
             f"{k['attn_implementation']}"
         ),
     ]
+
+
+def _sharding(k: dict[str, Any]) -> str:
+    if not k.get("fsdp", True):
+        return "no FSDP (one process: the adapters' bf16 copies fill the all-gather row)"
+    return k["sharding_strategy"] + (", frozen base replicated" if k.get("replicate_base") else "")
 
 
 def format_plan(p: Plan) -> str:
