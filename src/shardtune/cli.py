@@ -13,7 +13,7 @@ import signal
 import sys
 
 from shardtune import cuda_allocator
-from shardtune.log import warn0
+from shardtune.log import quiet_import_notices, warn0
 
 COMMANDS = {
     "train": ("shardtune.train", "command", "Fine-tune a model (LoRA, QLoRA, DoRA or full) on FSDP2."),
@@ -35,7 +35,8 @@ def _usage() -> str:
 
 def prepare_process() -> None:
     """What a process needs before anything touches CUDA: shardtune's allocator settings unless the user chose
-    theirs (child processes, torchrun's and accelerate's workers, inherit them)."""
+    theirs (child processes, torchrun's and accelerate's workers, inherit them); libraries' import notices quiet."""
+    quiet_import_notices()
     if not cuda_allocator.apply_default():
         return
     # The caching allocator reads its settings once, when CUDA starts; a program that started it before calling a

@@ -36,10 +36,15 @@ def setup_logging(log_level: str = "info") -> None:
     _quiet_libraries()
 
 
+def quiet_import_notices() -> None:
+    """Before any library is imported (every command, shardtune.cli.run_command): bitsandbytes logs at import that an
+    optional CPU kernel package is missing; its fallback works."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # bitsandbytes logs at import that an optional CPU kernel package is missing; its fallback works.
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    quiet_import_notices()
     # peft reads transformers' deprecated `is_gradient_checkpointing` property when wrapping a model; the
     # deprecation is transformers' business with peft, not the user's.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
