@@ -17,7 +17,8 @@ def test_plan_writes_nothing_on_stderr(tmp_path):
     config.write_text(json.dumps(known_config("meta-llama/Llama-2-7b-hf")))
     argv = [sys.executable, "-m", "shardtune", "plan", "--model_name_or_path", str(config), "--use_peft_lora", "True"]
     argv += ["--use_4bit_quantization", "True", "--bf16", "True", "--bnb_4bit_quant_storage_dtype", "bfloat16"]
-    proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "frozen base weights" in proc.stdout
     assert proc.stderr == ""
