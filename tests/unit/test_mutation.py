@@ -13,7 +13,9 @@ from tests.mutation import Edit, plant
 def test_planted_edit_reaches_a_subprocess(tmp_path):
     env = plant(Edit("__init__.py", '__version__ = "0.1.0"', '__version__ = "planted"'), tmp_path)
     code = "import shardtune; print(shardtune.__version__, shardtune.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], env={**_env(), **env}, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**_env(), **env}, capture_output=True, text=True, check=True
+    )
     version, path = out.stdout.split()
     assert version == "planted" and path.startswith(str(tmp_path))
     import shardtune
