@@ -278,6 +278,7 @@ def run_trace(p: Plan) -> Any:
         num_nodes=p.launch.num_nodes,
         device="cuda" if torch.cuda.is_available() else "cpu",
         loss_chunk_tokens=p.kwargs["loss_chunk_tokens"],
+        replicate_base=p.kwargs["replicate_base"],
     )
     if p.launch.offload and result.device == "cpu":
         result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")

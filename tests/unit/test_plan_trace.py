@@ -28,6 +28,7 @@ L8 = "meta-llama/Meta-Llama-3-8B"
 _FULL = shlex.split("--bf16 True --max_length 1024 --per_device_train_batch_size 2 --gradient_checkpointing True")
 _LORA = [*_FULL, *shlex.split("--use_peft_lora True --lora_r 16 --lora_dropout 0 --lora_target_modules all-linear")]
 _QLORA = shlex.split("--use_4bit_quantization True --use_nested_quant True --bnb_4bit_quant_storage_dtype bfloat16")
+_REPLICATED = shlex.split("--frozen_base replicated --modules_to_save lm_head")
 CASES = {
     "dense LoRA, 2 ranks": (L7, [*_LORA, "--num_processes", "2"]),
     "GQA LoRA, 1 rank": (L8, [*_LORA, "--num_processes", "1"]),
@@ -49,6 +50,16 @@ CASES = {
 }
 
 
+# The frozen base left out of FSDP: whole on every rank, only the adapters gathered (the head trained in full
+# gives the root module parameters of its own, without which FSDP2's tracker has no root to follow). Their state
+# is checked byte for byte; their peaks are not held to BOUND: the traced loss backward holds 115 MiB (3.7%) more
+# than the estimate on the LoRA case, not yet modelled (docs/plan.md, "The frozen base").
+REPLICATED = {
+    "LoRA, frozen base replicated, 2 ranks": (L7, [*_LORA, *_REPLICATED, "--num_processes", "2"]),
+    "QLoRA, frozen base replicated, 2 ranks": (L8, [*_LORA, *_QLORA, *_REPLICATED, "--num_processes", "2"]),
+}
+
+
 def _config_file(tmp_path_factory, name: str, layers: int = 2) -> str:
     cfg = {**known_config(name), "num_hidden_layers": layers}
     path = tmp_path_factory.mktemp("configs") / f"{name.split('/')[-1]}-{layers}.json"
@@ -63,10 +74,11 @@ def _layers(case: str) -> int:
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> dict:
     """One traced plan per case (each a few seconds of fake dispatch)."""
-    files = {(m, _layers(c)): _config_file(tmp_path_factory, m, _layers(c)) for c, (m, _) in CASES.items()}
+    every = {**CASES, **REPLICATED}
+    files = {(m, _layers(c)): _config_file(tmp_path_factory, m, _layers(c)) for c, (m, _) in every.items()}
     return {
         case: make_plan(["--model_name_or_path", files[model, _layers(case)], *flags, "--trace", "True"])
-        for case, (model, flags) in CASES.items()
+        for case, (model, flags) in every.items()
     }
 
 
@@ -80,7 +92,7 @@ def _assert_state_equals_planner(p) -> dict:
     return est
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *REPLICATED])
 def test_traced_model_state_equals_planner(traced, case):
     """Rank 0's parameter shards (frozen, trainable) and AdamW states after the traced steps are byte for byte
     what the planner counts, for every method and world size."""
@@ -310,7 +322,7 @@ def test_allocator_replay_of_the_traced_history(traced):
     """The recorder sees what FSDP2's tracker sees: the replayed history's largest sum of requested bytes is the
     traced step peak, to the byte. FSDP2's forward all-gather outputs are cached on their own stream as the
     estimate derives it (planning.phases.forward_gather_cache), within 2% (where the small casts' blocks go). Expandable segments never reserve more than the default allocator."""
-    for case, p in traced.items():
+    for case, p in traced.items():  # the replicated cases too: the recorder against the tracker
         t = p.trace
         # The replay's history is steps 1-2, the tracker's step 3. With 4-bit weights and two micro-batches the
         # tracker's peak is one 512-byte block above the replay's (not found which tensor; 1e-7 of the peak).
@@ -337,7 +349,7 @@ def test_estimated_reserved_against_the_replay(traced):
     gradients' segments (see below)."""
     from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE
 
-    for case, p in traced.items():
+    for case, p in ((c, traced[c]) for c in CASES):
         for expandable, frag, replayed in (
             (False, ALLOCATOR_OVERHEAD, p.trace.replay),
             (True, ALLOCATOR_OVERHEAD_EXPANDABLE, p.trace.replay_expandable),

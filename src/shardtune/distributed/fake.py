@@ -52,6 +52,7 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
     tracker = _identity_tracker()(mod=model, optm=optimizer)
     stack.enter_context(_flag_reduce(tracker))
     tracker.track_inputs(inputs)
+    _track_unmanaged_parameters(tracker, model)
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     modules = {"forward": ([model], _FSDPModState.PEAK_FW), "backward": ([model], _FSDPModState.PEAK_BW)}
     modules["decoder-layer backward"] = (blocks, _FSDPModState.PEAK_BW)
@@ -68,6 +69,24 @@ def track_peak(model: torch.nn.Module, optimizer, inputs: tuple, micro_batches: 
     peaks["step"] = _split(tracker.get_tracker_snapshot("peak"))
     peaks["step by identity"] = dict(tracker.peak_by_identity)
     return peaks
+
+
+def _track_unmanaged_parameters(tracker, model: torch.nn.Module) -> None:
+    """Parameters FSDP does not manage (the frozen base replicated, `--frozen_base replicated`) exist before the
+    tracker starts and are none of its FSDP parameters, so it would not see them: they are filed with the sharded
+    parameters, the category of every weight held between steps."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            tracker._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+
+
+def untracked_root(model: torch.nn.Module) -> bool:
+    """Whether FSDP2's memory tracker cannot follow the root module: it follows FSDP modules that manage
+    parameters, and the root manages none when its own are all frozen and replicated."""
+    return model._get_fsdp_state()._fsdp_param_group is None
 
 
 def _split(snap: dict) -> dict[str, int]:

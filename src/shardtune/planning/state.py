@@ -166,9 +166,11 @@ def model_state_bytes_per_rank(
     base_dtype: str | None = None,
     adapter_dtype: str = "float32",
     rank: int | None = None,
+    replicate_base: bool = False,
 ) -> dict[str, int]:
     """Bytes of model state one rank holds after `fully_shard`: frozen and trainable parameters, gradients and
-    optimizer states (each tensor split on dim 0 with torch.chunk), plus the replicated quantization constants.
+    optimizer states (each tensor split on dim 0 with torch.chunk; the frozen ones whole with replicate_base), plus
+    the replicated quantization constants.
 
     rank=None gives the padded shard every rank allocates; a rank number gives that rank's real chunk, i.e.
     what `param.to_local()` holds there.
@@ -177,7 +179,8 @@ def model_state_bytes_per_rank(
     shape = as_shape(model)
     shard = shard_group_size(world_size, num_nodes, sharding_strategy)
     tensors = run_tensors(shape, **{k: flags[k] for k in TENSOR_FLAGS})
-    out = state_per_rank(shape, tensors, shard, optim, None if rank is None else rank % shard)
+    frozen_shard = 1 if replicate_base else shard
+    out = state_per_rank(shape, tensors, shard, optim, None if rank is None else rank % shard, frozen_shard)
     out["quant_constants"] = quant_constants(
         shape, use_4bit and use_peft_lora, use_8bit and use_peft_lora, nested_quant
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from shardtune.errors import ConfigError
 from shardtune.planning.allocator import Replay
 
 # The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
@@ -134,10 +135,12 @@ def trace_step(
     num_nodes: int,
     device: str = "cpu",
     loss_chunk_tokens: int = 1024,
+    replicate_base: bool = False,
 ) -> TraceResult:
-    """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks."""
+    """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks, with the frozen
+    base replicated where `replicate_base` (the estimate's setting, `--frozen_base`)."""
     from shardtune.builder import model_spec
-    from shardtune.distributed.fake import fake_process_group
+    from shardtune.distributed.fake import fake_process_group, untracked_root
     from shardtune.distributed.setup import build_sharded_model
 
     with (
@@ -149,9 +152,19 @@ def trace_step(
         spec = model_spec(cfg, info.device.type, n_tokens, new_ids)
         spec.read_weights = False
         spec.loss_chunk_size = loss_chunk_tokens
+        spec.frozen_base = "replicated" if replicate_base else "sharded"  # as the estimate plans it
         # Built and sharded on meta (nothing allocated); fake tensors only from allocation on, since
         # bitsandbytes' Params4bit cannot wrap a FakeTensor while the 4-bit layers are being built.
         model = build_sharded_model(spec, info)
+        if untracked_root(model):
+            raise ConfigError(
+                [
+                    "--trace with --frozen_base replicated: the root module (embeddings, final norm, head) trains "
+                    "nothing, so FSDP2's memory tracker cannot follow it. Trace with --frozen_base sharded (the "
+                    "estimate plans replicated either way), or train a root module too (--chat_template_format "
+                    "chatml, --modules_to_save lm_head)."
+                ]
+            )
         with _AllTargetsFakeMode.make(), _fake_4bit_weights():
             return _trace_built(model, cfg, info, n_tokens)
 
