@@ -157,14 +157,13 @@ def trace_step(
         # bitsandbytes' Params4bit cannot wrap a FakeTensor while the 4-bit layers are being built.
         model = build_sharded_model(spec, info)
         if untracked_root(model):
-            raise ConfigError(
-                [
-                    "--trace with --frozen_base replicated: the root module (embeddings, final norm, head) trains "
-                    "nothing, so FSDP2's memory tracker cannot follow it. Trace with --frozen_base sharded (the "
-                    "estimate plans replicated either way), or train a root module too (--chat_template_format "
-                    "chatml, --modules_to_save lm_head)."
-                ]
+            why = (
+                "--trace with --frozen_base replicated: the root module (embeddings, final norm, head) trains "
+                "nothing, so FSDP2's memory tracker cannot follow it. Trace with --frozen_base sharded (the "
+                "estimate plans replicated either way), or train a root module too (--chat_template_format "
+                "chatml, --modules_to_save lm_head)."
             )
+            raise ConfigError([why])
         with _AllTargetsFakeMode.make(), _fake_4bit_weights():
             return _trace_built(model, cfg, info, n_tokens)
 
