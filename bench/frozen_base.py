@@ -7,7 +7,9 @@ under SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp and under the default (no FSDP), each p
 
 Tokens/s. shardtune's train records carry `tokens` (counted from the start of training) and `tokens_per_s`, which
 is the average since the start of the first step. So each record's elapsed time is tokens / tokens_per_s, and the
-speed after the first step (which builds the caches) is (tokens_n - tokens_1) / (elapsed_n - elapsed_1).
+speed after the first step (which builds the caches) is (tokens_n - tokens_1) / (elapsed_n - elapsed_1). The JSON
+also has each run's median step (tokens / seconds of the middle step), which a few steps slowed by other jobs on
+the machine do not move.
 
 Bytes per step. Every rank runs `shardtune.cli.main(["train", ...])` inside this script (`--_rank`), with the
 collectives wrapped to count calls and bytes by kind:
@@ -39,7 +41,7 @@ backward) and the last block and the root once. The expected all-gather bytes pe
 gathers x (frozen + trainable parameters, or trainable only when replicated) x the compute dtype's size; the
 expected reduce-scatter bytes are the trainable parameters x 4 (gradients are reduced in fp32, or fp32 anyway).
 
-    python bench/frozen_base.py --rounds 2 --steps 15 --dtype bf16
+    python bench/frozen_base.py --rounds 3 --steps 15 --dtype bf16
 """
 
 from __future__ import annotations
@@ -293,15 +295,17 @@ def _run(assets, out: Path, steps: int, dtype: str, world: int, extra: list[str]
     if proc.returncode != 0:
         raise RuntimeError(f"run {out.name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     ranks = [json.loads((out / f"counts.rank{r}.json").read_text()) for r in range(world)]
-    return {"tokens_per_s": _speed(out), **_per_step(ranks)}
+    return {**_speed(out), **_per_step(ranks)}
 
 
-def _speed(out: Path) -> float:
-    """Tokens/s from the end of the first step to the end of the last (module docstring)."""
+def _speed(out: Path) -> dict[str, float]:
+    """Tokens/s from the end of the first step to the end of the last, and of the median step (module docstring)."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
     train = [r for r in map(json.loads, lines) if r.get("type") == "train"]
-    elapsed = [r["tokens"] / r["tokens_per_s"] for r in train]
-    return (train[-1]["tokens"] - train[0]["tokens"]) / (elapsed[-1] - elapsed[0])
+    ends = [(r["tokens"], r["tokens"] / r["tokens_per_s"]) for r in train]  # (tokens, seconds) at each step's end
+    steps = sorted(((t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in itertools.pairwise(ends)))
+    mean = (ends[-1][0] - ends[0][0]) / (ends[-1][1] - ends[0][1])
+    return {"tokens_per_s": mean, "tokens_per_s_median_step": statistics.median(steps)}
 
 
 def _step_deltas(snapshots: list[dict]) -> list[dict]:
@@ -418,12 +422,15 @@ def _summary(got: dict[str, list[dict]]) -> dict:
     """Per round tokens/s, the ratios, and rank 0's median bytes per step by kind (asserted equal on every rank
     and in every round)."""
 
-    def ratios(a: str, b: str) -> list[float]:
-        return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(got[a], got[b], strict=True)]
+    def ratios(a: str, b: str, key: str = "tokens_per_s") -> list[float]:
+        return [x[key] / y[key] for x, y in zip(got[a], got[b], strict=True)]
 
     out = {"tokens_per_s": {n: [x["tokens_per_s"] for x in runs] for n, runs in got.items()}}
     out["ratio replicated/sharded"] = ratios("replicated", "sharded")
     out["ratio no_fsdp/fsdp"] = ratios("no_fsdp", "fsdp")
+    out["tokens_per_s_median_step"] = {n: [x["tokens_per_s_median_step"] for x in runs] for n, runs in got.items()}
+    out["median step ratio replicated/sharded"] = ratios("replicated", "sharded", "tokens_per_s_median_step")
+    out["median step ratio no_fsdp/fsdp"] = ratios("no_fsdp", "fsdp", "tokens_per_s_median_step")
     out["bytes_per_step_rank0"] = {}
     for name in ("sharded", "replicated"):
         per_rank = [{k: v["bytes"] for k, v in c["by_kind"].items()} for x in got[name] for c in x["per_step"]]
@@ -432,18 +439,24 @@ def _summary(got: dict[str, list[dict]]) -> dict:
     return out
 
 
+def _ratios(rounds: list[float], median_steps: list[float]) -> str:
+    return (
+        f"x{statistics.median(rounds):.3f} (rounds {', '.join(f'{x:.3f}' for x in rounds)}; median steps "
+        f"{', '.join(f'{x:.3f}' for x in median_steps)})"
+    )
+
+
 def _print_summary(s: dict, dtype: str, cpu: str) -> None:
     b, rep, one = s["bytes_per_step_rank0"], s["ratio replicated/sharded"], s["ratio no_fsdp/fsdp"]
+    rep_med, one_med = s["median step ratio replicated/sharded"], s["median step ratio no_fsdp/fsdp"]
     by_kind = ", ".join(
         f"{k} {_bytes(b['sharded'][k])} -> {_bytes(b['replicated'][k])}"
         + (f" (x{b['replicated'][k] / b['sharded'][k]:.4f})" if b["sharded"][k] else "")
         for k in ("all-gather", "reduce-scatter", "all-reduce", "broadcast")
     )
     print(
-        f"2 ranks, {dtype}, {cpu}: replicated/sharded tokens/s x{statistics.median(rep):.3f} (rounds "
-        f"{', '.join(f'{x:.3f}' for x in rep)}); per rank per step, sharded -> replicated: {by_kind}; "
-        f"1 process: without/with FSDP tokens/s x{statistics.median(one):.3f} "
-        f"(rounds {', '.join(f'{x:.3f}' for x in one)})"
+        f"2 ranks, {dtype}, {cpu}: replicated/sharded tokens/s {_ratios(rep, rep_med)}; per rank per step, "
+        f"sharded -> replicated: {by_kind}; 1 process: without/with FSDP tokens/s {_ratios(one, one_med)}"
     )
 
 
@@ -451,16 +464,17 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--_rank":
         sys.exit(rank_main(sys.argv[2], sys.argv[4:]))  # --_rank RESULT -- train ...
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     a = ap.parse_args()
-    cpu = _cpu_name()
+    cpu, load_before = _cpu_name(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         assets = _assets(Path(tmp))
         got = _rounds(assets, Path(tmp), a.rounds, a.steps, a.dtype)
     summary = _summary(got)
     record = {"cpu": cpu, "dtype": a.dtype, "rounds": a.rounds, "steps": a.steps, "model": MODEL}
+    record["load_average_1_5_15"] = {"before": load_before, "after": os.getloadavg()}  # other jobs slow rounds
     print(json.dumps({**record, "summary": summary, "runs": got}))
     _check(got, a.dtype)
     _print_summary(summary, a.dtype, cpu)
