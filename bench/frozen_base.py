@@ -291,11 +291,29 @@ def _run(assets, out: Path, steps: int, dtype: str, world: int, extra: list[str]
     launch = [sys.executable]
     if world > 1:
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(_free_port())]
+    before = _cpu_seconds()
     proc = subprocess.run([*launch, *me], env=full_env, capture_output=True, text=True, check=False)
+    after = _cpu_seconds()
     if proc.returncode != 0:
         raise RuntimeError(f"run {out.name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     ranks = [json.loads((out / f"counts.rank{r}.json").read_text()) for r in range(world)]
-    return {**_speed(out), **_per_step(ranks)}
+    wall, own, busy = (b - a for a, b in zip(before, after, strict=True))
+    load = {"wall_s": wall, "own_cpu_s": own, "other_cpu_s": max(busy - own, 0.0)}
+    return {**_speed(out), "load": load, **_per_step(ranks)}
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds of this script's finished children, CPU seconds the whole machine was busy or
+    stolen), so that a run's `other_cpu_s` says how much other jobs took from the cores while it ran."""
+    import resource
+    import time
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # user nice system idle iowait irq softirq steal (guest time is inside user already); steal is time the
+    # hypervisor gave to other machines, so it counts as taken too
+    jiffies = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), ru.ru_utime + ru.ru_stime, busy
 
 
 def _speed(out: Path) -> dict[str, float]:
@@ -431,6 +449,7 @@ def _summary(got: dict[str, list[dict]]) -> dict:
     out["tokens_per_s_median_step"] = {n: [x["tokens_per_s_median_step"] for x in runs] for n, runs in got.items()}
     out["median step ratio replicated/sharded"] = ratios("replicated", "sharded", "tokens_per_s_median_step")
     out["median step ratio no_fsdp/fsdp"] = ratios("no_fsdp", "fsdp", "tokens_per_s_median_step")
+    out["other_cpu_s"] = {n: [round(x["load"]["other_cpu_s"], 1) for x in runs] for n, runs in got.items()}
     out["bytes_per_step_rank0"] = {}
     for name in ("sharded", "replicated"):
         per_rank = [{k: v["bytes"] for k, v in c["by_kind"].items()} for x in got[name] for c in x["per_step"]]
@@ -458,6 +477,7 @@ def _print_summary(s: dict, dtype: str, cpu: str) -> None:
         f"2 ranks, {dtype}, {cpu}: replicated/sharded tokens/s {_ratios(rep, rep_med)}; per rank per step, "
         f"sharded -> replicated: {by_kind}; 1 process: without/with FSDP tokens/s {_ratios(one, one_med)}"
     )
+    print(f"other jobs' CPU seconds during each run (round by round): {s['other_cpu_s']}")
 
 
 def main() -> None:
