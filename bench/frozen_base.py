@@ -229,25 +229,41 @@ def _unit(name: str, params: list) -> dict:
     }
 
 
+def cpu_clock(children: bool) -> tuple[float, float, float]:
+    """(wall clock, CPU seconds of this process or of its finished children, CPU seconds the whole machine was
+    busy or stolen): over an interval, busy minus own is what other jobs took from the cores."""
+    import resource
+    import time
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    # user nice system idle iowait irq softirq steal (guest time is inside user already); steal is time the
+    # hypervisor gave to other machines, so it counts as taken too
+    jiffies = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), ru.ru_utime + ru.ru_stime, busy
+
+
 def rank_main(result: str, argv: list[str]) -> int:
     """One rank: count collectives, snapshot them at each train_step entry, train, write the counts."""
     from shardtune import trainer
     from shardtune.cli import main as cli_main
 
-    counter, snapshots, units = Counter(), [], []
+    counter, snapshots, clocks, units = Counter(), [], [], []
     install(counter)
     record_units(units)
     original = trainer.train_step
 
     def step_start(*args, **kwargs):
         snapshots.append(counter.snapshot())
+        clocks.append(cpu_clock(children=False))
         return original(*args, **kwargs)
 
     trainer.train_step = step_start
     rc = cli_main(argv)
     snapshots.append(counter.snapshot())
+    clocks.append(cpu_clock(children=False))
     rank = int(os.environ.get("RANK", "0"))
-    out = {"snapshots": snapshots, "kind": counter.kind, "units": units}
+    out = {"snapshots": snapshots, "clocks": clocks, "kind": counter.kind, "units": units}
     Path(f"{result}.rank{rank}.json").write_text(json.dumps(out))
     return rc
 
@@ -291,29 +307,15 @@ def _run(assets, out: Path, steps: int, dtype: str, world: int, extra: list[str]
     launch = [sys.executable]
     if world > 1:
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(_free_port())]
-    before = _cpu_seconds()
+    before = cpu_clock(children=True)
     proc = subprocess.run([*launch, *me], env=full_env, capture_output=True, text=True, check=False)
-    after = _cpu_seconds()
+    after = cpu_clock(children=True)
     if proc.returncode != 0:
         raise RuntimeError(f"run {out.name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
     ranks = [json.loads((out / f"counts.rank{r}.json").read_text()) for r in range(world)]
     wall, own, busy = (b - a for a, b in zip(before, after, strict=True))
     load = {"wall_s": wall, "own_cpu_s": own, "other_cpu_s": max(busy - own, 0.0)}
-    return {**_speed(out), "load": load, **_per_step(ranks)}
-
-
-def _cpu_seconds() -> tuple[float, float, float]:
-    """(wall clock, CPU seconds of this script's finished children, CPU seconds the whole machine was busy or
-    stolen), so that a run's `other_cpu_s` says how much other jobs took from the cores while it ran."""
-    import resource
-    import time
-
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # user nice system idle iowait irq softirq steal (guest time is inside user already); steal is time the
-    # hypervisor gave to other machines, so it counts as taken too
-    jiffies = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), ru.ru_utime + ru.ru_stime, busy
+    return {**_speed(out), "steps": _timed_steps(out, ranks), "load": load, **_per_step(ranks)}
 
 
 def _speed(out: Path) -> dict[str, float]:
@@ -324,6 +326,22 @@ def _speed(out: Path) -> dict[str, float]:
     steps = sorted(((t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in itertools.pairwise(ends)))
     mean = (ends[-1][0] - ends[0][0]) / (ends[-1][1] - ends[0][1])
     return {"tokens_per_s": mean, "tokens_per_s_median_step": statistics.median(steps)}
+
+
+def _timed_steps(out: Path, ranks: list[dict]) -> list[dict]:
+    """Steps 2..S-1 of a run: tokens, seconds (rank 0's train_step entry to the next) and the CPU seconds other
+    jobs took meanwhile (the machine's busy time less every rank's own). The steps are in lockstep (each waits
+    for the other rank's collectives), so the ranks' intervals cover the same time."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    tokens = [0] + [r["tokens"] for r in map(json.loads, lines) if r.get("type") == "train"]
+    clocks = [r["clocks"] for r in ranks]
+    steps = []
+    for k in range(1, len(clocks[0]) - 2):  # step k + 1 runs from entry k to entry k + 1
+        wall = clocks[0][k + 1][0] - clocks[0][k][0]
+        own = sum(c[k + 1][1] - c[k][1] for c in clocks)
+        other = clocks[0][k + 1][2] - clocks[0][k][2] - own
+        steps.append({"tokens": tokens[k + 1] - tokens[k], "seconds": wall, "other_cpu_s": max(other, 0.0)})
+    return steps
 
 
 def _step_deltas(snapshots: list[dict]) -> list[dict]:
@@ -436,6 +454,23 @@ def _check(got: dict[str, list[dict]], dtype: str) -> None:
                 )
 
 
+# A step is quiet when other jobs took less than this share of the machine's CPU time while it ran.
+QUIET = 0.1
+
+
+def _pooled(steps: list[dict]) -> dict:
+    """Tokens/s over all timed steps of all rounds, and over the quiet ones only (other jobs only ever slow a step
+    down, so the quiet steps are the closest to what the contender does on an idle machine)."""
+    cores = os.cpu_count() or 1
+    quiet = [st for st in steps if st["other_cpu_s"] < QUIET * cores * st["seconds"]]
+
+    def rate(sts: list[dict]) -> dict:
+        seconds = sum(st["seconds"] for st in sts)
+        return {"tokens_per_s": sum(st["tokens"] for st in sts) / seconds if sts else float("nan"), "steps": len(sts)}
+
+    return {"all": rate(steps), "quiet": rate(quiet)}
+
+
 def _summary(got: dict[str, list[dict]]) -> dict:
     """Per round tokens/s, the ratios, and rank 0's median bytes per step by kind (asserted equal on every rank
     and in every round)."""
@@ -450,6 +485,10 @@ def _summary(got: dict[str, list[dict]]) -> dict:
     out["median step ratio replicated/sharded"] = ratios("replicated", "sharded", "tokens_per_s_median_step")
     out["median step ratio no_fsdp/fsdp"] = ratios("no_fsdp", "fsdp", "tokens_per_s_median_step")
     out["other_cpu_s"] = {n: [round(x["load"]["other_cpu_s"], 1) for x in runs] for n, runs in got.items()}
+    out["pooled_steps"] = {n: _pooled([st for x in runs for st in x["steps"]]) for n, runs in got.items()}
+    for a, b in (("replicated", "sharded"), ("no_fsdp", "fsdp")):
+        pa, pb = out["pooled_steps"][a], out["pooled_steps"][b]
+        out[f"pooled ratio {a}/{b}"] = {k: pa[k]["tokens_per_s"] / pb[k]["tokens_per_s"] for k in ("all", "quiet")}
     out["bytes_per_step_rank0"] = {}
     for name in ("sharded", "replicated"):
         per_rank = [{k: v["bytes"] for k, v in c["by_kind"].items()} for x in got[name] for c in x["per_step"]]
@@ -478,6 +517,14 @@ def _print_summary(s: dict, dtype: str, cpu: str) -> None:
         f"sharded -> replicated: {by_kind}; 1 process: without/with FSDP tokens/s {_ratios(one, one_med)}"
     )
     print(f"other jobs' CPU seconds during each run (round by round): {s['other_cpu_s']}")
+    for a, b in (("replicated", "sharded"), ("no_fsdp", "fsdp")):
+        pa, pb, r = s["pooled_steps"][a], s["pooled_steps"][b], s[f"pooled ratio {a}/{b}"]
+        print(
+            f"pooled steps 2..S-1 of all rounds, {a} vs {b}: all {pa['all']['tokens_per_s']:.0f} vs "
+            f"{pb['all']['tokens_per_s']:.0f} tokens/s (x{r['all']:.3f}); quiet (other jobs < {QUIET:.0%} of the "
+            f"CPU) {pa['quiet']['tokens_per_s']:.0f} vs {pb['quiet']['tokens_per_s']:.0f} (x{r['quiet']:.3f}; "
+            f"{pa['quiet']['steps']} and {pb['quiet']['steps']} of {pa['all']['steps']} steps)"
+        )
 
 
 def main() -> None:
