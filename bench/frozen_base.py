@@ -7,9 +7,12 @@ under SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp and under the default (no FSDP), each p
 
 Tokens/s. shardtune's train records carry `tokens` (counted from the start of training) and `tokens_per_s`, which
 is the average since the start of the first step. So each record's elapsed time is tokens / tokens_per_s, and the
-speed after the first step (which builds the caches) is (tokens_n - tokens_1) / (elapsed_n - elapsed_1). The JSON
-also has each run's median step (tokens / seconds of the middle step), which a few steps slowed by other jobs on
-the machine do not move.
+speed after the first step (which builds the caches) is (tokens_n - tokens_1) / (elapsed_n - elapsed_1); the JSON
+also has each run's median step. Other jobs on this shared 2-core machine slow whichever run they meet by far more
+than the effects measured, so each rank also notes, at each step's entry, the clock, its own CPU time and the
+machine's busy time (/proc/stat): a step's `other_cpu_s` is the busy time less the ranks' own. Steps 2..S-1 of all
+rounds are then pooled per contender (tokens / seconds), all of them and the quiet ones (other jobs under 10% of
+the CPU), and the whole run's `other_cpu_s` is recorded too.
 
 Bytes per step. Every rank runs `shardtune.cli.main(["train", ...])` inside this script (`--_rank`), with the
 collectives wrapped to count calls and bytes by kind:
