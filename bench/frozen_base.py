@@ -318,10 +318,10 @@ def _run(assets, out: Path, steps: int, dtype: str, world: int, extra: list[str]
     ranks = [json.loads((out / f"counts.rank{r}.json").read_text()) for r in range(world)]
     wall, own, busy = (b - a for a, b in zip(before, after, strict=True))
     load = {"wall_s": wall, "own_cpu_s": own, "other_cpu_s": max(busy - own, 0.0)}
-    return {**_speed(out), "steps": _timed_steps(out, ranks), "load": load, **_per_step(ranks)}
+    return {**speed_after_first_step(out), "steps": _timed_steps(out, ranks), "load": load, **_per_step(ranks)}
 
 
-def _speed(out: Path) -> dict[str, float]:
+def speed_after_first_step(out: Path) -> dict[str, float]:
     """Tokens/s from the end of the first step to the end of the last, and of the median step (module docstring)."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
     train = [r for r in map(json.loads, lines) if r.get("type") == "train"]

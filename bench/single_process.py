@@ -2,7 +2,7 @@
 
 Each round trains the same LoRA run (bf16 or fp32, packed rows, checkpointed blocks) once under
 SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp and once under the default, in alternating order, each in a fresh process whose
-peak RSS is read with getrusage; tokens/s is the mean of the steps after the first (which builds the caches).
+peak RSS is read with getrusage; tokens/s is over the steps after the first (which builds the caches).
 Prints the ratios without/with FSDP and the CPU and dtype they were measured on (results in docs/speed.md).
 
     python bench/single_process.py --rounds 3 --steps 20 --dtype bf16
@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frozen_base import speed_after_first_step  # noqa: E402 - bench/ is not a package
 
 # A child that runs `shardtune train` and prints the peak RSS of that run (its own child) in KiB.
 RSS_WRAPPER = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " + (
@@ -47,9 +50,9 @@ def _train(assets, out: Path, mode: str, steps: int, dtype: str) -> tuple[float,
     cmd = [sys.executable, "-c", RSS_WRAPPER, sys.executable, "-m", "shardtune", "train", *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     rss_mib = int(proc.stdout.strip().splitlines()[-1]) / 1024
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in records if r.get("type") == "train"][1:]
-    return statistics.mean(speeds), rss_mib
+    # A train record's tokens_per_s is the average since the first step started: the speed after the first step
+    # (which builds the caches) is derived from the records as bench/frozen_base.py does it.
+    return speed_after_first_step(out)["tokens_per_s"], rss_mib
 
 
 def _cpu_name() -> str:
