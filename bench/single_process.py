@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frozen_base import speed_after_first_step  # noqa: E402 - bench/ is not a package
+from frozen_base import speed_after_first_step  # bench/ is not a package: found on sys.path
 
 # A child that runs `shardtune train` and prints the peak RSS of that run (its own child) in KiB.
 RSS_WRAPPER = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " + (
