@@ -165,3 +165,15 @@ def test_log_line_names_the_coefficient_and_how_to_turn_it_off():
     )
     assert "off" in log_line(CausalLMForTraining(hf, router_aux_loss_coef=0.0).router_aux, "sft")
     assert "trains without" in log_line(CausalLMForTraining(hf).router_aux, "dpo")
+
+
+def test_the_own_forward_path_adds_the_same_term():
+    """A family trained through its own forward (not the fast path) reads the router logits from that forward."""
+    from shardtune import families
+
+    hf = _hf_model("mixtral")
+    model, objective, (batch, _) = CausalLMForTraining(hf, layout=families.OWN), Objective(), _batch()
+    totals = objective.counts(batch)
+    loss, _ = objective.step(model, batch, totals, grad_scale=1.0)
+    expected = float(_theirs(hf).loss.detach())
+    assert abs(float(loss.detach()) - expected) <= _tolerance(abs(expected))
