@@ -226,6 +226,11 @@ class TrainArguments:
     simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")
     desirable_weight: float = _f(1.0, "--objective kto: the weight of the desirable examples' losses (TRL's name).")
     undesirable_weight: float = _f(1.0, "--objective kto: the weight of the undesirable examples' losses.")
+    router_aux_loss_coef: float | None = _f(
+        None,
+        "Mixtures of experts, --objective sft: the weight of the router load-balancing loss added to the loss "
+        "(default: the config's router_aux_loss_coef, whatever its output_router_logits says); 0 turns it off.",
+    )
     precompute_ref_log_probs: bool = _f(
         False,
         "--objective dpo or kto with an adapter: compute the reference log-probs once before training (stored with the "

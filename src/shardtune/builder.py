@@ -58,6 +58,7 @@ class ModelSpec:
     frozen_base: str = "sharded"
     torch_compile: bool = False
     loss_chunk_size: int = 1024
+    router_aux_loss_coef: float | None = None  # None: the config's (shardtune.router_aux)
     # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
     packing: bool = False
     # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
@@ -108,6 +109,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
         packing=cfg.data.packing or cfg.data.streaming,
+        router_aux_loss_coef=t.router_aux_loss_coef,
     )
 
 
@@ -145,7 +147,11 @@ def build_training_module(
     if spec.gradient_checkpointing:
         _enable_checkpointing(model, spec)
     train_module = modeling.CausalLMForTraining(
-        model, chunk_size=spec.loss_chunk_size, per_document_attention=not spec.torch_compile, layout=layout
+        model,
+        chunk_size=spec.loss_chunk_size,
+        per_document_attention=not spec.torch_compile,
+        layout=layout,
+        router_aux_loss_coef=spec.router_aux_loss_coef,
     )
     block_types = modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap)
     blocks = [m for m in train_module.modules() if isinstance(m, block_types)]

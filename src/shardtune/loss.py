@@ -10,7 +10,8 @@ An objective is used in three calls per optimizer step (shardtune.trainer.train_
   report(sums, totals)           the step's metrics from the sums over all micro-batches and ranks.
 So N ranks with batch B give the gradient and the metrics of one process with batch N·B.
 
-SFT is the chunked cross-entropy summed over target tokens / the global target count. The preference objectives
+SFT is the chunked cross-entropy summed over target tokens / the global target count (plus a mixture of experts'
+router load-balancing loss, see Objective.step). The preference objectives
 (DPO with loss_type sigmoid or ipo, SimPO, ORPO) follow trl 1.16's DPOTrainer and the CPO/ORPO trainers of
 trl.experimental, formula for formula, and log TRL's metric names (rewards/chosen, rewards/rejected,
 rewards/accuracies, rewards/margins, logps/chosen, logps/rejected). A batch of B pairs holds the B chosen rows,
@@ -46,14 +47,37 @@ class Objective:
     needs_reference = False  # needs the reference model's log-probs (precomputed, or the adapter disabled)
 
     def counts(self, batch: dict[str, torch.Tensor]) -> dict[str, int]:
-        return {"targets": int((batch["labels"] != -100).sum())}
+        # micro_batches: one per rank and micro-batch, the mean the router aux loss is averaged over
+        return {"targets": int((batch["labels"] != -100).sum()), "micro_batches": 1}
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
-        loss, _ = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
-        return loss * (grad_scale / max(totals["targets"], 1)), {"loss": loss.detach().double()}
+        """The token cross-entropies / the global target count, plus, for a mixture of experts, coef × the
+        router load-balancing loss of this forward / the global number of micro-batches (shardtune.router_aux).
+
+        The aux loss is a mean over one forward's positions (transformers adds coef × it to each forward's mean
+        cross-entropy), so one micro-batch on one process gives transformers' loss exactly. Over G micro-batches
+        on N ranks, each micro-batch's aux is computed on its own rank's tokens and weighted 1/(N·G): the gradient
+        is that of mean CE over the global batch's targets + coef × (the mean of the N·G per-micro-batch aux
+        losses). It is not the aux loss of the global batch as one forward (its expert fractions are per
+        micro-batch), so the runs agree across ranks and accumulation only for the same micro-batches."""
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+        coef = getattr(model, "router_aux_loss_coef", 0.0)  # 0 for a dense model (or any other module)
+        loss, _, aux = model(**inputs, router_aux=True) if coef > 0 else (*model(**inputs), None)
+        total = loss * (grad_scale / max(totals["targets"], 1))
+        sums = {"loss": loss.detach().double()}
+        if aux is not None:
+            term = coef * aux
+            total = total + term * (grad_scale / max(totals["micro_batches"], 1))
+            sums.update({"aux_loss": aux.detach().double(), "aux_term": term.detach().double()})
+        return total, sums
 
     def report(self, sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
-        return {"loss": sums["loss"] / max(totals["targets"], 1)}
+        out = {"loss": sums["loss"] / max(totals["targets"], 1)}
+        if "aux_loss" in sums:  # means over the micro-batches of every rank, like the backward tensor's
+            n = max(totals["micro_batches"], 1)
+            out["loss"] += sums["aux_term"] / n
+            out["aux_loss"] = sums["aux_loss"] / n
+        return out
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune import dtypes, families, fastpath, quant, targets
+from shardtune import dtypes, families, fastpath, quant, router_aux, targets
 from shardtune.families import family_attention
 from shardtune.log import print0, warn0
 from shardtune.validation import tied_head_saved_problem
@@ -330,7 +330,9 @@ class CausalLMForTraining(nn.Module):
     apart to be chosen.
 
     Labels are already shifted (labels[i] is the target of position i; -100 means none). Returns the summed
-    loss and the number of targets, so that the caller normalises over the whole global batch.
+    loss and the number of targets, so that the caller normalises over the whole global batch; with
+    `router_aux=True` also the forward's router load-balancing loss (shardtune.router_aux; None without one).
+    `router_aux_loss_coef` overrides the config's coefficient of that loss (None: the config's; 0: off).
     """
 
     def __init__(
@@ -340,6 +342,7 @@ class CausalLMForTraining(nn.Module):
         per_document_attention: bool = True,
         layout: families.Layout | None = None,
         packing: bool | None = None,
+        router_aux_loss_coef: float | None = None,
     ):
         super().__init__()
         self.model = model
@@ -362,27 +365,56 @@ class CausalLMForTraining(nn.Module):
         # soft-capping, ...), read from the language model's config: a multimodal class loaded as a causal LM
         # (Gemma 3n and Gemma 4 are *ForConditionalGeneration) keeps it in its text_config.
         self._transform = families.head_transform(base.config, layout.head)
+        self.router_aux = router_aux.family_router_aux(base, router_aux_loss_coef)  # None: a dense model
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The coefficient of the router load-balancing loss in the SFT loss (0: none)."""
+        return self.router_aux.coef if self.router_aux is not None else 0.0
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        extra = {}
+        return self._decode(input_ids, position_ids).last_hidden_state
+
+    def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra):
         # Compiled blocks take the masked path: spans that change every batch would recompile them.
         if self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
             extra[fastpath.DOCUMENTS_KWARG] = fastpath.packed_documents(position_ids)
-        out = self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
-        return out.last_hidden_state
+        return self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
 
     def _outputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states (fast path), or the own forward's logits, which the head then leaves as they are."""
+        return self._outputs_and_aux(input_ids, position_ids, False)[0]
+
+    def _outputs_and_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, with_aux: bool):
+        """(_outputs, the router load-balancing loss or None). The router logits come from the decoder's (or the
+        own forward's) output with output_router_logits, as the family's forward reads them; asked for only when
+        the term is on, so that a run without it computes exactly what it did before."""
+        with_aux = with_aux and self.router_aux_loss_coef > 0
+        extra = {"output_router_logits": True} if with_aux else {}
         if self.layout.path == "fast":
-            return self.hidden_states(input_ids, position_ids)
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+            out = self._decode(input_ids, position_ids, **extra)
+            h = out.last_hidden_state
+        else:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+            h = out.logits
+        return h, self.router_aux(getattr(out, "router_logits", None)) if with_aux else None
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, per_sequence: bool = False
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor,
+        per_sequence: bool = False,
+        router_aux: bool = False,
     ):
-        h = self._outputs(input_ids, position_ids)
+        h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux and not per_sequence)
         if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
             return self._sequence_logps(h, labels)
+        total, count = self._token_loss(h, labels)
+        return (total, count, aux) if router_aux else (total, count)
+
+    def _token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the targets' cross-entropies, number of targets), chunked over positions."""
         h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
         keep = y != -100
         if not keep.any():

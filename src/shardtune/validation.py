@@ -248,6 +248,7 @@ ADAPTER_FLAGS = (
 _RANGES = (
     ("train", "desirable_weight", 0, None, False, False),
     ("train", "undesirable_weight", 0, None, False, False),
+    ("train", "router_aux_loss_coef", 0, None, True, False),
     ("train", "learning_rate", 0, None, False, True),
     ("train", "weight_decay", 0, None, True, True),
     ("train", "adam_beta1", 0, 1, True, False),

@@ -5,8 +5,8 @@ thinking block, `chat_template_kwargs`), Gemma 2 with final-logit soft-capping, 
 
 - The first step's numbers equal trl 1.16's DPOTrainer / KTOTrainer on the same conversational batch (TRL tokenizes
   with the same template itself), in-process, no spawn.
-- A mixture of experts trains without the router load-balancing loss: shardtune equals TRL with
-  router_aux_loss_coef=0, and TRL's default adds coef × its aux loss on top.
+- A mixture of experts trains DPO without the router load-balancing loss (only SFT adds it): shardtune equals TRL
+  with router_aux_loss_coef=0, and TRL's default adds coef × its aux loss on top.
 - With LoRA on a tied-embeddings model whose new tokens are trained (on the tied embedding and head), the reference
   (the adapter disabled) is the base exactly, as transformers' own forward computes it.
 - One process runs three `shardtune train` jobs (tests/family_worker.py): Qwen3 LoRA DPO, Gemma 2 full fine-tuning
@@ -34,7 +34,7 @@ from shardtune.data import setup_tokenizer
 from shardtune.demo import build_tokenizer, write_preference_dataset
 from shardtune.loss import build_objective
 from shardtune.modeling import CausalLMForTraining
-from shardtune.recipe.objective import router_aux_note
+from shardtune.router_aux import family_router_aux, log_line
 from tests.conftest import train_records
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, build_family_model, run_jobs
 from tests.mutation import Edit, plant
@@ -297,9 +297,11 @@ def test_mixture_of_experts_trains_without_the_router_loss(assets):
     assert default["loss"] - without["loss"] == pytest.approx(default["aux_loss"], abs=8 * BETA * t)
     assert ours["loss"] == pytest.approx(without["loss"], abs=4 * BETA * t)
     assert abs(ours["loss"] - default["loss"]) > 100 * BETA * t
-    config = AutoModelForCausalLM.from_pretrained(assets["root"] / "mixtral").config
-    assert "router_aux_loss_coef 1.0" in router_aux_note(config)
-    assert router_aux_note(AutoModelForCausalLM.from_pretrained(assets["root"] / "qwen3").config) is None
+    mixtral = family_router_aux(AutoModelForCausalLM.from_pretrained(assets["root"] / "mixtral"))
+    assert "--objective dpo trains without" in log_line(mixtral, "dpo") and "1.0 (the config's)" in log_line(
+        mixtral, "dpo"
+    )
+    assert family_router_aux(AutoModelForCausalLM.from_pretrained(assets["root"] / "qwen3")) is None
 
 
 def test_chat_template_kwargs_move_the_empty_thinking_block_into_the_prompt(assets):

@@ -253,6 +253,7 @@ REQUIRED = ["--model_name_or_path", "org/m", "--dataset_name", "org/d"]
         (["--seed", "-1"], f"--seed must be in [0, {2**32 - 1}] (got -1)."),
         (["--ddp_timeout", "-30"], "--ddp_timeout must be > 0 (got -30)."),
         (["--max_train_samples", "-3"], "--max_train_samples must be >= 1 (got -3)."),
+        (["--router_aux_loss_coef", "-0.01"], "--router_aux_loss_coef must be >= 0 (got -0.01)."),
     ],
 )
 def test_negative_and_out_of_range_numbers_parse_and_are_refused(flags, problem):
@@ -266,6 +267,9 @@ def test_negative_and_out_of_range_numbers_parse_and_are_refused(flags, problem)
 def test_negative_values_in_range_are_accepted():
     cfg = load_run_config([*REQUIRED, "--max_steps", "-1", "--num_train_epochs", "2", "--seed", "0"], env={})
     assert (cfg.train.max_steps, cfg.train.num_train_epochs, cfg.train.seed) == (-1, 2.0, 0)
+    assert cfg.train.router_aux_loss_coef is None  # the config's coefficient
+    cfg = load_run_config([*REQUIRED, "--router_aux_loss_coef", "0"], env={})
+    assert cfg.train.router_aux_loss_coef == 0.0
 
 
 def test_full_fine_tuning_refuses_explicit_adapter_flags(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardtune import router_aux
 from shardtune.config import RunConfig
 from shardtune.dtypes import name_of
 from shardtune.log import print0
@@ -12,22 +13,6 @@ def _kto_advice(train_split, t) -> str | None:
 
     n_desirable = int(train_split.desirable.sum())
     return kto_weight_advice(n_desirable, len(train_split) - n_desirable, t.desirable_weight, t.undesirable_weight)
-
-
-def router_aux_note(config) -> str | None:
-    """The line that says a mixture-of-experts model trains without its router load-balancing loss, or None.
-
-    No objective adds it (SFT, DPO, KTO, ...): the loss is the objective's alone, whatever the config's
-    output_router_logits says. trl 1.16's SFT, DPO and KTO trainers add router_aux_loss_coef × the aux loss of the
-    policy's forward whenever the config has output_router_logits and a non-zero coefficient; shardtune's numbers
-    equal theirs with `router_aux_loss_coef=0` (tests/e2e/test_preference_families.py)."""
-    coef = getattr(config, "router_aux_loss_coef", None) if hasattr(config, "output_router_logits") else None
-    if not coef:
-        return None
-    return (
-        f"{type(config).__name__}: mixture of experts; the loss has no router load-balancing term (the config's "
-        f"router_aux_loss_coef {coef} and output_router_logits are not used; TRL's trainers add coef x that loss)."
-    )
 
 
 def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
@@ -45,8 +30,8 @@ def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
         desirable_weight=t.desirable_weight,
         undesirable_weight=t.undesirable_weight,
     )
-    if note := router_aux_note(getattr(getattr(model, "_decoder", None), "config", None)):
-        print0(note)
+    if line := router_aux.log_line(getattr(model, "router_aux", None), t.objective):
+        print0(line)
     if objective.paired and t.disable_dropout:
         disable_dropout(model)
     if t.objective == "kto" and (advice := _kto_advice(splits[0], t)):
