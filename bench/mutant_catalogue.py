@@ -38,6 +38,7 @@ PARITY = "tests/distributed/test_parity.py"
 PARITY_LORA = f"{PARITY}::test_lora_two_ranks_match_one_process[FULL_SHARD]"
 PARITY_FULL = f"{PARITY}::test_full_finetune_two_ranks_match_one_process"
 ZERO_TARGETS = "tests/unit/test_zero_targets.py::test_two_ranks_one_without_targets_equal_one_process"
+ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batches"
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
 RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
@@ -553,5 +554,17 @@ MUTANTS: tuple[Mutant, ...] = (
             "distributed/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"
         ),
         ["tests/unit/test_frozen_base_choice.py::test_frozen_parameters_are_cast_once_to_the_compute_dtype"],
+    ),
+    _m(
+        "router_aux_unscaled",
+        "gradient scale",
+        "The router load-balancing term's gradient is not scaled like the cross-entropy's (FSDP's 1/N averaging "
+        "not undone for it on several ranks)",
+        Edit(
+            "loss.py",
+            'total = total + term * (grad_scale / max(totals["micro_batches"], 1))',
+            'total = total + term * (1.0 / max(totals["micro_batches"], 1))',
+        ),
+        [ROUTER_AUX_RANKS],
     ),
 )

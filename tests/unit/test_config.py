@@ -272,6 +272,13 @@ def test_negative_values_in_range_are_accepted():
     assert cfg.train.router_aux_loss_coef == 0.0
 
 
+def test_router_aux_loss_coef_with_a_preference_objective_is_refused():
+    """Only SFT adds the router load-balancing loss: with DPO the flag would be silently ignored."""
+    with pytest.raises(ConfigError, match=r"--router_aux_loss_coef only applies to --objective sft"):
+        load_run_config([*REQUIRED, "--objective", "dpo", "--router_aux_loss_coef", "0.01"], env={})
+    assert load_run_config([*REQUIRED, "--objective", "dpo"], env={}).train.router_aux_loss_coef is None
+
+
 def test_full_fine_tuning_refuses_explicit_adapter_flags(tmp_path):
     """LoRA/DoRA flags given with --use_peft_lora False would be ignored: refused, naming each; their defaults
     (not given) and the same flags with LoRA on are fine."""

@@ -1,0 +1,42 @@
+"""A mixture of experts trained with its router load-balancing loss (the default: the config's coefficient) on 2
+FSDP2 ranks against one process that runs the same micro-batches one after the other (gradient accumulation 2):
+the per-micro-batch aux loss (shardtune.loss.Objective.step) makes them the same run, so their losses, aux
+losses, grad_norm and adapters agree, with gradient checkpointing on. The family matrix compares other batch
+splits and so runs without the term (tests/families.py). The planted bug of this class (the term's gradient not
+scaled like the cross-entropy's on several ranks) is `router_aux_unscaled` in bench/mutant_catalogue.py: its
+grad_norm moves by 1e-5 to 1e-4 relative, over the 5.7e-6 bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.families import build_assets, matrix_tolerance, train_argv
+from tests.parity import assert_same_tensors, assert_same_training, train_steps
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return build_assets(tmp_path_factory.mktemp("moe"), ["mixtral"])
+
+
+def _run(assets, out, nproc: int, accumulation: int):
+    argv = train_argv(assets["root"] / "mixtral", assets["data"], out, "lora", batch=2)
+    at = argv.index("--router_aux_loss_coef")
+    del argv[at : at + 2]  # the config's coefficient, as a user's run has it
+    argv += ["--gradient_checkpointing", "True", "--gradient_accumulation_steps", str(accumulation)]
+    proc = run_cli(argv, nproc=nproc, env={"ACCELERATE_USE_FSDP": "true"})
+    assert "the loss adds 0.001 (the config's) x the router load-balancing loss" in proc.stdout + proc.stderr
+    return out
+
+
+def test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batches(mixtral, tmp_path):
+    one = _run(mixtral, tmp_path / "one", 1, 2)
+    two = _run(mixtral, tmp_path / "two", 2, 1)
+    tol = matrix_tolerance("mixtral")
+    assert_same_training(one, two, tol)
+    assert_same_tensors(one, two, tol)
+    want, have = train_steps(one), train_steps(two)
+    for s in want:  # the term is there (Mixtral's formula gives top_k = 2 for even routing) and equal on both sides
+        assert want[s]["aux_loss"] > 0
+        assert abs(have[s]["aux_loss"] - want[s]["aux_loss"]) <= tol.loss * want[s]["aux_loss"], s
