@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import signal
 import sys
 
@@ -54,6 +55,7 @@ def run_command(name: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    program = argv is None  # the `shardtune` script or `python -m shardtune`, not a caller in its own process
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -79,9 +81,21 @@ def main(argv: list[str] | None = None) -> int:
             if not signalled():
                 return code
             # A library caught the KeyboardInterrupt inside its import and the command went on to its end.
-            print(f"shardtune {name}: interrupted while starting; the command had already finished.", file=sys.stderr)
-            return 3
-    print(f"shardtune {name}: interrupted while starting; nothing was written.", file=sys.stderr)
+            return _interrupted_exit(
+                f"shardtune {name}: interrupted while starting; the command had already finished.", program
+            )
+    return _interrupted_exit(f"shardtune {name}: interrupted while starting; nothing was written.", program)
+
+
+def _interrupted_exit(line: str, program: bool) -> int:
+    """Print the one line; as a program, leave at once with exit code 3. A library whose import the Ctrl-C cut
+    short can end the interpreter's teardown with the KeyboardInterrupt again (the process then dies by SIGINT,
+    not with 3); nothing was written yet, so its exit handlers have nothing to finish."""
+    print(line, file=sys.stderr)
+    if program:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
     return 3
 
 
