@@ -264,8 +264,10 @@ def test_ctrl_c_while_starting_leaves_one_line(tmp_path, delay):
     proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
+    out, err = proc.communicate(timeout=120)
+    finished = "total (as nvidia-smi shows)" in out and "interrupted" not in err
+    if proc.returncode == 0 or (finished and proc.returncode == -signal.SIGINT):
+        # the plan was printed before the signal (which then met the interpreter's exit)
         pytest.skip(f"the command finished within {delay} s, before the signal")
     assert proc.returncode == 3, (proc.returncode, err[-2000:])
     assert "Traceback" not in err and "interrupted while starting" in err.strip().splitlines()[-1], err[-2000:]
