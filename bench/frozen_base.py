@@ -394,7 +394,7 @@ def _expected(units: list[dict], dtype: str, replicated: bool) -> dict[str, int]
     }
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU's model name (Linux /proc/cpuinfo), else the machine type."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -538,7 +538,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     a = ap.parse_args()
-    cpu, load_before = _cpu_name(), os.getloadavg()
+    cpu, load_before = cpu_name(), os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         assets = _assets(Path(tmp))
         got = _rounds(assets, Path(tmp), a.rounds, a.steps, a.dtype)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frozen_base import speed_after_first_step  # bench/ is not a package: found on sys.path
+from frozen_base import cpu_name, speed_after_first_step  # bench/ is not a package: found on sys.path
 
 # A child that runs `shardtune train` and prints the peak RSS of that run (its own child) in KiB.
 RSS_WRAPPER = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); " + (
@@ -55,15 +54,6 @@ def _train(assets, out: Path, mode: str, steps: int, dtype: str) -> tuple[float,
     return speed_after_first_step(out)["tokens_per_s"], rss_mib
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else the machine type."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(x.split(":", 1)[1].strip() for x in lines if x.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -78,7 +68,7 @@ def main() -> None:
                 got[mode].append(_train(assets, Path(tmp) / f"{mode}{r}", mode, a.steps, a.dtype))
     speed = [p[0] / f[0] for p, f in zip(got["auto"], got["fsdp"], strict=True)]
     rss = [p[1] / f[1] for p, f in zip(got["auto"], got["fsdp"], strict=True)]
-    cpu = _cpu_name()
+    cpu = cpu_name()
     print(json.dumps({"cpu": cpu, "dtype": a.dtype, "rounds": a.rounds, "steps": a.steps, "runs": got}))
     print(
         f"without/with FSDP ({a.dtype}, {cpu}): tokens/s x{statistics.median(speed):.3f} "

@@ -18,19 +18,9 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import run_cli, train_args, train_records
+from tests.distributed.test_parity import CLOSE, FSDP_ENV, LORA  # the LoRA parity test's launch and bounds
 from tests.mutation import Edit, plant
 from tests.parity import assert_runs_match, train_steps
-from tests.tolerance import train_parity
-
-FSDP_ENV = {
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
-    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-}
-LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
-LORA += ["--lora_target_modules", "all-linear"]
-CLOSE = train_parity(steps=4, seq=96, tokens_per_step=8 * 96, lr=3e-3)
 
 # The adapters left out of FSDP too: each rank steps its own copy on its own rows, and the saved adapter is rank
 # 0's alone.

@@ -463,8 +463,8 @@ def test_cli_reference_is_the_frozen_base(assets, cli, family):
             implied = record[f"{prefix}logps/{side}"] - record[f"{prefix}rewards/{side}"] / BETA
             assert implied == pytest.approx(expected[side], abs=3 * t), (prefix, side)
     if family == "mixtral":
-        assert f"MixtralForCausalLM: mixture of experts; --objective {objective} trains without the router" in (
-            cli["log"]
+        assert (
+            f"MixtralForCausalLM: mixture of experts; --objective {objective} trains without the router" in (cli["log"])
         )
 
 
