@@ -40,6 +40,7 @@ PARITY_FULL = f"{PARITY}::test_full_finetune_two_ranks_match_one_process"
 ZERO_TARGETS = "tests/unit/test_zero_targets.py::test_two_ranks_one_without_targets_equal_one_process"
 ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batches"
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
+EXPERTS_E2E = "tests/e2e/test_families.py::test_expert_lora_{}[qwen3-moe]"
 RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
 )
@@ -566,5 +567,25 @@ MUTANTS: tuple[Mutant, ...] = (
             'total = total + term * (1.0 / max(totals["micro_batches"], 1))',
         ),
         [ROUTER_AUX_RANKS],
+    ),
+    _m(
+        "expert_lora_dropped",
+        "silently ignored setting",
+        "--lora_target_experts resolves the expert tensors but PEFT is never given them: attention-only LoRA trains "
+        "(2 ranks still equal 1 process)",
+        Edit("modeling.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),
+        [EXPERTS_E2E.format("two_ranks_match_one_process")],
+    ),
+    _m(
+        "expert_merge_rows_swapped",
+        "merge",
+        "The merge gives a per-expert tensor the delta of the other half of gate_up_proj (up's rows to gate_proj)",
+        Edit(
+            "merge_experts.py",
+            "out.append(WrapperEdit(stored, a[e], b[e][rows], scale, transposed=False))",
+            "out.append(WrapperEdit(stored, a[e], b[e][len(b[e]) - rows.stop : len(b[e]) - rows.start], scale, "
+            "transposed=False))",
+        ),
+        [EXPERTS_E2E.format("reloads_in_peft_merges_and_chats")],
     ),
 )

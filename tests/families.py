@@ -179,6 +179,11 @@ METHODS = {
         "--use_dora",
         "True",
     ],
+    # Mixtures of experts: LoRA on the attention, every expert (PEFT's target_parameters) and the routers.
+    "experts": [
+        *("--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"),
+        *("--lora_target_experts", "True", "--lora_target_parameters", "routers"),
+    ],
     "full": ["--use_peft_lora", "False"],
     "qlora": [
         *("--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "16", "--lora_target_modules", "all-linear"),

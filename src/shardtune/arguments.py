@@ -47,6 +47,18 @@ class ModelArguments:
         "Module names to adapt (commas or spaces), one regular expression (full-matched against module paths, as "
         "PEFT), or all-linear for every linear layer but the output head.",
     )
+    lora_target_parameters: str | None = _f(
+        None,
+        "Parameters to adapt, as PEFT's target_parameters: a parameter's path or its ending (commas or spaces), "
+        "e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj, or the words experts (every fused expert tensor of "
+        "a mixture of experts, one LoRA per expert) and routers (every router weight). The linear layers of "
+        "--lora_target_modules are adapted as well.",
+    )
+    lora_target_experts: bool = _f(
+        False,
+        "Mixtures of experts: also adapt the fused expert tensors (--lora_target_parameters experts); "
+        "--lora_dropout then acts on the linear layers' LoRA only.",
+    )
     use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA).")
     dora_dropout: str = _f(
         "lora_path",

@@ -37,6 +37,8 @@ class ModelSpec:
     lora_alpha: float = 16
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
+    lora_target_parameters: str | None = None  # PEFT's target_parameters, words included (shardtune.targets)
+    lora_target_experts: bool = False
     use_dora: bool = False
     dora_dropout: str = "lora_path"  # lora_path or peft (adapters.use_fast_dora)
     modules_to_save: str | None = None
@@ -91,6 +93,8 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         lora_alpha=m.lora_alpha,
         lora_dropout=m.lora_dropout,
         lora_target_modules=m.lora_target_modules,
+        lora_target_parameters=m.lora_target_parameters,
+        lora_target_experts=m.lora_target_experts,
         use_dora=m.use_dora,
         modules_to_save=m.modules_to_save,
         adapter_name=m.adapter_name,
@@ -209,6 +213,8 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
         lora_alpha=spec.lora_alpha,
         lora_dropout=spec.lora_dropout,
         target_modules=spec.lora_target_modules,
+        target_parameters=spec.lora_target_parameters,
+        target_experts=spec.lora_target_experts,
         use_dora=spec.use_dora,
         modules_to_save=spec.modules_to_save,
         new_token_ids=spec.new_token_ids,

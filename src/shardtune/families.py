@@ -69,6 +69,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("n_groups", "mamba_n_groups", "n_group", "topk_group", "n_shared_experts"), 1),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
     **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
+    "first_k_dense_replace": 1,  # DeepSeek-style: one dense block, then mixtures of experts
     "linear_num_key_heads": 4,
     "linear_num_heads": 4,
     "linear_head_dim": 16,

@@ -20,12 +20,13 @@ import torch
 
 from shardtune import dtypes
 from shardtune.log import warn0
+from shardtune.merge_experts import ExpertLora, parameter_wrappers, wrapper_edits
 from shardtune.run_dir import checkpoint_given_as_adapter
 from shardtune.weights import PEFT_PREFIX, checkpoint_renaming
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 # Fields of LoraConfig that do not mark a variant yet change what merging means.
-UNMERGEABLE_OPTIONS = ("use_qalora", "target_parameters", "layer_replication")
+UNMERGEABLE_OPTIONS = ("use_qalora", "layer_replication")
 # Adapter keys after the `base_model.model.` prefix; the optional `.<name>` is an adapter name that peft drops
 # when saving but that state dicts taken from a live model still carry. The first pattern that matches wins.
 KEY_PATTERNS = (
@@ -67,6 +68,7 @@ class TensorEdit:
     lora: LoraUpdate | None = None
     add: torch.Tensor | None = None  # scale · lora_B.bias
     tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, rows) copied in
+    experts: ExpertLora | None = None  # a fused expert tensor stored whole (shardtune.merge_experts)
 
     def final_shape(self, base_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = tuple(self.replacement.shape) if self.replacement is not None else tuple(base_shape)
@@ -178,6 +180,7 @@ def plan_merge(
     plan = MergePlan({}, aliases, in_name, _output_dtype(base, dtype))
     names = {n: n for n in [*base.shapes, *aliases]} | _renamed_tensors(base, trust_remote_code)
     groups = parse_keys(weights)
+    _plan_parameter_loras(plan, groups, skeleton, peft_config, names, base)
     # Replacements first: they fix the shape (e.g. a resized embedding) that LoRA and token edits must match.
     for target, parts in sorted(groups.items(), key=lambda kv: "replace" not in kv[1]):
         if "replace" in parts:
@@ -336,6 +339,30 @@ def _plan_lora(plan: MergePlan, module: str, parts: dict[str, Any], names: dict[
         plan.edits.setdefault(_resolve(f"{module}.bias", names, bias_key), TensorEdit()).add = bias * scale
 
 
+def _plan_parameter_loras(plan: MergePlan, groups: dict, skeleton, cfg: Any, names: dict[str, str], base) -> None:
+    """Take the LoRAs of targeted parameters (experts, routers) out of `groups` into the plan's edits."""
+    if not getattr(cfg, "target_parameters", None):
+        return
+    if skeleton is None:
+        raise ValueError("the adapter adapts parameters (target_parameters), whose place in the base's tensors "
+                         "needs the base model's skeleton, which could not be built (see the warning above).")  # fmt: skip
+    for module, wrapper in parameter_wrappers(skeleton, cfg).items():
+        parts = groups.pop(module, None)
+        if parts is None:
+            continue
+        if set(parts) != {"A", "B"}:
+            raise ValueError(f"adapter keys for {module}: a parameter's LoRA has lora_A and lora_B only, not "
+                             f"{', '.join(sorted(set(parts) - {'A', 'B'}))}.")  # fmt: skip
+        for we in wrapper_edits(
+            module, parts["A"][1], parts["B"][1], wrapper, cfg, skeleton.config, names, base.shapes
+        ):
+            edit = plan.edits.setdefault(we.stored, TensorEdit())
+            if we.experts is not None:
+                edit.experts = we.experts
+            else:
+                edit.lora = LoraUpdate(we.A, we.B, we.scale, transposed=we.transposed)
+
+
 def _plan_tokens(plan: MergePlan, module: str, part: tuple[str, torch.Tensor], names: dict[str, str], cfg: Any) -> None:
     key, rows = part
     spec = cfg.trainable_token_indices
@@ -365,6 +392,9 @@ def _fit_edit(name: str, edit: TensorEdit, base_shape: tuple[int, ...]) -> None:
         if needed > rows:
             edit.grow_to = needed  # peft copies trained rows in whole, so rows past the end are fully known
     shape = edit.final_shape(base_shape)
+    if edit.experts is not None and edit.experts.shape != shape:
+        raise ValueError(f"the adapter's expert LoRA for {name} makes a {edit.experts.shape} update but the tensor "
+                         f"is {shape}.")  # fmt: skip
     if edit.lora is not None:
         if len(shape) != 2:
             raise ValueError(f"{name} has shape {shape}: LoRA merges are supported for linear and embedding layers.")
@@ -395,6 +425,8 @@ def apply_edit(edit: TensorEdit | None, weight: torch.Tensor, dtype: torch.dtype
         w = torch.cat([w, extra])
     if edit.lora is not None:
         w = _merge_lora(w, edit.lora)
+    if edit.experts is not None:
+        w = edit.experts.merged(w)
     if edit.add is not None:
         w = w + edit.add.float()
     if edit.tokens is not None:

@@ -193,7 +193,7 @@ def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> 
     return target
 
 
-def _target_modules(spec: str, model: nn.Module | None = None) -> str | list[str]:
+def _target_modules(spec: str, model: nn.Module | None = None, experts_adapted: bool = False) -> str | list[str]:
     """all-linear (given the model: the module paths of shardtune.targets.plan_all_linear, said in the log), one
     regular expression (peft full-matches a string against module names), or a list of names."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
@@ -201,7 +201,7 @@ def _target_modules(spec: str, model: nn.Module | None = None) -> str | list[str
         if model is None:
             return "all-linear"
         plan = targets.plan_all_linear(model)
-        for line in plan.log_lines():
+        for line in plan.log_lines(experts_adapted):
             print0(line)
         return plan.paths or "all-linear"
     if len(names) == 1 and any(c in names[0] for c in "*+?[](){}|^$\\"):
@@ -221,14 +221,27 @@ def attach_adapter(
     new_token_ids: list[int],
     adapter_name: str = "default",
     adapter_path: str | None = None,
+    target_parameters: str | None = None,
+    target_experts: bool = False,
 ) -> nn.Module:
-    """Wrap the base in a PEFT LoRA/DoRA adapter; rows of newly added tokens are trained as trainable tokens."""
+    """Wrap the base in a PEFT LoRA/DoRA adapter; rows of newly added tokens are trained as trainable tokens.
+
+    target_parameters / target_experts: PEFT's target_parameters (expert tensors, router weights; see
+    shardtune.targets.plan_parameters). PEFT adapts a parameter as a weight delta, which has no input to drop, and
+    refuses any lora_dropout then; so the adapter is made with none, and lora_dropout is put back on the linear
+    layers' LoRA inputs (the saved adapter_config.json says 0.0, which is what PEFT needs to load it)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter_path:
         model = PeftModel.from_pretrained(model, adapter_path, adapter_name=adapter_name, is_trainable=True)
         print0(f"Continuing training of the adapter in {adapter_path}.")
+        if model.peft_config[adapter_name].target_parameters:
+            _linear_dropout(model, lora_dropout, adapter_name)
         return model
+    plan = targets.plan_parameters(model, target_parameters, experts=target_experts)
+    for line in plan.log_lines():
+        print0(line)
+    params = plan.names or None
     mts = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()] or None
     problem = tied_head_saved_problem(model, mts, adds_rows=bool(new_token_ids))
     if problem:  # said by the preflight before loading when the chat format adds the rows; here for any other way
@@ -239,8 +252,9 @@ def attach_adapter(
     cfg = LoraConfig(
         r=lora_r,
         lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        target_modules=_target_modules(target_modules, model),
+        lora_dropout=0.0 if params else lora_dropout,
+        target_modules=_target_modules(target_modules, model, experts_adapted=targets.EXPERTS in plan.words),
+        target_parameters=params,
         use_dora=use_dora,
         modules_to_save=mts,
         trainable_token_indices=tti or None,
@@ -253,7 +267,27 @@ def attach_adapter(
         if "not found in the base model" in str(e) or "Target modules" in str(e):
             raise ValueError(f"--lora_target_modules {target_modules!r} matched no module of the model: {e}") from e
         raise
+    if params and lora_dropout:
+        _linear_dropout(model, lora_dropout, adapter_name)
+        print0(
+            f"--lora_dropout {lora_dropout} acts on the linear layers' LoRA inputs; a parameter's LoRA (a weight "
+            "delta) has no input to drop, and adapter_config.json records lora_dropout 0.0 so that PEFT loads it."
+        )
     return model
+
+
+def _linear_dropout(model: nn.Module, p: float, adapter_name: str) -> None:
+    """Dropout p on the input of every linear layer's LoRA of `adapter_name` whose adapter was made without one
+    (an adapter that also adapts parameters: see attach_adapter); parameter wrappers have no input to drop."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    if not p:
+        return
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+            drops = module.lora_dropout
+            if adapter_name in drops and isinstance(drops[adapter_name], nn.Identity):
+                drops[adapter_name] = nn.Dropout(p)
 
 
 def _token_modules(model: nn.Module, modules_to_save: list[str] | None) -> dict[str, range]:

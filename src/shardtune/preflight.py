@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from shardtune import targets
 from shardtune.hub import is_hub_id, is_transport_error
 from shardtune.log import warn0
 from shardtune.validation import chat_format_problem, unmatched_alternatives_warned
@@ -380,7 +381,10 @@ def adapter_base_problem(
     saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
     saved_base, fan_in_fan_out = saved.get("base_model_name_or_path"), bool(saved.get("fan_in_fan_out"))
     bad = []
+    wrapped = _parameter_lora_modules(saved.get("target_parameters") or [])
     for key, shape in sorted(adapter_tensor_shapes(adapter_dir).items()):
+        if wrapped(key):  # a parameter's LoRA (experts, routers): merge_experts checks it against the base
+            continue
         module, want, fits = _expected(key, shape, base_shapes, vocab_size, fan_in_fan_out)
         # A tied output head (a top-level module such as lm_head) is not stored in a checkpoint's files.
         if not fits and (want is not None or require_all or "." in module):
@@ -397,6 +401,18 @@ def adapter_base_problem(
     if names and Path(saved_base).name != Path(base_name).name:
         warn0(f"{flag} {adapter_dir} names {saved_base} as its base, not {base_name}; its shapes fit, so it is used.")
     return None
+
+
+def _parameter_lora_modules(target_parameters: list[str]):
+    """Whether an adapter key belongs to the LoRA of a targeted parameter: PEFT's ParamWrapper keys are the owning
+    module's path (with a .base_layer per nested wrapper) and lora_A/lora_B, for a module owning a target."""
+    owners = {t.rpartition(".")[0] for t in target_parameters}
+
+    def wrapped(key: str) -> bool:
+        module = re.sub(r"\.lora_[AB](\.[^.]+)?\.weight$", "", key).replace(".base_layer", "")
+        return module != key and any(module == o or module.endswith("." + o) for o in owners if o)
+
+    return wrapped
 
 
 def model_shapes(model) -> dict[str, tuple[int, ...]]:
@@ -443,6 +459,9 @@ def model_input_problems(cfg) -> list[str]:
             explicit = "lora_target_modules" in getattr(cfg, "explicit", ())
             problems += target_module_problems(
                 skeleton, m.lora_target_modules, explicit=explicit, model_name=m.model_name_or_path
+            )
+            problems += targets.parameter_target_problems(
+                skeleton, m.lora_target_parameters, experts=m.lora_target_experts
             )
             problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
             problems.append(chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))

@@ -40,6 +40,8 @@ IDENTITY = {
         "use_peft_lora",
         "lora_r",
         "lora_target_modules",
+        "lora_target_parameters",
+        "lora_target_experts",
         "use_dora",
         "modules_to_save",
         "adapter_name",
@@ -191,7 +193,9 @@ def clear_previous_run(output_dir: str) -> list[str]:
 
 
 def _norm(key: str, value: Any) -> Any:
-    if key in ("lora_target_modules", "modules_to_save") and isinstance(value, str):
+    if key == "lora_target_experts":  # a checkpoint from before the flag trained no experts
+        return bool(value)
+    if key in ("lora_target_modules", "lora_target_parameters", "modules_to_save") and isinstance(value, str):
         return sorted(s.strip() for s in value.split(",") if s.strip())
     if key in ("model_name_or_path", "dataset_name") and isinstance(value, str):
         path = Path(value).expanduser()

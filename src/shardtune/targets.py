@@ -37,13 +37,14 @@ class TargetPlan:
     left_out: dict[str, list[str]] = field(default_factory=dict)
     experts: list[str] = field(default_factory=list)  # modules holding fused expert tensors
 
-    def log_lines(self) -> list[str]:
+    def log_lines(self, experts_adapted: bool = False) -> list[str]:
         lines = [f"LoRA targets (all-linear, {len(self.paths)} layers): {summarise(self.paths)}"]
         for reason, paths in self.left_out.items():
             lines.append(f"  not adapted, {reason}: {summarise(paths)}")
-        if self.experts:
+        if self.experts and not experts_adapted:
             lines.append(
-                f"  not adapted, the experts' fused tensors (parameters, not layers): {summarise(self.experts)}"
+                f"  not adapted, the experts' fused tensors (parameters, not layers; --lora_target_experts True "
+                f"adapts them): {summarise(self.experts)}"
             )
         return lines
 
@@ -136,3 +137,99 @@ def plan_all_linear(model: nn.Module) -> TargetPlan:
             continue
         plan.left_out.setdefault(reason, []).append(name)
     return plan
+
+
+# ---------------------------------------------------------------- parameters: experts and routers
+
+# Words of --lora_target_parameters that stand for every parameter of a kind (--lora_target_experts True: experts).
+EXPERTS, ROUTERS = "experts", "routers"
+
+
+@dataclass
+class ParameterPlan:
+    """PEFT target_parameters: parameter names (paths with the block index dropped, which PEFT matches as a path
+    ending), and what each word stood for."""
+
+    names: list[str]
+    words: dict[str, list[str]] = field(default_factory=dict)
+
+    def log_lines(self) -> list[str]:
+        return [f"LoRA on parameters ({word}): {', '.join(names)}" for word, names in self.words.items()]
+
+
+def _suffix(path: str) -> str:
+    """model.layers.3.mlp.experts.gate_up_proj -> mlp.experts.gate_up_proj (the part after the last index)."""
+    parts = path.split(".")
+    last = max((i for i, p in enumerate(parts) if p.isdigit()), default=-1)
+    return ".".join(parts[last + 1 :])
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """Paths of every fused expert tensor (3-D, one slice per expert) of a mixture of experts."""
+    n_experts = num_experts(model.config) if hasattr(model, "config") else 0
+    out = []
+    for name in expert_modules(model, n_experts):
+        module = model.get_submodule(name)
+        out += [f"{name}.{p}" for p, t in module.named_parameters(recurse=False) if t.ndim == 3]
+    return out
+
+
+def router_parameters(model: nn.Module) -> list[str]:
+    """Paths of every router weight held as a parameter (E, hidden) by a router module (transformers 5's
+    *TopKRouter and its kin); routers that are linear layers are modules: --lora_target_modules names them."""
+    n_experts = num_experts(model.config) if hasattr(model, "config") else 0
+    out = []
+    for name, module in model.named_modules():
+        if not n_experts or isinstance(module, _linear_classes()):
+            continue
+        weight = module._parameters.get("weight")
+        routes = "router" in type(module).__name__.lower() or _ROUTER_NAME.search(name.rpartition(".")[2])
+        if routes and weight is not None and weight.ndim == 2 and weight.shape[0] == n_experts:
+            out.append(f"{name}.weight")
+    return out
+
+
+def plan_parameters(model: nn.Module, spec: str | None, *, experts: bool) -> ParameterPlan:
+    """What --lora_target_parameters (and --lora_target_experts) adapt on `model`: PEFT's names, each checked to
+    match a parameter of the right kind; raises ValueError naming the flag and what the model has."""
+    words = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    if experts and EXPERTS not in words:
+        words.append(EXPERTS)
+    plan = ParameterPlan(names=[])
+    named = dict(model.named_parameters())
+    for word in words:
+        if word in (EXPERTS, ROUTERS):
+            found = expert_parameters(model) if word == EXPERTS else router_parameters(model)
+            if not found:
+                raise ValueError(_no_parameters_message(model, word, experts))
+            names = sorted({_suffix(p) for p in found})
+            plan.words[word] = names
+        else:
+            if not any(p == word or p.endswith("." + word) for p in named):
+                raise ValueError(_no_parameters_message(model, word, experts))
+            names = [word]
+        plan.names += [n for n in names if n not in plan.names]
+    return plan
+
+
+def _no_parameters_message(model: nn.Module, word: str, experts: bool) -> str:
+    flag = "--lora_target_experts True" if word == EXPERTS and experts else f"--lora_target_parameters {word}"
+    have = sorted({_suffix(p) for p in [*expert_parameters(model), *router_parameters(model)]})
+    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if word in (EXPERTS, ROUTERS):
+        what = "fused expert tensors" if word == EXPERTS else "router weights held as parameters"
+        tail = f"its expert and router parameters are {', '.join(have)}" if have else "it is not a mixture of experts"
+        return f"{flag}: this {kind} model has no {what}; {tail}."
+    tail = f" (its expert and router parameters: {', '.join(have)})" if have else ""
+    return f"{flag}: no parameter of this {kind} model is named {word} or ends in .{word}{tail}."
+
+
+def parameter_target_problems(model: nn.Module, spec: str | None, *, experts: bool) -> list[str]:
+    """plan_parameters' refusal as a preflight problem (on the meta skeleton, before any weight is read)."""
+    if not spec and not experts:
+        return []
+    try:
+        plan_parameters(model, spec, experts=experts)
+    except ValueError as e:
+        return [str(e)]
+    return []

@@ -107,6 +107,7 @@ def _adapter_problems(cfg: RunConfig) -> list[str]:
             p.append(f"--lora_dropout must be in [0, 1) (got {m.lora_dropout}).")
         if not _split(m.lora_target_modules):
             p.append("--lora_target_modules is empty; give module names or all-linear.")
+        p += _parameter_target_problems(m)
         if m.frozen_base == "replicated" and cfg.fsdp.offload_params:
             p.append(
                 "--frozen_base replicated holds the frozen base whole on every GPU, while fsdp_offload_params keeps "
@@ -232,6 +233,26 @@ def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[
     return p
 
 
+def _parameter_target_problems(m) -> list[str]:
+    """LoRA on parameters (expert tensors, routers) is PEFT's weight-delta LoRA: no DoRA form, no 4-bit experts."""
+    flags = [f for f, on in (("--lora_target_parameters", m.lora_target_parameters),
+                             ("--lora_target_experts True", m.lora_target_experts)) if on]  # fmt: skip
+    if not flags:
+        return []
+    p = []
+    if m.use_dora:
+        p.append(
+            f"{' and '.join(flags)} with --use_dora: PEFT has no DoRA form for a parameter's LoRA (experts, "
+            "routers); use plain LoRA there (--use_dora False), or DoRA on the linear layers only."
+        )
+    if m.use_4bit_quantization or m.use_8bit_quantization:
+        p.append(
+            f"{' and '.join(flags)} with a quantized base: 4-bit or 8-bit expert tensors cannot carry a LoRA yet; "
+            "train expert LoRA on a bf16 base (remove --use_4bit_quantization), or QLoRA without the experts."
+        )
+    return p
+
+
 # Flags that only mean something for an adapter; refused when given explicitly with full fine-tuning.
 ADAPTER_FLAGS = (
     "frozen_base",
@@ -239,6 +260,8 @@ ADAPTER_FLAGS = (
     "lora_alpha",
     "lora_dropout",
     "lora_target_modules",
+    "lora_target_parameters",
+    "lora_target_experts",
     "use_dora",
     "dora_dropout",
     "modules_to_save",

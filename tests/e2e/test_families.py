@@ -64,6 +64,7 @@ EXTRA = [
     ("mixtral", "qlora", 0.0),  # refused before loading
 ]
 FULL = ("qwen3", "gemma4")  # full fine-tuning in 1 process too: tied, q/k norms; Gemma 4's per-layer embeddings
+MOE = tuple(n for n, f in FAMILIES.items() if not f.dense)  # expert LoRA in 1 process and on 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,19 @@ def matrix(tmp_path_factory) -> dict:
         {"name": f"{n}/{m}", "argv": train_argv(root / n, assets["data"], root / m / n, m, batch=2, dropout=p)}
         for n, m, p in EXTRA
     ]
+    for n in MOE:
+        one.append(
+            {
+                "name": f"{n}/experts",
+                "argv": train_argv(root / n, assets["data"], root / "one-experts" / n, "experts", batch=4),
+            }
+        )
+        two.append(
+            {
+                "name": f"{n}/experts",
+                "argv": train_argv(root / n, assets["data"], root / "experts" / n, "experts", batch=2),
+            }
+        )
     return {**assets, "one": run_jobs(one, root, nproc=1), "two": run_jobs(two, root, nproc=2)}
 
 
@@ -277,3 +291,68 @@ def test_steps_at_learning_rate_zero_do_not_count(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(AssertionError, match=r"only steps \[2\] of \[1, 2\] updated the weights"):
         assert_runs_match(tmp_path, tmp_path, matrix_tolerance("llama"), min_updates=2)
+
+
+# ---------------------------------------------------------------- expert LoRA on the mixtures of experts
+
+# PEFT's keys for the LoRA of each block's two fused expert tensors (nested wrappers) and its router's weight.
+EXPERT_LORA = (".mlp.experts.base_layer.lora_B.weight", ".mlp.experts.lora_B.weight", ".mlp.gate.lora_B.weight")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_expert_lora_two_ranks_match_one_process(matrix, family):
+    """LoRA on every expert (`--lora_target_experts True`) and on the routers (`--lora_target_parameters routers`)
+    trains on 2 FSDP2 ranks as in one process: losses, grad_norm and every saved tensor. The adapter names the
+    parameters as PEFT's target_parameters and holds a LoRA for each, moved by training (B starts at zero): a run
+    that left the experts out would have neither."""
+    root = matrix["root"]
+    assert matrix["one"][f"{family}/experts"] == 0 and matrix["two"][f"{family}/experts"] == 0
+    close = matrix_tolerance(family)
+    trained = assert_runs_match(root / "one-experts" / family, root / "experts" / family, close, min_updates=STEPS)
+    config = json.loads((root / "experts" / family / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == [
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "mlp.gate.weight",
+    ]
+    assert config["lora_dropout"] == 0.0  # what PEFT needs to load a parameter's LoRA
+    for layer in range(LAYERS):
+        for suffix in EXPERT_LORA:
+            moved = float(trained[f"base_model.model.model.layers.{layer}{suffix}"].abs().max())
+            assert moved > LR > 3 * close.atol, (layer, suffix, moved)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_expert_lora_reloads_in_peft_merges_and_chats(matrix, family):
+    """The expert adapter reloads in plain transformers + PEFT with the trained eval loss; `shardtune merge` folds
+    each expert's delta into the base's per-expert tensors (the layout the checkpoint stores them in), so the merged
+    folder's fused tensors minus the base's are PEFT's own deltas, and its logits are base + adapter's; `shardtune
+    chat` gives the same answer with the adapter and with the merged folder."""
+    from peft.tuners.lora import ParamWrapper
+    from transformers import AutoModelForCausalLM
+
+    root, out = matrix["root"], matrix["root"] / "experts" / family
+    rows = eval_rows_file(matrix["data"], out, root, f"{family}-experts")
+    got = reload_eval_losses([{"name": family, "base": str(root / family), "out": str(out), "rows": str(rows)}])
+    trained = json.loads((out / "train_summary.json").read_text())["final_eval_loss"]
+    assert got[family] == pytest.approx(trained, rel=tol(torch.float32, decoder_chain(**CHAIN, tokens=EVAL_TOKENS)))
+
+    peft, merged = peft_and_merged(root / family, out, root / "merged-experts" / family)
+    base = AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.float32)
+    merged_params, base_params = dict(merged.named_parameters()), dict(base.named_parameters())
+    wrappers = [(n, m) for n, m in peft.named_modules() if isinstance(m, ParamWrapper)]
+    assert len(wrappers) == 3 * LAYERS
+    for name, module in wrappers:
+        param = f"{name.removeprefix('base_model.model.').replace('.base_layer', '')}.{module.parameter_name}"
+        delta = module.get_delta_weight("default")
+        assert delta.abs().max() > 0, param
+        # fp32: the merge rounds w + delta once, this subtraction once more, and the two deltas (bmm against PEFT's
+        # einsum over r terms) differ by a few roundings of |delta|: 8 eps of the larger magnitude bounds all four.
+        w = merged_params[param] - base_params[param]
+        atol = 8 * torch.finfo(torch.float32).eps * float(base_params[param].abs().max() + delta.abs().max())
+        torch.testing.assert_close(w, delta, rtol=0, atol=atol, msg=lambda m, p=param: f"{p}: {m}")
+    ids = torch.tensor([[1, 40, 77, 602, 605, 607, 9, 300]])
+    assert merge_logit_error(peft, merged, ids) < tol(torch.float32, decoder_chain(**{**CHAIN, "vocab": 0, "seq": 8}))
+    with_adapter, _ = chat_answer_ids(root / family, out)
+    from_merged, _ = chat_answer_ids(root / "merged-experts" / family, None)
+    assert len(with_adapter) == 6 and with_adapter == from_merged

@@ -7,6 +7,8 @@ small model (tests/unit/test_plan.py), so only the sizes, not the list, are extr
 
 from __future__ import annotations
 
+import math
+
 from shardtune.planning.model import ModelShape
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
@@ -213,6 +215,21 @@ def dora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[
     scale g = m / norm in the compute dtype (g·z keeps both factors) for backward."""
     dims = shape.linear_dims()
     return sum((4 + compute_bytes) * dims[name][1] for name in lora_targets if name in dims)
+
+
+def expert_lora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
+    """Per block, not per token: PEFT's LoRA on a fused expert tensor (target_parameters) adds its delta to the
+    whole tensor in the forward (W + s·B·A for every expert, one baddbmm), and the experts' matmul keeps that
+    merged copy in the compute dtype for backward; a router's LoRA likewise keeps an (E, hidden) copy. The backward
+    forms the gradient of that whole stack once per block (the factors' gradients are taken from it): the same
+    bytes again, transiently."""
+    if not shape.num_experts:
+        return 0
+    per = {name: math.prod(shp) for name, shp in shape.expert_tensors().items()}
+    n = sum(per.get(f"mlp.{t}", 0) for t in lora_targets)
+    if "router" in lora_targets:
+        n += shape.num_experts * shape.hidden_size
+    return compute_bytes * n
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

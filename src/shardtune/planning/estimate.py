@@ -222,10 +222,10 @@ def _dynamic(
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
     dequant = a * max(i * o for i, o in shape.linear_dims().values()) if quantized else 0
-    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant
+    experts = act.expert_lora_saved_bytes(shape, a, lora_targets)  # kept per block, and its gradient in backward
+    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant + experts
     dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
-    if use_dora:
-        layer += act.dora_saved_bytes(shape, a, lora_targets)
+    layer += experts + (act.dora_saved_bytes(shape, a, lora_targets) if use_dora else 0)
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
         recompute = act.recompute_peak_bytes(
             shape,

@@ -15,7 +15,7 @@ from shardtune.fsdp_settings import fsdp_settings_from_env, single_process_fsdp_
 from shardtune.loss import rows_per_example
 from shardtune.parallel import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
-from shardtune.planning.model import ModelShape, load_model_config
+from shardtune.planning.model import PARAMETER_MARK, ModelShape, load_model_config
 from shardtune.planning.recommend import recommend
 from shardtune.planning.report import Launch, recommendation_lines
 from shardtune.planning.state import GiB
@@ -64,6 +64,14 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
     return shape
 
 
+def lora_targets(model) -> str:
+    """The planner's LoRA targets: --lora_target_modules, then the parameters (planning.model.PARAMETER_MARK)."""
+    words = [w.strip() for w in (model.lora_target_parameters or "").split(",") if w.strip()]
+    if model.lora_target_experts and "experts" not in words:
+        words.append("experts")
+    return ",".join([model.lora_target_modules, *(PARAMETER_MARK + w for w in words)])
+
+
 def run_kwargs(
     model: ModelArguments,
     data: DataArguments,
@@ -94,7 +102,7 @@ def run_kwargs(
         "quant_storage_dtype": storage,
         "use_peft_lora": model.use_peft_lora,
         "lora_r": model.lora_r,
-        "lora_target_modules": model.lora_target_modules,
+        "lora_target_modules": lora_targets(model),
         # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
         "lora_dropout": 0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
         "use_dora": model.use_dora,

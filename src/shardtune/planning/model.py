@@ -287,17 +287,39 @@ class AllLinear(tuple):
     adapter's bytes use the layers training really wraps (ModelShape.all_linear_layers) where they are known."""
 
 
+# LoRA on parameters (--lora_target_experts, --lora_target_parameters; PEFT's target_parameters), as planner names
+# after the linear layers': each fused expert tensor holds one LoRA per expert, A (r·E, in) and B (out, r·E).
+EXPERT_LORA = ("experts.gate_up_proj", "experts.down_proj")
+ROUTER_LORA = "router"
+PARAMETER_MARK = "@"  # "@experts", "@routers" or "@<parameter name>" in the planner's target list (planning.fit)
+
+
+def _parameter_targets(words: Sequence[str], shape: ModelShape) -> tuple[str, ...]:
+    """Planner names of the parameter targets ("@experts" -> both expert tensors; a name by its ending)."""
+    out: list[str] = []
+    for word in words:
+        if word in ("experts", "routers"):
+            found = list(EXPERT_LORA) if word == "experts" else [ROUTER_LORA]
+        else:
+            leaf = word.removesuffix(".weight")
+            found = [n for n in EXPERT_LORA if leaf.endswith(n.rpartition(".")[2])] or [ROUTER_LORA]
+        out += [n for n in found if n not in out and shape.num_experts]
+    return tuple(out)
+
+
 def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str]) -> tuple[str, ...]:
     """The linear layers LoRA wraps, as Llama-style names (q_proj ... down_proj, lm_head). all-linear: AllLinear of
     those names; its LoRA parameters are counted on the model's own layers where the class builds here
     (shardtune.targets by module path: routers, experts' fused tensors and the head excluded), and assume the
     Llama names otherwise. Explicit names are matched against the Llama names."""
     names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
-    names = [n for n in names if n]
+    words = [n[len(PARAMETER_MARK) :] for n in names if n.startswith(PARAMETER_MARK)]
+    names = [n for n in names if n and not n.startswith(PARAMETER_MARK)]
+    params = _parameter_targets(words, shape)
     if names == ["all-linear"]:
-        return AllLinear(shape.block_linears())
+        return AllLinear(shape.block_linears() + params)
     known = shape.block_linears() + ROOT_LINEARS
-    targets = tuple(n for n in known if any(t == n or t.endswith("." + n) for t in names))
+    targets = tuple(n for n in known if any(t == n or t.endswith("." + n) for t in names)) + params
     if not targets:
         raise ConfigError(
             [
@@ -339,12 +361,22 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def _parameter_lora_tensors(shape: ModelShape, r: int, targets: tuple[str, ...]):
+    e, h, i = shape.num_experts, shape.hidden_size, shape.expert_intermediate_size
+    dims = {"experts.gate_up_proj": (h, 2 * i, e), "experts.down_proj": (i, h, e), ROUTER_LORA: (h, e, 1)}
+    for name in (t for t in targets if t in dims):
+        fan_in, fan_out, copies = dims[name]
+        yield f"{name}.lora_A", (r * copies, fan_in), "block"
+        yield f"{name}.lora_B", (fan_out, r * copies), "block"
+
+
 def _lora_tensors(shape: ModelShape, r: int, targets: tuple[str, ...], use_dora: bool):
+    yield from _parameter_lora_tensors(shape, r, targets)
     if isinstance(targets, AllLinear) and shape.all_linear_layers:
         yield from _real_lora_tensors(shape, r, use_dora)
         return
     dims = {**shape.linear_dims(), "lm_head": (shape.hidden_size, shape.vocab_size)}
-    for name in targets:
+    for name in (t for t in targets if t not in (*EXPERT_LORA, ROUTER_LORA)):
         fan_in, fan_out = dims[name]
         group = "root" if name in ROOT_LINEARS else "block"
         yield f"{name}.lora_A", (r, fan_in), group

@@ -9,7 +9,14 @@ from typing import Any
 
 from shardtune.config import RunConfig
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
-from shardtune.planning.model import ModelShape, base_param_count, lora_param_count, resolve_lora_targets
+from shardtune.planning.model import (
+    EXPERT_LORA,
+    ROUTER_LORA,
+    ModelShape,
+    base_param_count,
+    lora_param_count,
+    resolve_lora_targets,
+)
 from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
 from shardtune.planning.recommend import Recommendation
 from shardtune.planning.state import GiB
@@ -232,8 +239,10 @@ def _describe_run(p: Plan) -> list[str]:
         targets = resolve_lora_targets(s, k["lora_target_modules"])
         n = lora_param_count(s, k["lora_r"], targets, k["use_dora"])
         base = "4-bit" if k["use_4bit"] else "8-bit" if k["use_8bit"] else "frozen"
+        params = [t for t in targets if t in (*EXPERT_LORA, ROUTER_LORA)]
+        on = f"{len(targets) - len(params)} linears" + (f" and {' and '.join(params)}" if params else "")
         method = (
-            f"{'DoRA' if k['use_dora'] else 'LoRA'} r={k['lora_r']} on {len(targets)} linears per block "
+            f"{'DoRA' if k['use_dora'] else 'LoRA'} r={k['lora_r']} on {on} per block "
             f"({n / 1e6:.1f}M trainable), {base} base"
         )
     else:
