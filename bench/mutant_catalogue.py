@@ -563,8 +563,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "not undone for it on several ranks)",
         Edit(
             "loss.py",
-            'total = total + term * (grad_scale / max(totals["micro_batches"], 1))',
-            'total = total + term * (1.0 / max(totals["micro_batches"], 1))',
+            "return (ce + _aux_term(model, aux, totals, sums)) * grad_scale, sums",
+            "return ce * grad_scale + _aux_term(model, aux, totals, sums), sums",
         ),
         [ROUTER_AUX_RANKS],
     ),

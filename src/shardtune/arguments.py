@@ -240,7 +240,7 @@ class TrainArguments:
     undesirable_weight: float = _f(1.0, "--objective kto: the weight of the undesirable examples' losses.")
     router_aux_loss_coef: float | None = _f(
         None,
-        "Mixtures of experts, --objective sft: the weight of the router load-balancing loss added to the loss "
+        "Mixtures of experts, every objective: the weight of the router load-balancing loss added to the loss "
         "(default: the config's router_aux_loss_coef, whatever its output_router_logits says); 0 turns it off.",
     )
     precompute_ref_log_probs: bool = _f(

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.router_aux import sequence_mask
+
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PAIR_METRICS = (
     "rewards/chosen",
@@ -61,23 +63,44 @@ class Objective:
         losses). It is not the aux loss of the global batch as one forward (its expert fractions are per
         micro-batch), so the runs agree across ranks and accumulation only for the same micro-batches."""
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
-        coef = getattr(model, "router_aux_loss_coef", 0.0)  # 0 for a dense model (or any other module)
-        loss, _, aux = model(**inputs, router_aux=True) if coef > 0 else (*model(**inputs), None)
-        total = loss * (grad_scale / max(totals["targets"], 1))
+        loss, _, aux = model(**inputs, router_aux=True) if _aux_coef(model) > 0 else (*model(**inputs), None)
         sums = {"loss": loss.detach().double()}
-        if aux is not None:
-            term = coef * aux
-            total = total + term * (grad_scale / max(totals["micro_batches"], 1))
-            sums.update({"aux_loss": aux.detach().double(), "aux_term": term.detach().double()})
-        return total, sums
+        ce = loss / max(totals["targets"], 1)
+        return (ce + _aux_term(model, aux, totals, sums)) * grad_scale, sums
 
     def report(self, sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
-        out = {"loss": sums["loss"] / max(totals["targets"], 1)}
-        if "aux_loss" in sums:  # means over the micro-batches of every rank, like the backward tensor's
-            n = max(totals["micro_batches"], 1)
-            out["loss"] += sums["aux_term"] / n
-            out["aux_loss"] = sums["aux_loss"] / n
-        return out
+        return _aux_report({"loss": sums["loss"] / max(totals["targets"], 1)}, sums, totals)
+
+
+def _aux_coef(model: nn.Module) -> float:
+    return getattr(model, "router_aux_loss_coef", 0.0)  # 0 for a dense model (or any other module)
+
+
+def _aux_term(model: nn.Module, aux: torch.Tensor | None, totals: dict[str, int], sums: dict) -> torch.Tensor | float:
+    """coef × this forward's router load-balancing loss / the global number of micro-batches (0 without one), and
+    its sums for the report: each objective adds the mean over micro-batches of coef × aux, as transformers'
+    Trainer (and TRL's) do with one aux per forward."""
+    if aux is None:
+        return 0.0
+    term = _aux_coef(model) * aux
+    sums.update({"aux_loss": aux.detach().double(), "aux_term": term.detach().double()})
+    return term / max(totals["micro_batches"], 1)
+
+
+def _aux_report(out: dict[str, float], sums: dict[str, float], totals: dict[str, int]) -> dict[str, float]:
+    if "aux_loss" in sums:  # means over the micro-batches of every rank, like the backward tensor's
+        n = max(totals["micro_batches"], 1)
+        out["loss"] += sums["aux_term"] / n
+        out["aux_loss"] = sums["aux_loss"] / n
+    return out
+
+
+def _policy(model: nn.Module, rows: dict, keep_rows: torch.Tensor):
+    """(log-prob, targets, aux or None) per row of one-sequence rows; the router loss over their real tokens."""
+    if _aux_coef(model) <= 0:
+        return (*model(**rows, per_sequence=True), None)
+    mask = sequence_mask(rows["position_ids"], keep_rows)
+    return model(**rows, per_sequence=True, router_aux=True, aux_mask=mask)
 
 
 @dataclass
@@ -106,18 +129,18 @@ class PreferenceObjective(Objective):
         valid = batch["pair_index"] >= 0
         n_pairs = len(valid)
         chosen_targets = int((batch["labels"][:n_pairs] != -100).sum())
-        return {"pairs": int(valid.sum()), "chosen_targets": chosen_targets}
+        return {"pairs": int(valid.sum()), "chosen_targets": chosen_targets, "micro_batches": 1}
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
         # The reference first: its no_grad activations are gone before the policy's forward saves its own.
         ref_logps = self._reference(model, batch)
-        logps, n_targets = model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], per_sequence=True
-        )
+        rows = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+        logps, n_targets, aux = _policy(model, rows, (batch["pair_index"] >= 0).repeat(2))
         valid = (batch["pair_index"] >= 0).float()
         scores = self.scores(logps, n_targets, ref_logps)
         loss = (scores.loss * valid).sum() / max(totals["pairs"], 1)
         sums = {"loss": loss.detach().double()}
+        loss = loss + _aux_term(model, aux, totals, sums)
         if self.name == "orpo":
             # ORPO adds the chosen completions' mean token NLL (over the global batch's chosen targets).
             nll = -logps[: len(valid)].sum() / max(totals["chosen_targets"], 1)
@@ -135,7 +158,7 @@ class PreferenceObjective(Objective):
         if "nll_loss" in sums:
             out["nll_loss"] = sums["nll_loss"]
         out.update({k: sums[k] / n for k in PAIR_METRICS})
-        return out
+        return _aux_report(out, sums, totals)
 
     def scores(self, logps: torch.Tensor, n_targets: torch.Tensor, ref_logps: torch.Tensor | None) -> PairScores:
         """The loss per pair from per-row log-probs and target counts ([2B]: chosen rows, then rejected rows)."""
@@ -217,7 +240,7 @@ class KTOObjective(PreferenceObjective):
         n = len(batch["pair_index"])
         with torch.no_grad():  # the KL term is detached (TRL): its rows need no graph
             kl_logps, _ = model(**{k: v[n:] for k, v in inputs.items()}, per_sequence=True)
-        logps, _ = model(**{k: v[:n] for k, v in inputs.items()}, per_sequence=True)
+        logps, _, aux = _policy(model, {k: v[:n] for k, v in inputs.items()}, batch["pair_index"] >= 0)
         valid = (batch["pair_index"] >= 0).to(logps.dtype)
         ref = ref.to(logps.dtype)
         kl_sum, kl_count = all_reduce_sum(
@@ -237,6 +260,7 @@ class KTOObjective(PreferenceObjective):
                 "logps/chosen": (logps * desirable).sum().double(),
                 "logps/rejected": (logps * undesirable).sum().double(),
             }
+        total = total + _aux_term(model, aux, totals, sums)
         return total * grad_scale, sums
 
     def losses(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: float):
@@ -259,7 +283,7 @@ class KTOObjective(PreferenceObjective):
                 out[f"logps/{side}"] = sums[f"logps/{side}"] / count
         if n_chosen and n_rejected:
             out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-        return out
+        return _aux_report(out, sums, totals)
 
 
 def kto_weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float):

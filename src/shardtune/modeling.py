@@ -419,7 +419,7 @@ class CausalLMForTraining(nn.Module):
         """Hidden states (fast path), or the own forward's logits, which the head then leaves as they are."""
         return self._outputs_and_aux(input_ids, position_ids, False)[0]
 
-    def _outputs_and_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, with_aux: bool):
+    def _outputs_and_aux(self, input_ids: torch.Tensor, position_ids: torch.Tensor, with_aux: bool, aux_mask=None):
         """(_outputs, the router load-balancing loss or None). The router logits come from the decoder's (or the
         own forward's) output with output_router_logits, as the family's forward reads them; asked for only when
         the term is on, so that a run without it computes exactly what it did before."""
@@ -431,7 +431,7 @@ class CausalLMForTraining(nn.Module):
         else:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
             h = out.logits
-        return h, self.router_aux(getattr(out, "router_logits", None)) if with_aux else None
+        return h, self.router_aux(getattr(out, "router_logits", None), aux_mask) if with_aux else None
 
     def forward(
         self,
@@ -440,10 +440,14 @@ class CausalLMForTraining(nn.Module):
         labels: torch.Tensor,
         per_sequence: bool = False,
         router_aux: bool = False,
+        aux_mask: torch.Tensor | None = None,
     ):
-        h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux and not per_sequence)
+        """(sum of the targets' cross-entropies, their count) or, per_sequence, (log-prob, targets) per row; with
+        router_aux, the router load-balancing loss (over aux_mask's tokens, or all) as a third element."""
+        h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux, aux_mask)
         if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
-            return self._sequence_logps(h, labels)
+            logps, n = self._sequence_logps(h, labels)
+            return (logps, n, aux) if router_aux else (logps, n)
         total, count = self._token_loss(h, labels)
         return (total, count, aux) if router_aux else (total, count)
 

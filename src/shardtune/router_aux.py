@@ -6,9 +6,10 @@ output_router_logits. shardtune takes that function from the model's own modelin
 from the model (`num_experts`, `num_experts_per_tok`, `router_aux_loss_coef`), rather than a hand-kept list, so the
 term is the family's own. A family without the function or without those attributes gets no term.
 
-The loss is a mean over every position of one forward (shardtune's rows carry no attention mask, so padding and
-filler rows route like any token, as in transformers' forward without one). How it enters the SFT objective over
-micro-batches and ranks: shardtune.loss.Objective.step.
+For SFT the loss is a mean over every position of one forward (packed rows carry no attention mask, so padding and
+filler rows route like any token, as in transformers' forward without one); the preference objectives leave each
+row's padding and their filler rows out (`sequence_mask`), as TRL's trainers do with their attention mask. How it
+enters the objectives over micro-batches and ranks: shardtune.loss.Objective.step.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ class RouterAux:
     config_coef: float  # the config's router_aux_loss_coef, for the log line
     family: str  # the causal LM class, for the log line
 
-    def __call__(self, router_logits) -> torch.Tensor | None:
+    def __call__(self, router_logits, mask: torch.Tensor | None = None) -> torch.Tensor | None:
         """The aux loss (fp32, 0-dim) of one forward's router logits (one [tokens, experts] tensor per MoE layer),
-        or None when the decoder recorded none."""
+        or None when the decoder recorded none. mask [batch, seq] (1: a real token) leaves padding out, as the
+        family's forward does with an attention mask."""
         if not isinstance(router_logits, tuple) or not router_logits:
             return None
-        aux = self.loss_func(router_logits, self.num_experts, self.top_k, None)
+        if mask is not None and not bool(mask.any()):  # only filler rows: a zero that keeps the graph (and FSDP)
+            return self.loss_func(router_logits, self.num_experts, self.top_k, None).float() * 0.0
+        aux = self.loss_func(router_logits, self.num_experts, self.top_k, mask)
         return aux.float() if isinstance(aux, torch.Tensor) else None
 
 
@@ -57,19 +61,22 @@ def family_router_aux(base, coef: float | None = None) -> RouterAux | None:
     return RouterAux(loss_func, experts, top_k, used, float(config_coef), type(base).__name__)
 
 
-def log_line(aux: RouterAux | None, objective: str) -> str | None:
+def log_line(aux: RouterAux | None) -> str | None:
     """The run's line on the router loss: which coefficient and how to turn it off, or None for a dense model."""
     if aux is None:
         return None
     if aux.coef == 0:
         return f"{aux.family}: mixture of experts; the router load-balancing loss is off ({FLAG} 0)."
     source = "the config's" if aux.coef == aux.config_coef else f"{FLAG}; the config has {aux.config_coef}"
-    if objective != "sft":
-        return (
-            f"{aux.family}: mixture of experts; --objective {objective} trains without the router load-balancing "
-            f"loss (only SFT adds it; TRL's trainers add {aux.coef} ({source}) x that loss)."
-        )
     return (
         f"{aux.family}: mixture of experts; the loss adds {aux.coef} ({source}) x the router load-balancing loss, "
         f"logged as aux_loss; {FLAG} 0 turns it off."
     )
+
+
+def sequence_mask(position_ids: torch.Tensor, keep_rows: torch.Tensor) -> torch.Tensor:
+    """[rows, seq] 1 on the real tokens of rows that each hold one sequence (a preference or KTO row: positions
+    0..n-1, then padding whose positions restart at 0), 0 on the padding and on rows not kept (filler rows)."""
+    restart = (position_ids[:, 1:] == 0).cumsum(1) > 0
+    real = torch.cat([torch.ones_like(restart[:, :1]), ~restart], dim=1)
+    return (real & keep_rows[:, None]).long()

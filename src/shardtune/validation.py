@@ -324,12 +324,6 @@ def _preference_problems(cfg: RunConfig) -> list[str]:
         changed = [f"--{n}" for n in flags if getattr(t, n) != _DEFAULTS[n]]
         if changed and t.objective != objective:
             p.append(f"{', '.join(changed)} only apply to --objective {objective}; remove them or set it.")
-    if t.objective != "sft" and t.router_aux_loss_coef is not None:
-        # Only SFT adds the router load-balancing loss (shardtune.router_aux): the flag would change nothing.
-        p.append(
-            f"--router_aux_loss_coef only applies to --objective sft; --objective {t.objective} trains without the "
-            "router load-balancing loss. Remove it."
-        )
     if t.objective not in ("dpo", "kto") and t.precompute_ref_log_probs:
         p.append(
             "--precompute_ref_log_probs only applies to --objective dpo or kto (the others need no reference); "

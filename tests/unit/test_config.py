@@ -272,10 +272,11 @@ def test_negative_values_in_range_are_accepted():
     assert cfg.train.router_aux_loss_coef == 0.0
 
 
-def test_router_aux_loss_coef_with_a_preference_objective_is_refused():
-    """Only SFT adds the router load-balancing loss: with DPO the flag would be silently ignored."""
-    with pytest.raises(ConfigError, match=r"--router_aux_loss_coef only applies to --objective sft"):
-        load_run_config([*REQUIRED, "--objective", "dpo", "--router_aux_loss_coef", "0.01"], env={})
+def test_router_aux_loss_coef_applies_to_preference_objectives():
+    """DPO and KTO add the router load-balancing loss as SFT does (shardtune.loss): the flag is taken."""
+    for objective in ("dpo", "kto"):
+        cfg = load_run_config([*REQUIRED, "--objective", objective, "--router_aux_loss_coef", "0.01"], env={})
+        assert cfg.train.router_aux_loss_coef == 0.01
     assert load_run_config([*REQUIRED, "--objective", "dpo"], env={}).train.router_aux_loss_coef is None
 
 

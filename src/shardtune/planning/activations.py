@@ -220,9 +220,7 @@ def dora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[
 def expert_lora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
     """Per block, not per token: PEFT's LoRA on a fused expert tensor (target_parameters) adds its delta to the
     whole tensor in the forward (W + s·B·A for every expert, one baddbmm), and the experts' matmul keeps that
-    merged copy in the compute dtype for backward; a router's LoRA likewise keeps an (E, hidden) copy. The backward
-    forms the gradient of that whole stack once per block (the factors' gradients are taken from it): the same
-    bytes again, transiently."""
+    merged copy in the compute dtype for backward; a router's LoRA likewise keeps an (E, hidden) copy."""
     if not shape.num_experts:
         return 0
     per = {name: math.prod(shp) for name, shp in shape.expert_tensors().items()}
@@ -230,6 +228,18 @@ def expert_lora_saved_bytes(shape: ModelShape, compute_bytes: int, lora_targets:
     if "router" in lora_targets:
         n += shape.num_experts * shape.hidden_size
     return compute_bytes * n
+
+
+def expert_lora_backward_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...]) -> int:
+    """The transient of expert LoRA's backward in one block: the gradient of a merged expert tensor (its size), from
+    which the LoRA factors' gradients are taken. down_proj's backward runs first, while every merged copy is still
+    kept; gate_up_proj's after down_proj's copy is freed: max(down, gate_up - down)."""
+    if not shape.num_experts:
+        return 0
+    sizes = {name: math.prod(shp) for name, shp in shape.expert_tensors().items()}
+    down = sizes["mlp.experts.down_proj"] if "experts.down_proj" in lora_targets else 0
+    gate_up = sizes["mlp.experts.gate_up_proj"] if "experts.gate_up_proj" in lora_targets else 0
+    return compute_bytes * max(down, gate_up - down)
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

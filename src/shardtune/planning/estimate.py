@@ -222,8 +222,9 @@ def _dynamic(
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
     dequant = a * max(i * o for i, o in shape.linear_dims().values()) if quantized else 0
-    experts = act.expert_lora_saved_bytes(shape, a, lora_targets)  # kept per block, and its gradient in backward
-    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant + experts
+    experts = act.expert_lora_saved_bytes(shape, a, lora_targets)  # merged expert copies kept per block
+    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant
+    working += act.expert_lora_backward_bytes(shape, a, lora_targets)
     dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
     layer += experts + (act.dora_saved_bytes(shape, a, lora_targets) if use_dora else 0)
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time

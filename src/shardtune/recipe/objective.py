@@ -30,7 +30,7 @@ def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
         desirable_weight=t.desirable_weight,
         undesirable_weight=t.undesirable_weight,
     )
-    if line := router_aux.log_line(getattr(model, "router_aux", None), t.objective):
+    if line := router_aux.log_line(getattr(model, "router_aux", None)):
         print0(line)
     if objective.paired and t.disable_dropout:
         disable_dropout(model)
