@@ -100,6 +100,35 @@ FAMILIES = {
             {**_LLAMA, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
             dense=False,
         ),
+        Family(
+            "olmoe",
+            "OlmoeConfig",
+            {**_LLAMA, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+            dense=False,
+        ),
+        # DeepSeek-V3: multi-head latent attention, a dense first block, then routed experts beside a shared one
+        # (no router loss: its routing balances itself with a bias).
+        Family(
+            "deepseek-v3",
+            "DeepseekV3Config",
+            {
+                **_LLAMA,
+                "num_key_value_heads": HEADS,
+                "moe_intermediate_size": 32,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "n_shared_experts": 1,
+                "kv_lora_rank": 16,
+                "q_lora_rank": 32,
+                "qk_rope_head_dim": 8,
+                "qk_nope_head_dim": 8,
+                "v_head_dim": 16,
+            },
+            dense=False,
+        ),
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
         # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
         Family(
