@@ -53,7 +53,7 @@ RESULTS = ROOT / "bench" / "results" / "family_matrix.json"
 README = ROOT / "README.md"
 START, END = "<!-- family-matrix:start -->", "<!-- family-matrix:end -->"
 METHODS = ("lora", "qlora", "dora", "full")
-COLUMNS = ("LoRA", "QLoRA", "DoRA", "full", "merge", "chat")
+COLUMNS = ("LoRA", "QLoRA", "DoRA", "full", "expert LoRA", "merge", "chat")
 
 
 def _losses(out: Path) -> list[float]:
@@ -89,6 +89,13 @@ def train_all(root: Path, data: Path, families: list[str]) -> tuple[dict, dict, 
         for n in families
         for m in METHODS
     ]
+    for n in (n for n in families if not FAMILIES[n].dense):  # expert LoRA, 1 process and 2 ranks
+        one.append(
+            {"name": f"{n}/experts", "argv": train_argv(root / n, data, root / "one-experts" / n, "experts", batch=4)}
+        )
+        two.append(
+            {"name": f"{n}/experts", "argv": train_argv(root / n, data, root / "experts" / n, "experts", batch=2)}
+        )
     r1, r2 = run_jobs(one, root, nproc=1, timeout=3600), run_jobs(two, root, nproc=2, timeout=3600)
     return r1, r2, (root / "log-2.txt").read_text()
 
@@ -128,6 +135,15 @@ def merge_and_chat_cells(root: Path, family: str) -> tuple[str, str]:
     return merge, ("yes" if a == b and len(a) == 6 else f"no: {a} vs {b}")
 
 
+def _experts_cell(root: Path, family: str, r1: dict, r2: dict) -> str:
+    """A mixture of experts' expert and router LoRA: 2 ranks against 1 process, as the LoRA cell; "-" when dense."""
+    if FAMILIES[family].dense:
+        return "-"
+    if r1[f"{family}/experts"] != 0 or r2[f"{family}/experts"] != 0:
+        return f"failed: {r1[f'{family}/experts']} / {r2[f'{family}/experts']}"
+    return parity_cell(root, family, "one-experts", "experts")
+
+
 def run_matrix(workdir: Path, families: list[str]) -> dict:
     if workdir.exists():
         shutil.rmtree(workdir)
@@ -149,6 +165,7 @@ def run_matrix(workdir: Path, families: list[str]) -> dict:
             row[col] = _trained(r2[f"{n}/{method}"], workdir / method / n, log, n)
         if row["full"] == "yes":
             row["full"] = parity_cell(workdir, n, "one-full", "full") if r1[f"{n}/full"] == 0 else "failed: 1 process"
+        row["expert LoRA"] = _experts_cell(workdir, n, r1, r2)
         row["merge"], row["chat"] = merge_and_chat_cells(workdir, n) if n in ok else ("-", "-")
         table[n] = row
     return {"families": table, "seconds": round(time.time() - t0, 1), **_versions()}
@@ -184,7 +201,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} ({FAMILIES[name].config_class}) | {cells} |")
     # The first clause of each message (the full one is in the JSON).
     notes = sorted(
-        {f"{n}, {c}: {v.split('; ')[0]}" for n, row in result["families"].items() for c, v in row.items() if v != "yes"}
+        {
+            f"{n}, {c}: {v.split('; ')[0]}"
+            for n, row in result["families"].items()
+            for c, v in row.items()
+            if v not in ("yes", "-")
+        }
     )
     lines += [
         "",
@@ -198,7 +220,9 @@ def markdown(result: dict) -> str:
 
 LEGEND = (
     "LoRA and full: 2 FSDP2 ranks equal 1 process in every step's loss and grad_norm and in every trained tensor, "
-    "elementwise. QLoRA and DoRA: trained on 2 ranks (finite losses that moved), not compared with 1 process here."
+    "elementwise. QLoRA and DoRA: trained on 2 ranks (finite losses that moved), not compared with 1 process here. "
+    "expert LoRA (mixtures of experts, `--lora_target_experts True --lora_target_parameters routers`): as LoRA; its "
+    "reload, merge and chat are tests/e2e/test_families.py's; - : a dense family."
 )
 
 
