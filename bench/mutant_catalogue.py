@@ -570,7 +570,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "expert_lora_dropped",
-        "silently ignored setting",
+        "adapter",
         "--lora_target_experts resolves the expert tensors but PEFT is never given them: attention-only LoRA trains "
         "(2 ranks still equal 1 process)",
         Edit("modeling.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),

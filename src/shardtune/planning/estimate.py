@@ -179,6 +179,23 @@ class _Dynamic:
         return self.stored + self.working, self.logits_kept, "decoder-layer backward"
 
 
+def _adapter_block_terms(shape: ModelShape, a: int, lora_targets: tuple[str, ...], lora_r: int, use_dora: bool):
+    """Per block, not per token: (kept for backward, backward's transient, DoRA's transient). Expert LoRA keeps the
+    block's merged expert copies and forms one merged tensor's gradient; DoRA keeps its norms and scales."""
+    saved = act.expert_lora_saved_bytes(shape, a, lora_targets)
+    if use_dora:
+        saved += act.dora_saved_bytes(shape, a, lora_targets)
+    dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
+    return saved, act.expert_lora_backward_bytes(shape, a, lora_targets), dora
+
+
+def _check_attention(attn_implementation: str) -> None:
+    if attn_implementation not in act.ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation {attn_implementation!r}: use one of {', '.join(act.ATTN_IMPLEMENTATIONS)}"
+        )
+
+
 def _dynamic(
     shape: ModelShape,
     *,
@@ -199,10 +216,7 @@ def _dynamic(
     dropout_mask_bytes: int,
     dropout_scratch_bytes: int = 0,
 ) -> _Dynamic:
-    if attn_implementation not in act.ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"attention implementation {attn_implementation!r}: use one of {', '.join(act.ATTN_IMPLEMENTATIONS)}"
-        )
+    _check_attention(attn_implementation)
     tokens = batch_size * seq_len
     layer = tokens * act.layer_saved_bytes_per_token(
         shape,
@@ -222,11 +236,9 @@ def _dynamic(
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
     dequant = a * max(i * o for i, o in shape.linear_dims().values()) if quantized else 0
-    experts = act.expert_lora_saved_bytes(shape, a, lora_targets)  # merged expert copies kept per block
-    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant
-    working += act.expert_lora_backward_bytes(shape, a, lora_targets)
-    dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
-    layer += experts + (act.dora_saved_bytes(shape, a, lora_targets) if use_dora else 0)
+    saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora)
+    layer += saved
+    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant + backward
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
         recompute = act.recompute_peak_bytes(
             shape,
