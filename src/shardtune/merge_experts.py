@@ -15,6 +15,7 @@ stored tensor gets its expert's slice of the delta (`_converter_slices`), the in
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +56,6 @@ class ExpertLora:
 def parameter_wrappers(skeleton: torch.nn.Module, peft_config: Any) -> dict[str, Wrapper]:
     """{adapter module key (without base_model.model.): Wrapper} for every parameter the adapter targets, found by
     PEFT wrapping `skeleton` (on meta; a copy is wrapped, the skeleton stays as it was)."""
-    import copy
-
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import ParamWrapper
 

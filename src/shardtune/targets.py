@@ -196,6 +196,8 @@ def plan_parameters(model: nn.Module, spec: str | None, *, experts: bool) -> Par
     if experts and EXPERTS not in words:
         words.append(EXPERTS)
     plan = ParameterPlan(names=[])
+    if not words:  # every run without parameter targets: nothing to look up
+        return plan
     named = dict(model.named_parameters())
     for word in words:
         if word in (EXPERTS, ROUTERS):

@@ -11,6 +11,7 @@ from transformers import CONFIG_MAPPING
 from shardtune import families, targets
 from shardtune.config import ConfigError, load_run_config
 from shardtune.merge_experts import ExpertLora, expert_factors
+from tests.unit.test_targets import _model, _one_thread  # noqa: F401 - the tiny models, one thread (autouse)
 
 # Fused-expert families of transformers (3-D expert tensors), with where their routers are parameters.
 FUSED = {
@@ -25,19 +26,6 @@ FUSED = {
     "qwen3_next": "mlp.gate.weight",
     "llama4_text": None,  # its router is a linear layer: --lora_target_modules names it
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _model(model_type: str):
-    with families._quiet():
-        return families.build_tiny(families.tiny_config(CONFIG_MAPPING[model_type]()), "eager")
 
 
 @pytest.mark.parametrize("model_type", list(FUSED))
