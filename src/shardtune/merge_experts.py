@@ -10,7 +10,8 @@ An expert LoRA's A is (r·E, in) and its B (out, r·E), laid out as PEFT's `Para
 expert e's delta is scale · B[:, r-block of e] @ A[r-block of e]. transformers 5 fuses the experts while loading
 (transformers.conversion_mapping: per-expert `experts.{e}.gate_proj.weight` and `up_proj` stacked and concatenated
 into `experts.gate_up_proj`); most checkpoints keep the per-expert layout, which the merged folder keeps too: each
-stored tensor gets its expert's slice of the delta (`_converter_slices`), the inverse of that conversion.
+stored tensor gets its expert's slice of the delta (`shardtune.weights.expert_slices`), the inverse of that
+conversion.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from shardtune.weights import PEFT_PREFIX, layout_conversions
+from shardtune.weights import PEFT_PREFIX, expert_slices
 
 
 @dataclass
@@ -95,49 +96,6 @@ def rank_of(peft_config: Any, module: str) -> int:
     return peft_config.rank_pattern.get(get_pattern_key(peft_config.rank_pattern.keys(), module), peft_config.r)
 
 
-def _converter_slices(
-    config, param: str, shapes: dict[str, tuple[int, ...]], resolve
-) -> list[tuple[str, int, slice]] | None:
-    """Where a fused expert parameter lives in a per-expert checkpoint: [(stored name, expert, rows)], the rows of
-    the fused tensor's expert-e slice that the stored tensor holds; None when the
-    family's conversion has no rule for it. Only the stack-then-concatenate conversion transformers uses for
-    experts is inverted; another is refused by the caller."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
-
-    for conv in layout_conversions(config):
-        if not isinstance(conv, WeightConverter):
-            continue
-        targets = conv.target_patterns if isinstance(conv.target_patterns, list) else [conv.target_patterns]
-        target = next((t for t in targets if param.endswith(t.lstrip("."))), None)
-        if target is None or len(targets) != 1:
-            continue
-        ops = [type(op) for op in conv.operations]
-        if ops not in ([MergeModulelist], [MergeModulelist, Concatenate]):
-            raise ValueError(f"{param}: transformers builds it with {', '.join(o.__name__ for o in ops)}; "
-                             "shardtune merge inverts stacked and concatenated experts only.")  # fmt: skip
-        if ops == [MergeModulelist, Concatenate] and conv.operations[1].dim != 1:
-            raise ValueError(f"{param}: its experts are concatenated along dim {conv.operations[1].dim}; "
-                             "shardtune merge inverts a concatenation along dim 1 only.")  # fmt: skip
-        prefix = param[: len(param) - len(target.lstrip("."))]
-        return _expert_names(conv.source_patterns, prefix, shapes, resolve)
-    return None
-
-
-def _expert_names(sources, prefix: str, shapes, resolve) -> list[tuple[str, int, slice]]:
-    out, e = [], 0
-    sources = sources if isinstance(sources, list) else [sources]
-    while True:
-        names = [resolve(prefix + s.lstrip(".").replace("*", str(e))) for s in sources]
-        if any(n is None for n in names):
-            return out
-        start = 0
-        for name in names:
-            rows = shapes[name][0]
-            out.append((name, e, slice(start, start + rows)))
-            start += rows
-        e += 1
-
-
 def stored_match(names: dict[str, str], model_name: str) -> str | None:
     """The stored tensor a model tensor name means (exact, or up to a leading prefix), or None."""
     if model_name in names:
@@ -177,7 +135,7 @@ def wrapper_edits(
     a, b = expert_factors(A, B, wrapper.num_experts)
     if whole is not None:
         return [WrapperEdit(whole, experts=ExpertLora(a, b, scale, transposed=not wrapper.swapped))]
-    slices = _converter_slices(config, wrapper.param, shapes, lambda n: stored_match(names, n))
+    slices = expert_slices(config, wrapper.param, shapes, lambda n: stored_match(names, n))
     if not slices:
         raise ValueError(f"adapter key {key!r}: the base stores {wrapper.param} neither whole nor per expert "
                          "as transformers' conversion for this family reads it.")  # fmt: skip

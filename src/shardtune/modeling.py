@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune import dtypes, families, fastpath, quant, router_aux, targets
+from shardtune import dtypes, families, fastpath, quant, quant_experts, router_aux, targets
 from shardtune.families import family_attention
 from shardtune.log import print0, warn0
 from shardtune.validation import tied_head_saved_problem
@@ -154,20 +154,33 @@ def build_skeleton(config, *, dtype: torch.dtype, attn_impl: str, trust_remote_c
     return model
 
 
-def check_4bit_layout(config) -> None:
-    """Refuse a family whose checkpoint tensors transformers merges while loading (fused mixture-of-experts weights
-    saved per expert): shardtune's 4-bit loader reads and quantizes one tensor at a time."""
-    from transformers.core_model_loading import WeightRenaming
+def check_4bit_layout(config, skeleton: nn.Module | None = None) -> None:
+    """Refuse a family whose checkpoint the 4-bit loader cannot read: one whose tensors transformers merges while
+    loading in any way but stacking experts (and concatenating gate and up), which shardtune.quant_experts inverts;
+    given the model's skeleton, also an experts module that computes outside transformers' experts interface."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
 
-    merged = [c for c in layout_conversions(config) if not isinstance(c, WeightRenaming)]
-    if merged:
-        name = getattr(causal_lm_class(config), "__name__", config.model_type)
-        raise ValueError(
-            f"--use_4bit_quantization: {name} checkpoints store {', '.join(merged[0].source_patterns)} that "
-            f"transformers merges into {', '.join(merged[0].target_patterns)} while loading; shardtune's 4-bit "
-            f"loader quantizes one stored tensor at a time and cannot merge them yet. Train {name} without "
-            "--use_4bit_quantization (LoRA, DoRA or full fine-tuning in bf16)."
+    name = getattr(causal_lm_class(config), "__name__", config.model_type)
+    for conv in layout_conversions(config):
+        if isinstance(conv, WeightRenaming):
+            continue
+        ops = [type(op) for op in getattr(conv, "operations", [])]
+        stacked = ops in ([MergeModulelist], [MergeModulelist, Concatenate]) and all(
+            op.dim == 1 for op in conv.operations if isinstance(op, Concatenate)
         )
+        if not (isinstance(conv, WeightConverter) and stacked):
+            raise ValueError(
+                f"--use_4bit_quantization: {name} checkpoints store {_listed(conv.source_patterns)} that "
+                f"transformers converts into {_listed(conv.target_patterns)} while loading in a way shardtune's "
+                f"4-bit loader cannot invert. Train {name} without --use_4bit_quantization (LoRA, DoRA or full "
+                "fine-tuning in bf16)."
+            )
+    if skeleton is not None:
+        quant_experts.expert_parameters_4bit(skeleton)
+
+
+def _listed(patterns) -> str:
+    return ", ".join(patterns) if isinstance(patterns, list) else str(patterns)
 
 
 # Set by resize_embeddings on every embedding that transformers' resize grew: its rows before. Gemma 3n's per-layer

@@ -444,6 +444,8 @@ def model_input_problems(cfg) -> list[str]:
                 f"Could not build {m.model_name_or_path} on the meta device to check module names ({_first_line(e)})."
             )
             return [p for p in problems if p]
+        if m.use_4bit_quantization and not any(problems):
+            problems.append(_4bit_layout_problem(config, skeleton))
         if m.adapter_path:
             vocab = getattr(config.get_text_config(), "vocab_size", None)
             problems.append(
@@ -468,12 +470,13 @@ def model_input_problems(cfg) -> list[str]:
     return [p for p in problems if p]
 
 
-def _4bit_layout_problem(config) -> str | None:
-    """A family the 4-bit loader cannot read (experts merged while loading), said before any data is prepared."""
+def _4bit_layout_problem(config, skeleton=None) -> str | None:
+    """A family the 4-bit loader cannot read or run (shardtune.modeling.check_4bit_layout), said before any data
+    is prepared."""
     from shardtune.modeling import check_4bit_layout
 
     try:
-        check_4bit_layout(config)
+        check_4bit_layout(config, skeleton)
     except ValueError as e:
         return str(e)
     return None

@@ -5,6 +5,9 @@
   tensor by tensor from the safetensors files (shardtune.weights), quantizing each linear weight as soon as it is
   read, so the whole bf16 model is never in memory. On ranks that receive their shards from rank 0 it reads
   nothing (packed shapes, quantization state on meta).
+- Fused expert tensors of a mixture of experts are quantized expert by expert into shardtune.quant_experts'
+  `Experts4bit`, which holds a packed weight and a (stacked) QuantState as a Linear4bit does: `packed_modules`
+  yields both, and everything below that shards, moves or broadcasts 4-bit weights and states goes through it.
 - `prepare_for_fsdp`: each packed weight becomes an ordinary parameter of the storage dtype (which FSDP2 shards
   and all-gathers like any bf16 tensor) and its `QuantState` stays on the layer, replicated on every rank.
 
@@ -23,9 +26,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shardtune import dtypes
+from shardtune import dtypes, quant_experts
 from shardtune.precision import Precision
-from shardtune.weights import load_checkpoint_into
+from shardtune.weights import checkpoint_renaming, load_checkpoint_into
 
 # How to ask for each precision, for the message when the storage dtype and the run's precision differ.
 _PRECISION_FOR = {"bfloat16": "--bf16 True", "float16": "--fp16 True", "float32": "neither --bf16 nor --fp16"}
@@ -100,6 +103,16 @@ def linear4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def packed_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module holding a packed 4-bit `weight` and its `quant_state`: bitsandbytes' Linear4bit layers and
+    shardtune's 4-bit experts, in module order."""
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if isinstance(module, (bnb.nn.Linear4bit, quant_experts.Experts4bit)):
+            yield name, module
+
+
 def load_4bit_into(
     model: nn.Module,
     model_name_or_path: str,
@@ -126,14 +139,18 @@ def load_4bit_into(
     quantizer = AutoHfQuantizer.from_config(quantization_config, pre_quantized=False)
     # Replaces nn.Linear by bnb Linear4bit on meta, skipping the output head (transformers' own choice).
     quantizer.preprocess_model(model, device_map=None)
+    experts = quant_experts.quantize_skeleton(model, dtype=dtype, settings=_settings(model))
     if on_meta:
         for _, module in linear4bit_modules(model):
             _quantize_on_meta(module, dtype)
     else:
         device = quantize_device or torch.device("cpu")
+        rename = checkpoint_renaming(model.config, type(model))
+        reader = quant_experts.ExpertReader(model, model_name_or_path, experts, rename=rename, device=device)
         load_checkpoint_into(
-            model, model_name_or_path, dtype=dtype, convert=lambda m, n, t: _quantize_into(m, n, t, device)
-        )
+            model, model_name_or_path, dtype=dtype, convert=lambda m, n, t: _quantize_into(m, n, t, device),
+            take=reader.take, finish=lambda: reader.check_complete(model_name_or_path),
+        )  # fmt: skip
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     for _, module in linear4bit_modules(model):
@@ -141,6 +158,14 @@ def load_4bit_into(
         # FSDP that would rewrite the all-gathered buffer and the shared QuantState.
         module.support_avx512bf16_for_cpu = False
     return model
+
+
+def _settings(model: nn.Module) -> dict:
+    """The bitsandbytes settings of the model's Linear4bit layers, which its 4-bit experts use too."""
+    _, module = next(linear4bit_modules(model))
+    w = module.weight
+    keys = ("blocksize", "quant_type", "compress_statistics", "quant_storage")
+    return {k: getattr(w, k) for k in keys}
 
 
 def _quantize_into(module: nn.Module, name: str, tensor: torch.Tensor, device: torch.device) -> bool:
@@ -221,7 +246,7 @@ def prepare_for_fsdp(model: nn.Module, param_dtype: torch.dtype | None) -> int:
     another floating dtype would have its bytes converted as numbers. Returns the number of layers prepared.
     """
     count = 0
-    for name, module in linear4bit_modules(model):
+    for name, module in packed_modules(model):
         weight = module.weight
         state = getattr(weight, "quant_state", None)
         state = module.quant_state if state is None else state
@@ -239,18 +264,21 @@ def prepare_for_fsdp(model: nn.Module, param_dtype: torch.dtype | None) -> int:
 
 
 def move_quant_states(model: nn.Module, device: torch.device) -> None:
-    for _, module in linear4bit_modules(model):
+    for _, module in packed_modules(model):
         module.quant_state.to(device)
 
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the packed 4-bit weights held here (local shards), in full, and of the replicated states."""
-    out = {"packed_local": 0, "packed_total": 0, "quant_state": 0}
-    for _, module in linear4bit_modules(model):
+    """Bytes of the packed 4-bit weights held here (local shards), in full (of which the experts'), and of the
+    replicated states."""
+    out = {"packed_local": 0, "packed_total": 0, "packed_experts": 0, "quant_state": 0}
+    for _, module in packed_modules(model):
         w = module.weight
         local = w.to_local() if hasattr(w, "to_local") else w
         out["packed_local"] += local.numel() * local.element_size()
         out["packed_total"] += w.numel() * w.element_size()
+        if isinstance(module, quant_experts.Experts4bit):
+            out["packed_experts"] += w.numel() * w.element_size()
         for holder, attr in quant_state_tensors(module.quant_state):
             t = getattr(holder, attr)
             out["quant_state"] += t.numel() * t.element_size()

@@ -201,6 +201,49 @@ def checkpoint_renaming(config, cls: type | None = None) -> Callable[[str], str]
     return rename
 
 
+def expert_slices(
+    config, param: str, shapes: dict[str, tuple[int, ...]], resolve
+) -> list[tuple[str, int, slice]] | None:
+    """Where a fused expert parameter lives in a per-expert checkpoint: [(stored name, expert, rows)], the rows of
+    the fused tensor's expert-e slice that the stored tensor holds; None when the
+    family's conversion has no rule for it. Only the stack-then-concatenate conversion transformers uses for
+    experts is inverted; another is refused by the caller."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    for conv in layout_conversions(config):
+        if not isinstance(conv, WeightConverter):
+            continue
+        targets = conv.target_patterns if isinstance(conv.target_patterns, list) else [conv.target_patterns]
+        target = next((t for t in targets if param.endswith(t.lstrip("."))), None)
+        if target is None or len(targets) != 1:
+            continue
+        ops = [type(op) for op in conv.operations]
+        if ops not in ([MergeModulelist], [MergeModulelist, Concatenate]):
+            raise ValueError(f"{param}: transformers builds it with {', '.join(o.__name__ for o in ops)}; "
+                             "shardtune inverts stacked and concatenated experts only.")  # fmt: skip
+        if ops == [MergeModulelist, Concatenate] and conv.operations[1].dim != 1:
+            raise ValueError(f"{param}: its experts are concatenated along dim {conv.operations[1].dim}; "
+                             "shardtune inverts a concatenation along dim 1 only.")  # fmt: skip
+        prefix = param[: len(param) - len(target.lstrip("."))]
+        return _expert_names(conv.source_patterns, prefix, shapes, resolve)
+    return None
+
+
+def _expert_names(sources, prefix: str, shapes, resolve) -> list[tuple[str, int, slice]]:
+    out, e = [], 0
+    sources = sources if isinstance(sources, list) else [sources]
+    while True:
+        names = [resolve(prefix + s.lstrip(".").replace("*", str(e))) for s in sources]
+        if any(n is None for n in names):
+            return out
+        start = 0
+        for name in names:
+            rows = shapes[name][0]
+            out.append((name, e, slice(start, start + rows)))
+            start += rows
+        e += 1
+
+
 # ---------------------------------------------------------------- filling a skeleton
 
 
@@ -210,22 +253,29 @@ def load_checkpoint_into(
     *,
     dtype: torch.dtype,
     convert: Callable[[nn.Module, str, torch.Tensor], bool] | None = None,
+    take: Callable[[str, torch.Tensor], bool] | None = None,
+    finish: Callable[[], None] | None = None,
 ) -> None:
     """Fill a meta skeleton from the checkpoint one tensor at a time, each cast to dtype (as from_pretrained does).
 
-    convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True.
+    convert(module, name, tensor) may place a tensor itself (e.g. quantize it) and return True; take(key, tensor)
+    is offered every tensor first, under the model's name, and returns True for one it placed (a stored tensor the
+    family's conversion merges into another, such as one expert's slice of a fused expert tensor); finish(), after
+    the last tensor, may refuse what take was left short of with its own message.
     """
     unexpected = []
     rename = checkpoint_renaming(model.config, type(model))
     for key, tensor in iter_checkpoint(model_name_or_path):
         key = rename(key)
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if take is not None and take(key, tensor):
+            continue
         module_name, _, name = key.rpartition(".")
         module = model.get_submodule(module_name) if _has_submodule(model, module_name) else None
         if module is None or (name not in module._parameters and name not in module._buffers):
             unexpected.append(key)
             continue
-        if tensor.is_floating_point():
-            tensor = tensor.to(dtype)
         if convert is not None and convert(module, name, tensor):
             continue
         if name in module._parameters:
@@ -234,6 +284,8 @@ def load_checkpoint_into(
             module._buffers[name] = tensor
         del tensor
         release_free_memory()
+    if finish is not None:
+        finish()
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtune.quant import linear4bit_modules, quant_state_tensors
+from shardtune.quant import packed_modules, quant_state_tensors
 from shardtune.weights import release_free_memory
 
 
@@ -132,7 +132,7 @@ def allocate_unread(model: nn.Module, device: torch.device) -> None:
     """Allocate every (meta) parameter's local shard and 4-bit quantization state on `device`, unfilled: the
     model of `ModelSpec(read_weights=False)`, whose step is traced for its memory, not its values."""
     _allocate(model, params_on=device, buffers_on=device)
-    for _, module in linear4bit_modules(model):
+    for _, module in packed_modules(model):
         for holder, attr in quant_state_tensors(module.quant_state):
             setattr(holder, attr, torch.empty_like(getattr(holder, attr), device=device))
 
@@ -206,7 +206,7 @@ def broadcast_quant_states(model: nn.Module, device: torch.device, node: NodeGro
 
     The other ranks built theirs on meta with the same shapes; the shapes are checked before any tensor is sent.
     """
-    holders = [h for _, m in linear4bit_modules(model) for h in quant_state_tensors(m.quant_state)]
+    holders = [h for _, m in packed_modules(model) for h in quant_state_tensors(m.quant_state)]
     shapes = [(tuple(getattr(h, a).shape), str(getattr(h, a).dtype)) for h, a in holders]
     box = [shapes]
     dist.broadcast_object_list(box, src=node.src, group=node.group)

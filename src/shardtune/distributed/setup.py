@@ -159,8 +159,10 @@ def _report_4bit(model: nn.Module, shards: int, offload: bool) -> None:
     per_rank = all_gather_objects(quant.quantized_bytes(model))
     mib = 2**20
     held = ", ".join(f"{b['packed_local'] / mib:.2f}" for b in per_rank)
+    experts = per_rank[0]["packed_experts"]
     print0(
         f"4-bit base: {per_rank[0]['packed_total'] / mib:.2f} MiB of packed weights "
+        + (f"(experts {experts / mib:.2f} MiB) " if experts else "")
         + (f"sharded over {shards} rank(s), " if shards > 1 else "whole on every rank, ")
         + f"held per rank: [{held}] MiB{' (in host RAM: fsdp_offload_params)' if offload else ''}; quantization "
         f"states {per_rank[0]['quant_state'] / mib:.2f} MiB replicated on every rank."

@@ -125,7 +125,7 @@ def loss_input_grad_bytes(
     return tokens * hidden_size * compute_bytes if loss_impl == "chunked" and tokens > chunk_tokens else 0
 
 
-def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, looped: bool = False) -> int:
     """Gradients alive at the peak of a block's backward, beyond what the block saved (`layer_saved_bytes_...`).
 
     The MLP runs backward first and peaks in the backward of `act(gate) * up`: the incoming gradient of the
@@ -137,21 +137,25 @@ def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> i
     A mixture of experts (frozen experts, see _mlp_saved_bytes) peaks the same way per routed copy, in the
     backward of `act(gate) * up`: the gradients of the product (down's grouped_mm input gradient), of act(gate)
     and of up (3 I_e wide each), beside the incoming h-wide gradient; no grouped_mm input was kept, but the down
-    output (h wide per copy) that the routing weights' multiply kept was freed when that backward ran."""
+    output (h wide per copy) that the routing weights' multiply kept was freed when that backward ran.
+
+    4-bit experts (`looped`: shardtune.quant_experts' loop, one expert at a time) hold those gradients for one
+    expert's copies, k/E per token at an even routing."""
     a, h = compute_bytes, shape.hidden_size
     if shape.num_experts:
-        k = shape.experts_per_token or 1
-        return a * (h + 3 * k * shape.expert_intermediate_size - k * h)
+        k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
+        return int(a * (h + 3 * k * shape.expert_intermediate_size - k * h))
     return a * (2 * shape.intermediate_size + h)
 
 
-def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, looped: bool = False) -> int:
     """A block's MLP forward at its largest: dense, the gate and up outputs, act(gate) and their product (4 I
     wide); a mixture of experts, per routed copy, the gathered tokens, the gate_up output, act(gate), the product
-    and the down output (h + 4·I_e + h)."""
+    and the down output (h + 4·I_e + h): all copies at once in grouped_mm, one expert's (k/E per token at an even
+    routing) in the loop of 4-bit experts (`looped`)."""
     if shape.num_experts:
-        k = shape.experts_per_token or 1
-        return compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size)
+        k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
+        return int(compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size))
     return 4 * compute_bytes * shape.intermediate_size
 
 

@@ -8,6 +8,7 @@ fine-tuning keeps fp32 master weights and all-gathers them in the compute dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -235,10 +236,13 @@ def _dynamic(
     inputs = act.step_input_bytes(shape, tokens, a)
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
-    dequant = a * max(i * o for i, o in shape.linear_dims().values()) if quantized else 0
+    # 4-bit experts likewise, one expert's matrix at a time (shardtune.quant_experts).
+    experts = [math.prod(s[1:]) for s in shape.expert_tensors().values() if len(s) == 3]
+    mats = [i * o for i, o in shape.linear_dims().values()] + experts
+    dequant = a * max(mats) if quantized else 0
     saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora)
     layer += saved
-    working = tokens * act.backward_working_bytes_per_token(shape, a) + dequant + backward
+    working = tokens * act.backward_working_bytes_per_token(shape, a, looped=quantized) + dequant + backward
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
         recompute = act.recompute_peak_bytes(
             shape,
@@ -436,7 +440,7 @@ def _step_parts(
         forward_working=s["batch_size"]
         * s["rows_per_example"]
         * s["seq_len"]
-        * act.forward_working_bytes_per_token(shape, a),
+        * act.forward_working_bytes_per_token(shape, a, looped=s["use_4bit"]),
         num_blocks=shape.num_layers,
         block_stored=dynamic.block,
         batch_inputs=act.BATCH_TENSORS * 8 * s["batch_size"] * s["rows_per_example"] * s["seq_len"],

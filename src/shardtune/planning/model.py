@@ -64,7 +64,7 @@ class ModelShape:
         return ATTN_LINEARS if self.num_experts else BLOCK_LINEARS
 
     def expert_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of one block's router and fused expert tensors (empty for a dense MLP)."""
+        """Shapes of one block's router (2-D) and fused expert tensors (3-D) (empty for a dense MLP)."""
         if not self.num_experts:
             return {}
         e, h, i = self.num_experts, self.hidden_size, self.expert_intermediate_size
@@ -468,8 +468,12 @@ def model_tensors(
             out.append(
                 Tensor(f"{name}.bias", (fan_out,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block")
             )
-    for name, shp in shape.expert_tensors().items():  # not quantized: shardtune refuses 4-bit fused experts
-        out.append(Tensor(name, shp, _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
+    for name, shp in shape.expert_tensors().items():
+        if use_4bit and frozen and len(shp) == 3:  # shardtune.quant_experts: (E, packed), each expert packed alone
+            packed = packed_4bit_shape(math.prod(shp[1:]), quant_storage_bytes)[0]
+            out.append(Tensor(name, (shp[0], packed), quant_storage_bytes, False, "block", quantized=True))
+        else:
+            out.append(Tensor(name, shp, _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out.append(Tensor(f"{norm}.weight", (h,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block"))
     root = [(f"{name}.weight", shp) for name, shp in shape.token_tables().items()] + [("norm.weight", (h,))]

@@ -124,7 +124,11 @@ def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_qu
         return 0
     bits = 4 if use_4bit else 8
     dims = shape.linear_dims().values()
-    return shape.num_layers * sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
+    per_block = sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
+    if use_4bit:  # 4-bit experts: one state per expert (shardtune.quant_experts)
+        experts = [shp for shp in shape.expert_tensors().values() if len(shp) == 3]
+        per_block += sum(e * quant_constant_bytes(i, o, nested_quant) for e, i, o in experts)
+    return shape.num_layers * per_block
 
 
 def state_per_rank(
