@@ -20,7 +20,8 @@ from tests.mutation import Edit
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    kind: str  # the class of bug: normalisation, gradient scale, sharding, masking, adapter, resume, merge, preference
+    kind: str  # the class of bug: normalisation, gradient scale, sharding, masking, adapter, resume, merge, preference,
+    # quantization
     bug: str  # what the planted code does wrong, in a sentence
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]  # the pytest node ids that should catch it
@@ -40,6 +41,7 @@ PARITY_FULL = f"{PARITY}::test_full_finetune_two_ranks_match_one_process"
 ZERO_TARGETS = "tests/unit/test_zero_targets.py::test_two_ranks_one_without_targets_equal_one_process"
 ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batches"
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
+QUANT_EXPERTS = "tests/unit/test_quant_experts.py::test_{}"
 EXPERTS_E2E = "tests/e2e/test_families.py::test_expert_lora_{}[qwen3-moe]"
 RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
@@ -587,5 +589,25 @@ MUTANTS: tuple[Mutant, ...] = (
             "transposed=False))",
         ),
         [EXPERTS_E2E.format("reloads_in_peft_merges_and_chats")],
+    ),
+    _m(
+        "expert_4bit_scales_shared",
+        "quantization",
+        "Every 4-bit expert is dequantized with expert 0's block scales (the stacked quantization state indexed "
+        "wrongly)",
+        Edit("quant_experts.py", "absmax=s.absmax[e], shape=", "absmax=s.absmax[0], shape="),
+        [QUANT_EXPERTS.format("4bit_experts_compute_what_transformers_computes_with_the_same_weights[mixtral]")],
+    ),
+    _m(
+        "expert_lora_4bit_layout",
+        "adapter",
+        "Expert LoRA on 4-bit experts reads expert e's B from PEFT's (out, r·E) factor as r consecutive columns "
+        "rather than every E-th (the layout plain PEFT saves and loads)",
+        Edit(
+            "quant_experts.py",
+            "b_e = B.view(B.shape[0], r, wrapper.num_experts)[:, :, e]",
+            "b_e = B.view(B.shape[0], wrapper.num_experts, r)[:, e, :]",
+        ),
+        [QUANT_EXPERTS.format("expert_lora_on_4bit_experts_equals_peft_on_the_same_weights[qwen3_moe]")],
     ),
 )

@@ -220,6 +220,8 @@ METHODS = {
         *("--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage_dtype", "float32"),
     ],
 }
+# QLoRA on a mixture of experts: 4-bit experts (shardtune.quant_experts) carrying expert LoRA, routers adapted too.
+METHODS["qlora-experts"] = [*METHODS["qlora"], *METHODS["experts"][8:]]
 
 
 def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, dropout: float = 0.0) -> list[str]:

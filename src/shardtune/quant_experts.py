@@ -26,6 +26,10 @@ soon as all its rows have been read, so at most the experts in flight are held i
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
@@ -50,6 +54,12 @@ class Experts4bit(nn.Module):
     @property
     def num_experts(self) -> int:
         return self.quant_state.shape[0]
+
+    @property
+    def model_shape(self) -> tuple[int, int, int]:
+        """The fused tensor's shape as the model holds it."""
+        e, out, inp = self.quant_state.shape
+        return (e, inp, out) if self.transposed else (e, out, inp)
 
     def expert_state(self, e: int):
         """Expert e's own QuantState (views of the stacked tensors)."""
@@ -183,7 +193,72 @@ def _expert_counts(flat: torch.Tensor, n_experts: int) -> list[int]:
 
 def _expert_linear(experts: nn.Module, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
     bias = getattr(experts, f"{name}_bias")[e].to(x.dtype) if experts.has_bias else None
-    return getattr(experts, name).linear(x, e, bias)
+    y = getattr(experts, name).linear(x, e, bias)
+    wrapper = getattr(experts, LORA_ATTR, {}).get(name)
+    lora = None if wrapper is None else _expert_lora(wrapper, x, e)
+    return y if lora is None else y + lora.to(y.dtype)
+
+
+# ---------------------------------------------------------------- expert LoRA on 4-bit experts
+
+# On an experts module with 4-bit experts: {parameter name: the PEFT ParamWrapper adapting it}.
+LORA_ATTR = "shardtune_expert_lora"
+
+
+@contextlib.contextmanager
+def shaped_as_parameters(model: nn.Module) -> Iterator[None]:
+    """While PEFT finds and wraps the expert tensors (target_parameters): each Experts4bit stands aside for a
+    parameter of the fused tensor's shape holding no memory, so PEFT's ParamWrapper takes the shapes, names and layout of
+    transformers' own experts, and the adapter it saves loads on a 16-bit base in plain PEFT."""
+    swapped = []
+    for owner in model.modules():
+        for name, child in list(owner._modules.items()):
+            if isinstance(child, Experts4bit):
+                del owner._modules[name]
+                # One element broadcast to the shape: on the packed weight's device, where PEFT puts the LoRA.
+                one = torch.zeros((), dtype=child.quant_state.dtype, device=child.weight.device)
+                owner._parameters[name] = nn.Parameter(one.expand(child.model_shape), requires_grad=False)
+                swapped.append((owner, name, child))
+    try:
+        yield
+    finally:
+        for owner, name, child in swapped:
+            del owner._parameters[name]
+            owner._modules[name] = child
+
+
+def bind_expert_lora(model: nn.Module) -> None:
+    """After PEFT wrapped 4-bit experts: each wrapper's LoRA is applied inside forward_4bit, expert by expert
+    (x·A_eᵀ·B_eᵀ beside the 4-bit matmul), so the wrapper's own forward, which would add its delta to the
+    parameter, only passes through."""
+    from peft.tuners.lora import ParamWrapper
+
+    for module in model.modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        base = module.get_base_layer()
+        if isinstance(getattr(base, module.parameter_name, None), Experts4bit):
+            base.__dict__.setdefault(LORA_ATTR, {})[module.parameter_name] = module
+            module.forward = types.MethodType(_pass_through, module)
+
+
+def _pass_through(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return self.base_layer(x, *args, **kwargs)
+
+
+def _expert_lora(wrapper, x: torch.Tensor, e: int) -> torch.Tensor | None:
+    """Expert e's LoRA output, scale · x A_eᵀ B_eᵀ, in PEFT's layout: A (r·E, in) holds A_e in rows e·r..(e+1)·r,
+    B (out, r·E) holds B_e in columns e, e+E, ... (ParamWrapper.get_delta_weight); None when adapters are off."""
+    if wrapper.disable_adapters:  # PEFT's disable_adapter(): a preference objective's reference forward
+        return None
+    terms = []
+    for name in [a for a in wrapper.active_adapters if a in wrapper.lora_A]:
+        A, B = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+        r = A.shape[0] // wrapper.num_experts
+        a_e = A.view(wrapper.num_experts, r, A.shape[1])[e]
+        b_e = B.view(B.shape[0], r, wrapper.num_experts)[:, :, e]
+        terms.append(wrapper.scaling[name] * nn.functional.linear(nn.functional.linear(x.to(A.dtype), a_e), b_e))
+    return sum(terms) if terms else None
 
 
 class ExpertReader:

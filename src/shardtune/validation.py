@@ -234,7 +234,8 @@ def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[
 
 
 def _parameter_target_problems(m) -> list[str]:
-    """LoRA on parameters (expert tensors, routers) is PEFT's weight-delta LoRA: no DoRA form, no 4-bit experts."""
+    """LoRA on parameters (expert tensors, routers) is PEFT's weight-delta LoRA, which has no DoRA form. (On 4-bit
+    experts shardtune.quant_experts applies it beside the 4-bit matmul; 8-bit bases are refused on their own.)"""
     flags = [f for f, on in (("--lora_target_parameters", m.lora_target_parameters),
                              ("--lora_target_experts True", m.lora_target_experts)) if on]  # fmt: skip
     if not flags:
@@ -244,11 +245,6 @@ def _parameter_target_problems(m) -> list[str]:
         p.append(
             f"{' and '.join(flags)} with --use_dora: PEFT has no DoRA form for a parameter's LoRA (experts, "
             "routers); use plain LoRA there (--use_dora False), or DoRA on the linear layers only."
-        )
-    if m.use_4bit_quantization or m.use_8bit_quantization:
-        p.append(
-            f"{' and '.join(flags)} with a quantized base: 4-bit or 8-bit expert tensors cannot carry a LoRA yet; "
-            "train expert LoRA on a bf16 base (remove --use_4bit_quantization), or QLoRA without the experts."
         )
     return p
 

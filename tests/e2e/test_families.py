@@ -62,7 +62,7 @@ EXTRA = [
     ("gemma4", "full", 0.0),  # tied, per-layer input embeddings trained in full
     ("llama-tied", "qlora", 0.0),
     ("gpt-neox", "qlora", 0.0),
-    ("mixtral", "qlora", 0.0),  # 4-bit experts; against 1 process in test_4bit_experts_two_ranks_match_one_process
+    ("mixtral", "qlora-experts", 0.0),  # 4-bit experts with expert LoRA; against 1 process in test_4bit_experts_...
 ]
 FULL = ("qwen3", "gemma4")  # full fine-tuning in 1 process too: tied, q/k norms; Gemma 4's per-layer embeddings
 MOE = tuple(n for n, f in FAMILIES.items() if not f.dense)  # expert LoRA in 1 process and on 2 ranks
@@ -86,8 +86,8 @@ def matrix(tmp_path_factory) -> dict:
     ]
     # The same micro-batches as the 2-rank run (2 rows, accumulated twice): a token whose top-k experts are nearly
     # tied may route differently once one micro-batch of 4 rows has summed its gradients in another order.
-    qlora = train_argv(root / "mixtral", assets["data"], root / "one-qlora" / "mixtral", "qlora", batch=2)
-    one.append({"name": "mixtral/qlora", "argv": [*qlora, "--gradient_accumulation_steps", "2"]})
+    qlora = train_argv(root / "mixtral", assets["data"], root / "one-qlora" / "mixtral", "qlora-experts", batch=2)
+    one.append({"name": "mixtral/qlora-experts", "argv": [*qlora, "--gradient_accumulation_steps", "2"]})
     for n in MOE:
         one.append(
             {
@@ -165,14 +165,25 @@ def test_other_methods(matrix, family, method, dropout):
 
 def test_4bit_experts_two_ranks_match_one_process(matrix):
     """QLoRA on a mixture of experts: the experts' packed 4-bit tensors sharded over 2 ranks (rank 1 fed by rank 0,
-    its stacked quantization states broadcast) train as 1 process holding them whole: losses, grad_norm, adapter."""
+    its stacked quantization states broadcast), carrying expert and router LoRA, train as 1 process holding them
+    whole: losses, grad_norm, adapter; every expert's LoRA B moved. The adapter is plain PEFT's: it loads onto the
+    16-bit base (transformers does not quantize experts) with every saved tensor in place."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     root = matrix["root"]
-    assert matrix["one"]["mixtral/qlora"] == 0, matrix["one"]["mixtral/qlora"]
-    adapter = assert_runs_match(root / "one-qlora" / "mixtral", root / "qlora" / "mixtral",
-                                matrix_tolerance("mixtral"), min_updates=STEPS)  # fmt: skip
-    assert max(float(v.abs().max()) for k, v in adapter.items() if "lora_B" in k) > LR
+    assert matrix["one"]["mixtral/qlora-experts"] == 0, matrix["one"]["mixtral/qlora-experts"]
+    out = root / "qlora-experts" / "mixtral"
+    adapter = assert_runs_match(root / "one-qlora" / "mixtral", out, matrix_tolerance("mixtral"), min_updates=STEPS)
+    experts_b = {k: v for k, v in adapter.items() if "lora_B" in k and ".experts." in k}
+    assert len(experts_b) == 2 * LAYERS and all(float(v.abs().max()) > LR for v in experts_b.values())
     log = (root / "log-2.txt").read_text()
     assert re.search(r"4-bit base: [\d.]+ MiB of packed weights \(experts [\d.]+ MiB\) sharded over 2 rank", log)
+    base = AutoModelForCausalLM.from_pretrained(root / "mixtral", dtype=torch.float32)
+    base.resize_token_embeddings(len(AutoTokenizer.from_pretrained(out)), pad_to_multiple_of=8)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, out))
+    saved = saved_tensors(out)
+    assert saved.keys() == adapter.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
 
 
 def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):

@@ -100,7 +100,6 @@ REQUIRED = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", 
     ("flags", "problem"),
     [
         (["--use_dora", "True"], "--lora_target_experts True with --use_dora: PEFT has no DoRA form"),
-        (["--use_4bit_quantization", "True"], "--lora_target_experts True with a quantized base: 4-bit or 8-bit"),
         (["--use_peft_lora", "False"], "--lora_target_experts set an adapter, but --use_peft_lora is False"),
     ],
 )

@@ -31,7 +31,7 @@ def test_mutant_names_are_unique_and_every_class_is_there():
     assert len(names) == len(set(names))
     kinds = {m.kind for m in MUTANTS}
     assert kinds == {"normalisation", "gradient scale", "sharding", "masking", "adapter", "resume", "merge",
-                     "preference"}  # fmt: skip
+                     "preference", "quantization"}  # fmt: skip
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)

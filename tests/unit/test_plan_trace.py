@@ -344,18 +344,20 @@ def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp
 def test_4bit_experts_traced_against_estimate(tmp_path):
     """QLoRA on Mixtral-shaped experts, 2 ranks: each expert packed on its own (E, packed) with its own state,
     the state exact; the experts run one at a time (shardtune.quant_experts), so the forward and backward hold one
-    expert's routed copies and one dequantized expert matrix, not grouped_mm's all: every phase within the bound
-    at batch 2 and 8. The 4-bit experts take the frozen base to under a third of its bf16 bytes."""
+    expert's routed copies and one dequantized expert matrix, not grouped_mm's all; expert LoRA on them merges no
+    copy (each expert's input and r-wide product kept instead): every phase within the bound at batch 2 and 8, with
+    and without expert LoRA. The 4-bit experts take the frozen base to under a third of its bf16 bytes."""
     path = tmp_path / "mixtral-2.json"
     path.write_text(json.dumps(MIXTRAL))
     flags = [*_LORA, *_QLORA, "--num_processes", "2", "--trace", "True"]
-    for batch in ("2", "8"):
-        p = make_plan(["--model_name_or_path", str(path), *flags, "--per_device_train_batch_size", batch])
+    for batch, experts in (("2", []), ("8", []), ("2", ["--lora_target_experts", "True"]),
+                           ("8", ["--lora_target_experts", "True"])):  # fmt: skip
+        p = make_plan(["--model_name_or_path", str(path), *flags, *experts, "--per_device_train_batch_size", batch])
         _assert_state_equals_planner(p)
         assert p.estimate.peak_phase == "decoder-layer backward"
         for name, (got, estimated) in trace_comparison(p).items():
-            assert abs(estimated - got) <= BOUND * got, (batch, name, got, estimated)
-    bf16 = make_plan(["--model_name_or_path", str(path), *_LORA, "--num_processes", "2"])
+            assert abs(estimated - got) <= BOUND * got, (batch, experts, name, got, estimated)
+    bf16 = make_plan(["--model_name_or_path", str(path), *_LORA, *experts, "--num_processes", "2"])
     frozen = [plan.estimate.device["frozen base weights"] for plan in (p, bf16)]
     assert frozen[0] < frozen[1] / 3, frozen
 

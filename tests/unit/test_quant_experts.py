@@ -64,10 +64,12 @@ def test_4bit_experts_compute_what_transformers_computes_with_the_same_weights(m
     name, holder = next(iter(holders.items()))
     e = holder.num_experts - 1
     w = ref.get_parameter(name)[e].detach()
-    packed, _ = bnb.functional.quantize_4bit((w.T if holder.transposed else w).contiguous(), blocksize=64,
-                                             compress_statistics=holder.quant_state.nested, quant_type="nf4",
-                                             quant_storage=torch.float32)  # fmt: skip
+    packed, state = bnb.functional.quantize_4bit((w.T if holder.transposed else w).contiguous(), blocksize=64,
+                                                 compress_statistics=holder.quant_state.nested, quant_type="nf4",
+                                                 quant_storage=torch.float32)  # fmt: skip
     assert torch.equal(holder.weight[e].view(torch.int32), packed.reshape(-1).view(torch.int32))  # bytes, not floats
+    theirs = bnb.functional.dequantize_4bit(packed, state)  # and its stacked state is bitsandbytes' state of e
+    assert torch.equal(holder.dequantize()[e], theirs.T if holder.transposed else theirs)
     ref = _dequantized_reference(ref, ours)
     ids = torch.randint(5, 120, (2, 12), generator=torch.Generator().manual_seed(0))
     want_logits, want_grad = _logits_and_input_grad(ref, ids)
@@ -123,3 +125,48 @@ def test_experts_outside_transformers_experts_interface_are_refused_before_loadi
     with pytest.raises(ValueError, match=r"--use_4bit_quantization: Llama4TextExperts \(model\.layers\.0\.feed_forward"
                                          r"\.experts\) computes its experts in its own code"):  # fmt: skip
         modeling.check_4bit_layout(model.config, model)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_on_4bit_experts_equals_peft_on_the_same_weights(model_type, tmp_path):
+    """--lora_target_experts on a 4-bit base: PEFT's ParamWrappers (same names, shapes and layout as on a 16-bit
+    base, so the adapter reloads there) with each expert's LoRA applied beside its 4-bit matmul; logits and every
+    LoRA gradient equal PEFT's own expert LoRA on transformers' model holding the dequantized weights; with the
+    adapters disabled (a preference objective's reference) the base's logits. GPT-OSS: experts stored (E, in, out)."""
+    from peft.tuners.lora import ParamWrapper
+
+    ref = _saved(model_type, tmp_path)
+    ours = modeling.load_base_model(str(tmp_path), quantization_config=_bnb(nested=True), dtype=torch.float32,
+                                    attn_impl="eager", trust_remote_code=False)  # fmt: skip
+    ref = _dequantized_reference(ref, ours)
+    kw = {"lora_r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": "all-linear", "use_dora": False,
+          "modules_to_save": None, "new_token_ids": [], "target_experts": True}  # fmt: skip
+    ours = modeling.attach_adapter(ours, **kw)
+    ref = modeling.attach_adapter(ref, **kw)
+    wrappers = [n for n, m in ours.named_modules() if isinstance(m, ParamWrapper)]
+    assert wrappers == [n for n, m in ref.named_modules() if isinstance(m, ParamWrapper)] and wrappers
+    assert {k: v.shape for k, v in ours.state_dict().items() if "lora_" in k} == {
+        k: v.shape for k, v in ref.state_dict().items() if "lora_" in k
+    }
+    with torch.no_grad():  # B starts at zero: the same random values on both, so every expert's LoRA counts
+        gen = torch.Generator().manual_seed(1)
+        for (name, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+            if "lora_" in name:
+                a.copy_(torch.randn(a.shape, generator=gen) * 0.1)
+                b.copy_(a)
+    ids = torch.randint(5, 120, (2, 12), generator=torch.Generator().manual_seed(0))
+    got, want = ours(input_ids=ids).logits, ref(input_ids=ids).logits
+    eps = torch.finfo(torch.float32).eps
+    # fp32: x·(W + s·B·A)ᵀ (PEFT) against x·Wᵀ + s·(x·Aᵀ)·Bᵀ (shardtune): a few roundings apart per product,
+    # 64 ulps of the largest logit through two blocks (measured: ~4).
+    torch.testing.assert_close(got, want, rtol=0, atol=64 * eps * float(want.abs().max()))
+    got.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    lora = {n: p.grad for n, p in ref.named_parameters() if "lora_" in n and ".experts." in n}
+    assert lora and all(g is not None and g.abs().max() > 0 for g in lora.values())
+    for name, grad in lora.items():
+        mine = ours.get_parameter(name).grad
+        torch.testing.assert_close(mine, grad, rtol=0, atol=64 * eps * float(grad.abs().max()), msg=name)
+    with torch.no_grad(), ours.disable_adapter(), ref.disable_adapter():
+        torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0,
+                                   atol=8 * eps * float(want.abs().max()))  # fmt: skip

@@ -246,6 +246,20 @@ def expert_lora_backward_bytes(shape: ModelShape, compute_bytes: int, lora_targe
     return compute_bytes * max(down, gate_up - down)
 
 
+def expert_lora_4bit_saved_bytes_per_token(
+    shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...], lora_r: int
+) -> int:
+    """Per token: expert LoRA on 4-bit experts (shardtune.quant_experts) is x·A_eᵀ·B_eᵀ beside each expert's 4-bit
+    matmul (FSDP2 gathers the factors in the compute dtype): per routed copy, the input (h for gate_up_proj, I_e for
+    down_proj, which the 4-bit matmul alone does not keep) and the r-wide product are kept for the factors'
+    gradients. No merged copy."""
+    if not shape.num_experts:
+        return 0
+    k = shape.experts_per_token or 1
+    widths = {"experts.gate_up_proj": shape.hidden_size, "experts.down_proj": shape.expert_intermediate_size}
+    return k * sum(compute_bytes * (w + lora_r) for t, w in widths.items() if t in lora_targets)
+
+
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     """The final norm's fp32 copy and rsqrt, and the head's input kept for the loss."""
     return 4 * shape.hidden_size + 4 + compute_bytes * shape.hidden_size

@@ -180,14 +180,19 @@ class _Dynamic:
         return self.stored + self.working, self.logits_kept, "decoder-layer backward"
 
 
-def _adapter_block_terms(shape: ModelShape, a: int, lora_targets: tuple[str, ...], lora_r: int, use_dora: bool):
-    """Per block, not per token: (kept for backward, backward's transient, DoRA's transient). Expert LoRA keeps the
-    block's merged expert copies and forms one merged tensor's gradient; DoRA keeps its norms and scales."""
-    saved = act.expert_lora_saved_bytes(shape, a, lora_targets)
+def _adapter_block_terms(
+    shape: ModelShape, a: int, lora_targets: tuple[str, ...], lora_r: int, use_dora: bool, quantized: bool
+):
+    """Per block, not per token: (kept for backward, backward's transient, DoRA's transient). Expert LoRA (PEFT's,
+    on 16-bit experts) keeps the block's merged expert copies and forms one merged tensor's gradient; on 4-bit
+    experts it merges nothing (its per-token terms: act.expert_lora_4bit_saved_bytes_per_token) but a router's
+    LoRA is still PEFT's; DoRA keeps its norms and scales."""
+    merged = tuple(t for t in lora_targets if not (quantized and t.startswith("experts.")))
+    saved = act.expert_lora_saved_bytes(shape, a, merged)
     if use_dora:
         saved += act.dora_saved_bytes(shape, a, lora_targets)
     dora = act.dora_transient_bytes(shape, a, lora_targets, lora_r) if use_dora else 0
-    return saved, act.expert_lora_backward_bytes(shape, a, lora_targets), dora
+    return saved, act.expert_lora_backward_bytes(shape, a, merged), dora
 
 
 def _check_attention(attn_implementation: str) -> None:
@@ -240,8 +245,10 @@ def _dynamic(
     experts = [math.prod(s[1:]) for s in shape.expert_tensors().values() if len(s) == 3]
     mats = [i * o for i, o in shape.linear_dims().values()] + experts
     dequant = a * max(mats) if quantized else 0
-    saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora)
+    saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora, quantized)
     layer += saved
+    if quantized:
+        layer += tokens * act.expert_lora_4bit_saved_bytes_per_token(shape, a, lora_targets, lora_r)
     working = tokens * act.backward_working_bytes_per_token(shape, a, looped=quantized) + dequant + backward
     if gradient_checkpointing:  # one saved input per block, and one block recomputed at a time
         recompute = act.recompute_peak_bytes(
