@@ -195,6 +195,13 @@ def _adapter_block_terms(
     return saved, act.expert_lora_backward_bytes(shape, a, merged), dora
 
 
+def _dequant_bytes(shape: ModelShape, a: int) -> int:
+    """A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward;
+    4-bit experts likewise, one expert's matrix at a time (shardtune.quant_experts): the largest such matrix."""
+    experts = [math.prod(s[1:]) for s in shape.expert_tensors().values() if len(s) == 3]
+    return a * max([i * o for i, o in shape.linear_dims().values()] + experts)
+
+
 def _check_attention(attn_implementation: str) -> None:
     if attn_implementation not in act.ATTN_IMPLEMENTATIONS:
         raise ValueError(
@@ -240,11 +247,7 @@ def _dynamic(
     mask = act.attention_mask_bytes(batch_size, seq_len, a, attn_implementation, packing)
     inputs = act.step_input_bytes(shape, tokens, a)
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
-    # A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward.
-    # 4-bit experts likewise, one expert's matrix at a time (shardtune.quant_experts).
-    experts = [math.prod(s[1:]) for s in shape.expert_tensors().values() if len(s) == 3]
-    mats = [i * o for i, o in shape.linear_dims().values()] + experts
-    dequant = a * max(mats) if quantized else 0
+    dequant = _dequant_bytes(shape, a) if quantized else 0
     saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora, quantized)
     layer += saved
     if quantized:
