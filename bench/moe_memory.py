@@ -2,12 +2,12 @@
 experts (shardtune.quant_experts), with and without expert LoRA.
 
 Each case is `shardtune train` as a user runs it (torchrun, 2 ranks, FSDP2, 3 steps of packed chat rows, the
-frozen base sharded), on a Qwen3-MoE-shaped model of ~0.3B parameters, ~90% of them in its experts; every rank's
+frozen base sharded, the checkpoint read on rank 0 only as the guide's fsdp_config.yaml asks), on a Qwen3-MoE-shaped model of ~0.3B parameters, ~90% of them in its experts; every rank's
 peak resident set is read from the run summary (ru_maxrss: every page the process touched). The fixed per-process
 overhead (python, torch, transformers, peft, bitsandbytes, gloo, the data) is measured by the same command on a
 tiny model of the same architecture; what the big run peaks above it is what its weights, adapters and activations
-took. Beside it, the planner's per-rank model state for the same flags (`shardtune plan`'s "frozen base weights" +
-"quantization constants"), to see that the memory falls as planned. Prints a table, writes
+took. Beside it, the planner's per rank for the same flags: the model state and the peak of live tensors (its GPU
+estimate less the CUDA context and the allocator's overhead), to see that the memory falls as planned. Prints a table, writes
 bench/results/moe_memory.json.
 
     python bench/moe_memory.py [--workdir /tmp/moe_memory]
@@ -70,10 +70,14 @@ def train(model: Path, tokenizer: Path, data: Path, out: Path, flags: list[str])
             "--dataset_name", str(data), "--chat_template_format", "chatml", "--packing", "True",
             "--max_seq_len", "256", "--per_device_train_batch_size", "2", "--max_steps", "3",
             "--save_strategy", "no", "--logging_steps", "1", "--output_dir", str(out),
-            "--frozen_base", "sharded", "--gradient_checkpointing", "True", *flags]  # fmt: skip
+            "--frozen_base", "sharded", "--gradient_checkpointing", "True", "--overwrite_output_dir", "True",
+            *flags]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(_free_port()), "-m", "shardtune", "train", *argv]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # The guide's fsdp_config.yaml loads on rank 0 only (fsdp_cpu_ram_efficient_loading: true), as accelerate
+    # launch passes it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -81,14 +85,17 @@ def train(model: Path, tokenizer: Path, data: Path, out: Path, flags: list[str])
     return [float(x) for x in re.findall(r"rank \d+: ([\d.]+)", line)]
 
 
-def planned_state(model: Path, flags: list[str]) -> float:
-    """The planner's per-rank frozen base + quantization constants for these flags on 2 ranks, GiB."""
+def planned(model: Path, flags: list[str]) -> dict[str, float]:
+    """The planner's per-rank model state (frozen base, quantization constants, trainable weights, gradients,
+    optimizer state) and peak of live tensors (its GPU estimate less the CUDA context and allocator), GiB."""
     from shardtune.plan import make_plan
 
     plan = make_plan(["--model_name_or_path", str(model), "--num_processes", "2", "--max_seq_len", "256",
-                      "--per_device_train_batch_size", "2", "--frozen_base", "sharded", *flags])  # fmt: skip
+                      "--per_device_train_batch_size", "2", "--frozen_base", "sharded",
+                      "--gradient_checkpointing", "True", *flags])  # fmt: skip
     device = plan.estimate.device
-    return (device["frozen base weights"] + device["quantization constants"] + device["trainable weights"]) / 2**30
+    state = ("frozen base weights", "quantization constants", "trainable weights", "gradients", "optimizer state")
+    return {"state_gib": sum(device[k] for k in state) / 2**30, "allocated_gib": plan.estimate.allocated / 2**30}
 
 
 def main() -> None:
@@ -110,11 +117,11 @@ def main() -> None:
         tiny = train(work / "tiny", work / "tok", data, work / "out-tiny", flags)
         above = [b - t for b, t in zip(big, tiny, strict=True)]
         rows.append({"case": name, "peak_gib": big, "overhead_gib": tiny, "above_overhead_gib": above,
-                     "planned_state_gib": planned_state(work / "big", flags)})  # fmt: skip
+                     **{f"planned_{k}": v for k, v in planned(work / "big", flags).items()}})  # fmt: skip
     base = rows[0]
     for r in rows:
         r["ratio_to_lora"] = sum(r["above_overhead_gib"]) / sum(base["above_overhead_gib"])
-        r["planned_ratio_to_lora"] = r["planned_state_gib"] / base["planned_state_gib"]
+        r["planned_ratio_to_lora"] = r["planned_allocated_gib"] / base["planned_allocated_gib"]
     cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
                 if x.startswith("model name")), platform.processor())  # fmt: skip
     result = {"cpu": cpu, "cores": os.cpu_count(), "dtype": "float32 compute, 4-bit nf4 stored in float32",
@@ -122,12 +129,15 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     print(f"{params / 1e6:.0f}M-parameter Qwen3-MoE, 2 ranks, on {cpu} ({result['dtype']}):")
-    print("| case | peak per rank GiB | above the tiny run, both ranks | ratio to LoRA | planned state ratio |")
-    print("|---|---|---|---|---|")
+    print(
+        "| case | peak per rank GiB | above the tiny run, both ranks | ratio to LoRA | planned per rank: state, "
+        "live tensors GiB | planned ratio |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in rows:
         peaks = ", ".join(f"{x:.2f}" for x in r["peak_gib"])
         print(f"| {r['case']} | {peaks} | {sum(r['above_overhead_gib']):.2f} | {r['ratio_to_lora']:.2f} | "
-              f"{r['planned_ratio_to_lora']:.2f} |")  # fmt: skip
+              f"{r['planned_state_gib']:.2f}, {r['planned_allocated_gib']:.2f} | {r['planned_ratio_to_lora']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
