@@ -28,6 +28,9 @@ class Family:
     config_class: str
     kwargs: dict = field(default_factory=dict)
     dense: bool = True  # no mixture of experts
+    # False for a family whose forward cannot keep packed documents apart (shardtune refuses --packing there):
+    # its runs train on padded rows of one conversation each.
+    packing: bool = True
     # A multimodal class that AutoModelForCausalLM loads whole (Gemma 4: Gemma4ForConditionalGeneration): its
     # config_class takes the language model's kwargs as text_config, without vision or audio towers.
     multimodal: bool = False
@@ -129,6 +132,16 @@ FAMILIES = {
             },
             dense=False,
         ),
+        # GPT-OSS: attention sinks, alternating sliding and full attention, experts stored (E, in, out) with biases
+        # and a clamped, interleaved gate; its sinks keep packed documents from being kept apart, so unpacked rows.
+        Family(
+            "gpt-oss",
+            "GptOssConfig",
+            {**_LLAMA, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+             "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+            dense=False,
+            packing=False,
+        ),  # fmt: skip
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
         # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
         Family(
@@ -231,7 +244,7 @@ def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, d
         "model_name_or_path": model,
         "dataset_name": data,
         "chat_template_format": "chatml",
-        "packing": True,
+        "packing": FAMILIES[model.name].packing if model.name in FAMILIES else True,
         "max_seq_len": 96,
         "seed": 5,
         "max_steps": STEPS,
