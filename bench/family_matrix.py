@@ -154,7 +154,7 @@ def run_matrix(workdir: Path, families: list[str]) -> dict:
     ok = [n for n in families if r1[n] == 0 and r2[f"{n}/lora"] == 0]
     reload_jobs = [
         {"name": n, "base": str(workdir / n), "out": str(workdir / "lora" / n),
-         "rows": str(eval_rows_file(assets["data"], workdir / "lora" / n, workdir, n))}
+         "rows": str(eval_rows_file(assets["data"], workdir / "lora" / n, workdir, n, packing=FAMILIES[n].packing))}
         for n in ok
     ]  # fmt: skip
     reloaded = reload_eval_losses(reload_jobs) if reload_jobs else {}

@@ -137,11 +137,18 @@ FAMILIES = {
         Family(
             "gpt-oss",
             "GptOssConfig",
-            {**_LLAMA, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-             "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+            {
+                **_LLAMA,
+                "head_dim": 16,
+                "intermediate_size": 32,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
             dense=False,
             packing=False,
-        ),  # fmt: skip
+        ),
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
         # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
         Family(
@@ -331,8 +338,9 @@ print(json.dumps(result))
 """
 
 
-def eval_rows_file(data: Path, out: Path, workdir: Path, name: str) -> Path:
-    """The packed eval rows a matrix run evaluated on (tokenized with the tokenizer it saved), as JSON."""
+def eval_rows_file(data: Path, out: Path, workdir: Path, name: str, *, packing: bool = True) -> Path:
+    """The eval rows a matrix run evaluated on (tokenized with the tokenizer it saved; packed unless the family
+    trains unpacked), as JSON."""
     import json
 
     from transformers import AutoTokenizer
@@ -342,7 +350,7 @@ def eval_rows_file(data: Path, out: Path, workdir: Path, name: str) -> Path:
 
     _, ev = build_data(
         build_datasets, tokenizer=AutoTokenizer.from_pretrained(out), dataset_name=str(data), splits="train,test",
-        dataset_text_field="text", max_length=96, packing=True, append_concat_token=False,
+        dataset_text_field="text", max_length=96, packing=packing, append_concat_token=False,
         add_special_tokens=False, assistant_only_loss=False, drop_long_samples=False,
         cache_dir=str(workdir / "cache"), seed=5,
     )  # fmt: skip

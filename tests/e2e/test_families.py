@@ -190,7 +190,7 @@ def test_adapters_reload_in_fresh_process_with_trained_eval_loss(matrix):
     root = matrix["root"]
     jobs = [
         {"name": n, "base": str(root / n), "out": str(root / "two" / n),
-         "rows": str(eval_rows_file(matrix["data"], root / "two" / n, root, n))}
+         "rows": str(eval_rows_file(matrix["data"], root / "two" / n, root, n, packing=FAMILIES[n].packing))}
         for n in FAMILIES
     ]  # fmt: skip
     got = reload_eval_losses(jobs)
@@ -320,7 +320,8 @@ def test_steps_at_learning_rate_zero_do_not_count(tmp_path):
 # ---------------------------------------------------------------- expert LoRA on the mixtures of experts
 
 # PEFT's keys for the LoRA of each block's two fused expert tensors (nested wrappers) and its router's weight.
-EXPERT_LORA = (".mlp.experts.base_layer.lora_B.weight", ".mlp.experts.lora_B.weight", ".mlp.gate.lora_B.weight")
+EXPERT_LORA = (".mlp.experts.base_layer.lora_B.weight", ".mlp.experts.lora_B.weight")
+ROUTER = {"gpt-oss": "mlp.router"}  # the others' router is mlp.gate
 
 
 @pytest.mark.parametrize("family", MOE)
@@ -334,16 +335,14 @@ def test_expert_lora_two_ranks_match_one_process(matrix, family):
     close = matrix_tolerance(family)
     trained = assert_runs_match(root / "one-experts" / family, root / "experts" / family, close, min_updates=STEPS)
     config = json.loads((root / "experts" / family / "adapter_config.json").read_text())
-    assert sorted(config["target_parameters"]) == [
-        "mlp.experts.down_proj",
-        "mlp.experts.gate_up_proj",
-        "mlp.gate.weight",
-    ]
+    router = ROUTER.get(family, "mlp.gate")
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
+                                                   f"{router}.weight"]  # fmt: skip
     assert config["lora_dropout"] == 0.0  # what PEFT needs to load a parameter's LoRA
     blocks = _moe_blocks(root / family)
     assert blocks  # DeepSeek-V3's first block is dense
     for layer in blocks:
-        for suffix in EXPERT_LORA:
+        for suffix in (*EXPERT_LORA, f".{router}.lora_B.weight"):
             moved = float(trained[f"base_model.model.model.layers.{layer}{suffix}"].abs().max())
             assert moved > LR > 3 * close.atol, (layer, suffix, moved)
 
@@ -370,7 +369,7 @@ def test_expert_lora_reloads_in_peft_merges_and_chats(matrix, family):
     from transformers import AutoModelForCausalLM
 
     root, out = matrix["root"], matrix["root"] / "experts" / family
-    rows = eval_rows_file(matrix["data"], out, root, f"{family}-experts")
+    rows = eval_rows_file(matrix["data"], out, root, f"{family}-experts", packing=FAMILIES[family].packing)
     got = reload_eval_losses([{"name": family, "base": str(root / family), "out": str(out), "rows": str(rows)}])
     trained = json.loads((out / "train_summary.json").read_text())["final_eval_loss"]
     assert got[family] == pytest.approx(trained, rel=tol(torch.float32, decoder_chain(**CHAIN, tokens=EVAL_TOKENS)))
