@@ -224,6 +224,12 @@ class TrainArguments:
     eval_harness_include_path: str | None = _f(None, "A folder of local lm_eval task YAMLs for --eval_harness_tasks.")
     max_nonfinite_steps: int = _f(3, "Stop after this many skipped steps with a non-finite loss or gradient norm.")
     run_name: str | None = _f(None, "A name for the run in logs.")
+    context_parallel_size: int = _f(
+        1,
+        "Split every row's positions over this many ranks (context parallelism, for long sequences): FSDP shards "
+        "over all ranks, each batch is shared by this many; accelerate's parallelism_config_cp_size sets it too "
+        "(docs/long_context.md).",
+    )
     ddp_timeout: int = _f(
         1800,
         "Seconds a collective waits for the other ranks before failing; lower it so that a "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtune import families, modeling, quant
+from shardtune import families, fastpath, modeling, quant, targets
 from shardtune.config import RunConfig
 from shardtune.errors import ConfigError
 from shardtune.log import print0
@@ -63,6 +63,8 @@ class ModelSpec:
     router_aux_loss_coef: float | None = None  # None: the config's (shardtune.router_aux)
     # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
     packing: bool = False
+    # Ranks each row's positions are split over (shardtune.context_parallel); the fast path's attention only.
+    context_parallel: int = 1
     # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
     # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
     read_weights: bool = True
@@ -114,6 +116,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         torch_compile=t.torch_compile,
         packing=cfg.data.packing or cfg.data.streaming,
         router_aux_loss_coef=t.router_aux_loss_coef,
+        context_parallel=t.context_parallel_size,
     )
 
 
@@ -186,7 +189,35 @@ def training_layout(spec: ModelSpec) -> families.Layout:
                 "recurrent state or a mask runs across them); train it with --packing False."
             )
             raise ConfigError([problem])
+    if spec.context_parallel > 1:
+        problems = context_parallel_problems(config, layout, verdict, attn, spec)
+        if problems:
+            raise ConfigError(problems)
     return layout
+
+
+def context_parallel_problems(
+    config, layout: families.Layout, verdict: families.Verdict, attn: str, spec: ModelSpec
+) -> list[str]:
+    """What the model needs for context parallelism: shardtune's own per-document attention on the fast path (the
+    gathered keys and values are attended there), no sliding window or soft-capped scores (not in that
+    attention yet), and no router load-balancing term (its expert fractions would be per sequence part)."""
+    flag = f"--context_parallel_size {spec.context_parallel}"
+    text = config.get_text_config()
+    p = []
+    if layout.path != "fast" or not verdict.fast_packing or attn != fastpath.ATTENTION:
+        p.append(f"{flag}: {config.model_type} trains through its own forward or attention here ({attn}), not "
+                 "shardtune's per-document attention, which context parallelism runs in; use "
+                 "--context_parallel_size 1 (or --use_flash_attn False) for this model.")  # fmt: skip
+    if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
+        p.append(f"{flag}: {config.model_type} has sliding-window or soft-capped attention, which the "
+                 "context-parallel attention does not implement yet; use --context_parallel_size 1.")  # fmt: skip
+    coef = spec.router_aux_loss_coef
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if targets.num_experts(config) and coef:
+        p.append(f"{flag}: the router load-balancing loss of {config.model_type} would be computed per part of "
+                 "each sequence; add --router_aux_loss_coef 0.")  # fmt: skip
+    return p
 
 
 def _use_fast_paths(model: nn.Module, spec: ModelSpec) -> None:

@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 from shardtune import dtypes
 from shardtune.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.errors import ConfigError
-from shardtune.fsdp_settings import FSDPSettings, fsdp_settings_from_env, parallelism_plan
+from shardtune.fsdp_settings import FSDPSettings, context_parallel_size, fsdp_settings_from_env, parallelism_plan
 from shardtune.log import warn0
 from shardtune.validation import validate
 
@@ -366,6 +366,28 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     fsdp.sharding_strategy, problems = parallelism_plan(fsdp, world, local)
     if problems:
         raise ConfigError([f"the accelerate config's {p}" for p in problems])
-    cfg = RunConfig(model, data, train, fsdp, explicit=explicit_flags(argv))
+    explicit = explicit_flags(argv)
+    problems = _context_parallel(train, fsdp, world, explicit)
+    if problems:
+        raise ConfigError(problems)
+    cfg = RunConfig(model, data, train, fsdp, explicit=explicit)
     validate(cfg)
     return cfg
+
+
+def _context_parallel(train, fsdp: FSDPSettings, world: int, explicit) -> list[str]:
+    """--context_parallel_size, or the accelerate config's parallelism_config_cp_size (the same number when both
+    are given), into train.context_parallel_size; it must divide the processes."""
+    from_config = context_parallel_size(fsdp)
+    if from_config > 1:
+        if "context_parallel_size" in explicit and train.context_parallel_size != from_config:
+            given = train.context_parallel_size
+            why = (f"--context_parallel_size {given} and the accelerate config's parallelism_config_cp_size "
+                   f"{from_config} differ: give one of them.")  # fmt: skip
+            return [why]
+        train.context_parallel_size = from_config
+    cp = train.context_parallel_size
+    if cp < 1 or world % cp:
+        why = f"--context_parallel_size {cp}: it must be a whole number ≥ 1 that divides the {world} processes."
+        return [why]
+    return []

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shardtune import context_parallel
+
 ATTENTION = "shardtune_sdpa"
 DOCUMENTS_KWARG = "shardtune_documents"
 # Short documents are grouped into spans of up to this many positions, one SDPA call per span: on CPU a call costs
@@ -271,6 +273,10 @@ def packed_sdpa_attention(
     (`shardtune_documents`, from CausalLMForTraining) and nothing else shapes the mask; transformers' SDPA with
     its mask otherwise (generation with a cache, sliding windows, padding masks, torch.compile)."""
     documents: Documents | None = kwargs.pop(DOCUMENTS_KWARG, None)
+    if isinstance(documents, context_parallel.CPShard):
+        if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
+            raise ValueError("context parallelism does not support sliding-window attention yet")
+        return context_parallel.attention(query, key, value, documents, dropout, scaling), None
     plain = (
         documents is None
         or query.shape[2] != key.shape[2]

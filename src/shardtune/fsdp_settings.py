@@ -154,7 +154,6 @@ def single_process_setting(value: str) -> str:
 # The sizes `accelerate launch` passes as PARALLELISM_CONFIG_<NAME> (accelerate/utils/launch.py), its defaults 1.
 PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 _NOT_IMPLEMENTED = {
-    "cp_size": "context parallelism is not implemented in shardtune yet",
     "tp_size": "tensor parallelism is not implemented in shardtune yet",
     "sp_size": "sequence parallelism (accelerate's DeepSpeed Ulysses) is not implemented in shardtune",
 }
@@ -175,8 +174,8 @@ def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
 
 def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: int) -> tuple[str, list[str]]:
     """The sharding strategy that builds the mesh the parallelism_config asks for, and the problems (each naming the
-    keys and the fix): context, tensor and sequence parallel sizes above 1 are refused; dp_replicate_size ×
-    dp_shard_size must be the processes, replicated across machines and sharded within one (HYBRID_SHARD), all
+    keys and the fix): tensor and sequence parallel sizes above 1 are refused; dp_replicate_size × dp_shard_size ×
+    cp_size must be the processes (cp_size: shardtune.fsdp_settings.context_parallel_size), replicated across machines and sharded within one (HYBRID_SHARD), all
     sharded (FULL_SHARD) or all replicated (NO_SHARD)."""
     strategy, sizes = settings.sharding_strategy, settings.parallelism
     if not sizes:
@@ -193,14 +192,16 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
     p += [f"{key(k)} {n[k]}: {why}; set {key(k)}: 1." for k, why in _NOT_IMPLEMENTED.items() if n[k] > 1]
     if p:  # the data-parallel sizes follow once these are 1
         return strategy, p
-    r, s = n["dp_replicate_size"], n["dp_shard_size"]
-    if min(r, s) < 1 or r * s != world_size:
+    r, s, cp = n["dp_replicate_size"], n["dp_shard_size"], n["cp_size"]
+    if min(r, s, cp) < 1 or r * s * cp != world_size:
         p.append(
-            f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} = {r * s}, but the run has {world_size} "
-            f"processes; make the product {world_size} (e.g. {key('dp_shard_size')}: {world_size})."
+            f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} × {key('cp_size')} {cp} = {r * s * cp}, "
+            f"but the run has {world_size} processes; make the product {world_size} (e.g. "
+            f"{key('dp_shard_size')}: {max(world_size // max(cp, 1), 1)})."
         )
     if p:
         return strategy, p
+    world_size //= cp  # the data-parallel ranks, each group of cp ranks sharing a batch
     # The sizes decide the mesh (as accelerate's FSDP2 builds it from them); the strategy keeps its resharding.
     if r * s == 1:
         return strategy, []
@@ -221,6 +222,12 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
     if dims is None or (dims.dp_replicate, dims.dp_shard) != (r, s):
         return strategy, [_layout_problem(r, s, strategy, world_size, local_world_size)]
     return wanted, []
+
+
+def context_parallel_size(settings: FSDPSettings) -> int:
+    """The parallelism_config's cp_size (1 without one); a whole number once parallelism_plan has passed."""
+    sizes = settings.parallelism or {}
+    return int(sizes.get("cp_size", "1"))
 
 
 def _layout_problem(r: int, s: int, strategy: str, world: int, local: int) -> str:

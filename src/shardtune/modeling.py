@@ -440,6 +440,9 @@ class CausalLMForTraining(nn.Module):
         # (Gemma 3n and Gemma 4 are *ForConditionalGeneration) keeps it in its text_config.
         self._transform = families.head_transform(base.config, layout.head)
         self.router_aux = router_aux.family_router_aux(base, router_aux_loss_coef)  # None: a dense model
+        # With context parallelism, the micro-batch's CPShard (set by shardtune.trainer.local_part before each
+        # forward): the fast path's attention then gathers each row's keys and values over the cp ranks.
+        self.cp_shard = None
 
     @property
     def router_aux_loss_coef(self) -> float:
@@ -451,7 +454,9 @@ class CausalLMForTraining(nn.Module):
 
     def _decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **extra):
         # Compiled blocks take the masked path: spans that change every batch would recompile them.
-        if self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
+        if self.cp_shard is not None:  # context parallelism: this rank's positions of each row
+            extra[fastpath.DOCUMENTS_KWARG] = self.cp_shard
+        elif self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
             extra[fastpath.DOCUMENTS_KWARG] = fastpath.packed_documents(position_ids)
         return self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
 

@@ -1,7 +1,7 @@
 """How the ranks divide the work: the sharding strategies and the parallel dimensions.
 
 Everything that means "the data-parallel size" or "this rank's data-parallel index" reads `ParallelDims`, not the
-world size: the two differ once a context- or tensor-parallel axis is added (their sizes are here, 1 today).
+world size: the two differ with a context-parallel axis (and a tensor-parallel one, 1 today).
 Nothing here imports torch.distributed; shardtune.distributed.mesh builds the device mesh from these numbers.
 """
 
@@ -48,15 +48,19 @@ class ParallelDims:
 
     Data parallelism has two axes: `dp_replicate` (full replicas: across machines with HYBRID_SHARD, every rank with
     NO_SHARD) and `dp_shard` (the FSDP shard group). Their product is the number of distinct batches per step.
+    Context parallelism (`cp`) splits each of those batches' sequences over `cp` consecutive ranks
+    (shardtune.context_parallel), which FSDP shards the parameters over too, as torchtitan does: the shard group
+    is dp_shard × cp ranks, so adding cp also lowers the weights' memory per rank.
     """
 
     dp_replicate: int
     dp_shard: int
     dp_replicate_rank: int = 0
     dp_shard_rank: int = 0
-    cp: int = 1  # context parallel (not implemented yet: always 1)
+    cp: int = 1  # context parallel: the ranks one batch's sequences are split over
     tp: int = 1  # tensor parallel (not implemented yet: always 1)
     replicate_axis: bool = False  # whether the mesh has a "replicate" dimension
+    cp_rank: int = 0  # this rank's index among its batch's cp ranks: which part of each sequence it holds
 
     @property
     def dp_size(self) -> int:
@@ -73,16 +77,35 @@ class ParallelDims:
         return self.dp_size * self.cp * self.tp
 
     @property
+    def gradient_divisor(self) -> int:
+        """The ranks FSDP averages gradients over (every rank of the mesh): a loss normalised over the global batch
+        is multiplied by this so that the average is the global batch's gradient."""
+        return self.dp_size * self.cp
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP shards every parameter over (the mesh's shard dimension)."""
+        return self.dp_shard * self.cp
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
         """2-D (replicate, shard) when there is a replicate axis; NO_SHARD keeps one even on one rank, since
-        FSDP2 replicates along a mesh's first dimension."""
-        return (self.dp_replicate, self.dp_shard) if self.replicate_axis else (self.dp_shard,)
+        FSDP2 replicates along a mesh's first dimension. The shard dimension spans dp_shard × cp ranks."""
+        return (self.dp_replicate, self.shard_size) if self.replicate_axis else (self.shard_size,)
 
     @classmethod
-    def build(cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str) -> ParallelDims:
+    def build(
+        cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str, cp: int = 1
+    ) -> ParallelDims:
         """NO_SHARD replicates on every rank; HYBRID shards within a machine and replicates across machines
-        (on one machine it is FULL_SHARD); the others shard across all ranks."""
+        (on one machine it is FULL_SHARD); the others shard across all ranks. With cp > 1 (FULL_SHARD or
+        SHARD_GRAD_OP only), ranks r·cp .. r·cp + cp - 1 share data-parallel batch r."""
         s = strategy(sharding_strategy)
+        if cp > 1 and (s.hybrid or not s.sharded or world_size % cp):
+            raise ValueError(
+                f"context parallel size {cp} needs FULL_SHARD or SHARD_GRAD_OP and a world size it divides "
+                f"({sharding_strategy}, {world_size} processes)."
+            )
         replicate_axis = True
         if not s.sharded:
             replicate, shard = world_size, 1
@@ -94,8 +117,9 @@ class ParallelDims:
                 )
             replicate, shard = world_size // local_world_size, local_world_size
         else:
-            replicate, shard, replicate_axis = 1, world_size, False
-        return cls(replicate, shard, rank // shard, rank % shard, replicate_axis=replicate_axis)
+            replicate, shard, replicate_axis = 1, world_size // cp, False
+        dp = rank // cp
+        return cls(replicate, shard, dp // shard, dp % shard, cp=cp, replicate_axis=replicate_axis, cp_rank=rank % cp)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:

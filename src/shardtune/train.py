@@ -156,7 +156,9 @@ def run(cfg: RunConfig) -> int:
     from shardtune.distributed.mesh import init_distributed
 
     STOP.at("starting the processes")
-    info = init_distributed(cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout)
+    info = init_distributed(
+        cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout, cp=cfg.train.context_parallel_size
+    )
     if info.is_main and (msg := bf16_check(info.device.type, cfg.precision.bf16)):  # AVX2-only CPUs emulate bf16
         warn0(msg)
     if info.device.type == "cuda":

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
+from shardtune.distributed.context_parallel import shard_batch
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0, warn0
 from shardtune.loss import Objective
@@ -148,6 +149,7 @@ def train_step(model: nn.Module, batches: list[dict], info: DistInfo, objective:
 
 
 def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective, *, backward: bool):
+    batches = [local_part(model, b, info) for b in batches]
     local = [objective.counts(b) for b in batches]
     keys = sorted(local[0])
     local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
@@ -156,7 +158,7 @@ def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, object
     sums: dict[str, torch.Tensor] = {}
     for b in batches:
         b = {k: v.to(info.device, non_blocking=True) for k, v in b.items()}
-        loss, parts = objective.step(model, b, totals, info.dims.dp_size)
+        loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)
         if backward:
             loss.backward()
         for k, v in parts.items():
@@ -178,6 +180,22 @@ def evaluate_objective(model: nn.Module, split, objective: Objective, *, batch_s
     metrics, _, _ = _run_objective(model, batches, info, objective, backward=False)
     model.train()
     return {f"eval_{k}": v for k, v in metrics.items()}
+
+
+# The token id of the positions context parallelism pads rows with: a document of its own without targets, so the
+# id never reaches a loss (any id of the vocabulary would do).
+PAD_FOR_CP = 0
+
+
+def local_part(model: nn.Module, batch: dict, info: DistInfo) -> dict:
+    """This rank's part of a micro-batch: all of it, or with context parallelism its share of every row's
+    positions (shardtune.context_parallel), whose attention context the training module keeps for the forward
+    (and for its recomputation in backward, which runs before the next micro-batch is split)."""
+    if info.dims.cp == 1:
+        return batch
+    local, shard = shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP)
+    model.cp_shard = shard
+    return local
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -211,6 +229,7 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
     )
     loss_sum, n_targets = 0.0, 0
     for batch in batches:
+        batch = local_part(model, batch, info)
         loss, n = model(**{k: v.to(info.device) for k, v in batch.items()})
         loss_sum += float(loss)
         n_targets += int(n)

@@ -41,10 +41,32 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
     if cfg.model.adapter_path and not cfg.model.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
     p += _quantization_problems(cfg)
+    p += _context_parallel_problems(cfg)
     if check_paths:
         p += _path_problems(cfg)
     if p:
         raise ConfigError(p)
+
+
+def _context_parallel_problems(cfg: RunConfig) -> list[str]:
+    """What context parallelism (shardtune.context_parallel) does not run yet, each with the fix. The model-side
+    checks (its attention, the router loss) are the builder's (shardtune.builder.check_context_parallel)."""
+    t, cp = cfg.train, cfg.train.context_parallel_size
+    if cp == 1:
+        return []
+    flag = f"--context_parallel_size {cp}"
+    p = []
+    if t.objective != "sft":
+        p.append(f"{flag} with --objective {t.objective}: preference objectives do not run with context "
+                 "parallelism yet; use --context_parallel_size 1 (or SFT).")  # fmt: skip
+    if t.torch_compile:
+        p.append(f"{flag} with --torch_compile True: compiled blocks take transformers' own attention, not the "
+                 "context-parallel one; remove --torch_compile.")  # fmt: skip
+    strategy = cfg.fsdp.sharding_strategy
+    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        p.append(f"{flag} with fsdp_sharding_strategy {strategy}: context parallelism shards over every rank; use "
+                 "FULL_SHARD or SHARD_GRAD_OP.")  # fmt: skip
+    return p
 
 
 def _required_problems(cfg: RunConfig) -> list[str]:

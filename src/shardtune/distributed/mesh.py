@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardtune.distributed import context_parallel
 from shardtune.parallel import ParallelDims
 
 
@@ -23,6 +24,7 @@ class DistInfo:
     device: torch.device
     mesh: DeviceMesh
     dims: ParallelDims  # data-parallel sizes and ranks: use these wherever the data-parallel size is meant
+    cp_group: object | None = None  # the process group of this rank's batch's context-parallel ranks (cp > 1)
 
     @property
     def is_main(self) -> bool:
@@ -43,7 +45,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1800.0) -> DistInfo:
+def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1800.0, cp: int = 1) -> DistInfo:
     """Start the process group (NCCL on CUDA, gloo on CPU) and build the mesh for the sharding strategy.
 
     A plain single process gets a 1-rank group, so that the same FSDP2 code path runs everywhere.
@@ -83,9 +85,10 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
             device_id=device if use_cuda else None,
         )
     dims = ParallelDims.build(
-        world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy
+        world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy, cp=cp
     )
-    return DistInfo(rank, world, local_rank, local_world, device, build_mesh(device.type, dims), dims)
+    cp_group = context_parallel.groups(world, cp) if cp > 1 else None
+    return DistInfo(rank, world, local_rank, local_world, device, build_mesh(device.type, dims), dims, cp_group)
 
 
 def build_mesh(device_type: str, dims: ParallelDims) -> DeviceMesh:

@@ -64,7 +64,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "
         return train_module
     _fill(train_module, spec, info, full_tensors, node)
     # Step 7.
-    shards = info.dims.dp_shard
+    shards = info.dims.shard_size
     replicated = fsdp and spec.frozen_base == "replicated"
     assert_sharded(train_module, shards)
     trainable, total = modeling.count_parameters(train_module)
@@ -76,6 +76,11 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "
     )
     if spec.quantization_config is not None:
         _report_4bit(train_module, 1 if replicated else shards, spec.offload)
+    if info.dims.cp > 1:
+        print0(
+            f"Context parallelism: each row split over {info.dims.cp} ranks ({2 * info.dims.cp} chunks, zigzag), "
+            f"{info.dims.dp_size} batch(es) per step; keys and values all-gathered per layer, documents kept apart."
+        )
     return train_module
 
 

@@ -1,0 +1,57 @@
+"""The collectives of context parallelism (shardtune.context_parallel holds the split and the attention): the cp
+process groups, and the all-gather of a row's keys and values with its exact backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardtune import context_parallel
+from shardtune.context_parallel import CPShard
+
+
+def groups(world_size: int, size: int):
+    """This rank's cp process group: every rank creates every group (torch.distributed requires it), in the same
+    order; ranks r·size .. r·size + size - 1 form group r (they share data-parallel batch r)."""
+    mine = None
+    rank = dist.get_rank()
+    for start in range(0, world_size, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class _GatherPositions(torch.autograd.Function):
+    """All-gather along the position dimension (2) within the cp group; backward: the gradient of every gathered
+    position summed over the group, this rank's part kept (a reduce-scatter; on gloo, which has none, an
+    all-reduce and a slice)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+        ctx.group, ctx.size, ctx.rank = group, size, rank
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        chunks = list(grad.contiguous().chunk(ctx.size, dim=2))
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(chunks[ctx.rank])
+            dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=ctx.group)
+            return out, None, None, None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
+
+
+def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int) -> tuple[dict, CPShard]:
+    """This rank's part of a micro-batch and the CPShard its attention reads."""
+    local, mask, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _GatherPositions.apply(x, group, size, rank).index_select(2, order.to(x.device))
+
+    return local, CPShard(mask, gather)

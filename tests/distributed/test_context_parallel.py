@@ -1,0 +1,132 @@
+"""Context parallelism (shardtune.context_parallel) from the command line: cp=2 on 2 ranks and dp=2 × cp=2 on 4
+ranks train as 1 process with the same global batch, on packed rows whose documents cross the chunk edges: per-step
+losses, grad_norm and every trained tensor (tests/families.py's matrix bounds), for LoRA, QLoRA (with gradient
+checkpointing) and full fine-tuning. A planted cross-document leak and a planted dropped edge target fail it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardtune import context_parallel
+from tests.families import (
+    LR,
+    STEPS,
+    assert_runs_match,
+    build_assets,
+    eval_rows_file,
+    matrix_tolerance,
+    run_jobs,
+    train_argv,
+)
+from tests.mutation import Edit, plant
+
+CP = ["--context_parallel_size", "2"]
+GC = ["--gradient_checkpointing", "True"]
+
+
+def _argv(root, assets, out, method, batch, extra=()):
+    return [*train_argv(root / "llama", assets["data"], out, method, batch=batch), *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("cp")
+    assets = build_assets(root, families=["llama"])
+    extra = {"lora": (), "qlora": GC, "full": ()}
+    one = [{"name": m, "argv": _argv(root, assets, root / "one" / m, m, 4, extra[m])} for m in extra]
+    two = [{"name": m, "argv": _argv(root, assets, root / "cp2" / m, m, 4, (*extra[m], *CP))} for m in extra]
+    four = [{"name": "lora", "argv": _argv(root, assets, root / "dp2cp2" / "lora", "lora", 2, CP)}]
+    codes = {**run_jobs(one, root, nproc=1), **{f"cp2/{k}": v for k, v in run_jobs(two, root, nproc=2).items()}}
+    codes["dp2cp2/lora"] = run_jobs(four, root, nproc=4)["lora"]
+    return {"root": root, "assets": assets, "codes": codes}
+
+
+def _moved(tensors: dict, base: dict | None = None) -> float:
+    if base is None:
+        return max(float(v.abs().max()) for k, v in tensors.items() if "lora_B" in k)
+    same = [k for k, v in base.items() if k in tensors and tensors[k].shape == v.shape]  # (resized tables differ)
+    return max(float((tensors[k] - base[k]).abs().max()) for k in same)
+
+
+@pytest.mark.parametrize(("run", "method"), [("cp2", "lora"), ("cp2", "qlora"), ("cp2", "full"), ("dp2cp2", "lora")])
+def test_context_parallel_ranks_train_as_one_process(runs, run, method):
+    root, codes = runs["root"], runs["codes"]
+    assert codes[method] == 0 and codes[f"{run}/{method}"] == 0, codes
+    trained = assert_runs_match(
+        root / "one" / method, root / run / method, matrix_tolerance("llama"), min_updates=STEPS
+    )
+    if method == "full":
+        from tests.families import saved_tensors
+
+        assert _moved(trained, saved_tensors(root / "llama")) > LR
+    else:
+        assert _moved(trained) > LR
+    log = (root / "log-2.txt").read_text() if run == "cp2" else (root / "log-4.txt").read_text()
+    assert "Context parallelism: each row split over 2 ranks (4 chunks, zigzag)" in log
+    summary = json.loads((root / run / method / "train_summary.json").read_text())
+    one = json.loads((root / "one" / method / "train_summary.json").read_text())
+    assert summary["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-5)  # evaluation under CP too
+
+
+def test_the_documents_cross_the_chunk_edges(runs):
+    """The runs' rows (their data's eval split, packed as training packs it): several documents per row, and
+    documents that span a chunk edge of the zigzag split (rank 0 holds chunks 0 and 3 of 4, rank 1 chunks 1, 2)."""
+    root = runs["root"]
+    rows = json.loads(eval_rows_file(runs["assets"]["data"], root / "one" / "lora", root, "cp").read_text())
+    crossing = 0
+    for r in rows:
+        pos = torch.tensor([r["position_ids"]])
+        docs = context_parallel.document_ids(pos)[0]
+        length = context_parallel.padded_length(len(r["position_ids"]), 2)
+        edges = [length // 4 * i for i in (1, 2, 3)]
+        crossing += sum(int(e < len(docs) and docs[e] == docs[e - 1]) for e in edges)
+        assert int(docs.max()) > 1  # several documents per row
+    assert crossing > 0
+
+
+# The mask forgets documents: queries see every earlier position of the row (the leak packed CP had in TRL).
+LEAK = Edit(
+    "context_parallel.py",
+    "    mask = (docs[:, mine, None] == docs[:, None, :]) & causal[None]\n",
+    "    mask = causal[None].expand(docs.shape[0], -1, -1)\n",
+)
+# Labels shifted after the split: every rank's last position of a chunk loses its target.
+EDGE = Edit(
+    "context_parallel.py",
+    "    local = {k: (v[:, mine] if k in POSITION_KEYS else v) for k, v in batch.items()}\n",
+    "    local = {k: (v[:, mine] if k in POSITION_KEYS else v) for k, v in batch.items()}\n"
+    "    local['labels'] = local['labels'].clone(); local['labels'][:, len(mine) // 2 - 1 :: len(mine) // 2] = -100\n",
+)
+
+
+@pytest.mark.parametrize(("edit", "name"), [(LEAK, "leak"), (EDGE, "edge")])
+def test_a_cross_document_leak_or_a_dropped_edge_target_is_caught(runs, tmp_path, edit, name):
+    root, assets = runs["root"], runs["assets"]
+    out = tmp_path / name
+    jobs = [{"name": name, "argv": _argv(root, assets, out, "lora", 4, CP)}]
+    assert run_jobs(jobs, tmp_path, nproc=2, env=plant(edit, tmp_path))[name] == 0
+    with pytest.raises(AssertionError, match=r"step 1 (loss|grad_norm)"):
+        assert_runs_match(root / "one" / "lora", out, matrix_tolerance("llama"))
+
+
+def test_the_split_covers_every_position_once_and_masks_as_one_row():
+    """zigzag: 2·cp chunks, rank i holds i and 2·cp-1-i; together the ranks hold every position once. The mask of
+    each rank's queries over the gathered row is the one-process per-document causal mask's rows."""
+    length, size = 24, 3
+    held = torch.cat([context_parallel.zigzag(length, size, r) for r in range(size)])
+    assert sorted(held.tolist()) == list(range(length))
+    assert context_parallel.zigzag(length, size, 0).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])
+    batch = {"input_ids": torch.arange(25)[None], "position_ids": pos, "labels": torch.arange(25)[None]}
+    docs = context_parallel.document_ids(torch.cat([pos, torch.arange(5)[None]], dim=1))[0]  # padded to 30
+    full = (docs[:, None] == docs[None, :]) & torch.ones(30, 30, dtype=torch.bool).tril()
+    for r in range(size):
+        local, mask, order = context_parallel.split(batch, size=size, rank=r, pad_id=0)
+        mine = context_parallel.zigzag(30, size, r)
+        assert torch.equal(mask[0, 0], full[mine])
+        assert local["labels"][0].tolist() == [x if x < 25 else -100 for x in mine.tolist()]
+        gathered = torch.cat([context_parallel.zigzag(30, size, q) for q in range(size)])
+        assert torch.equal(gathered[order], torch.arange(30))  # the gathered keys put back in row order
