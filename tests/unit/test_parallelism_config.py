@@ -77,17 +77,19 @@ def test_data_parallel_sizes_map_onto_the_sharding_strategy(tmp_path, sizes, str
     assert cfg.fsdp.sharding_strategy == want
 
 
-CP = "parallelism_config_cp_size 2: context parallelism is not implemented in shardtune yet; set parallelism_config_cp_size: 1."
+CP = ("parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 2 = 6, "
+      "but the run has 4 processes; make the product 4 (e.g. parallelism_config_dp_shard_size: 2).")
 
 
 @pytest.mark.parametrize(
     ("sizes", "want"),
-    [({"dp_shard_size": 2, "cp_size": 2}, CP),
+    [({"dp_shard_size": 3, "cp_size": 2}, CP),
      ({"dp_shard_size": 2, "tp_size": 2},
       ("parallelism_config_tp_size 2: tensor parallelism is not implemented in shardtune yet; set "
       "parallelism_config_tp_size: 1.")),
      ({"dp_replicate_size": 1, "dp_shard_size": 3},
-      "parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 = 3, but the run has 4 processes"),
+      ("parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 1 = 3, "
+       "but the run has 4 processes")),
      ({"dp_replicate_size": 2, "dp_shard_size": 2},  # on one machine of 4: HYBRID_SHARD would shard over all 4
       ("parallelism_config_dp_replicate_size 2 and parallelism_config_dp_shard_size 2 do not fit "
       "fsdp_sharding_strategy FULL_SHARD on 1 machine(s) of 4 processes"))],
@@ -125,8 +127,40 @@ def test_plan_reads_the_mapped_strategy(tmp_path):
     assert fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})).sharding_strategy == (
         "HYBRID_SHARD"
     )
-    with pytest.raises(ConfigError, match="context parallelism is not implemented"):
-        fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2}))
+    assert fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2})).sharding_strategy == (
+        "FULL_SHARD"
+    )
+
+
+def test_cp_size_is_the_context_parallel_size_and_agrees_with_the_flag(tmp_path):
+    """parallelism_config_cp_size 2 (as accelerate launch passes it) is --context_parallel_size 2: the batch is
+    shared by 2 ranks, FSDP shards over all 4; the flag may repeat it, not contradict it."""
+    env = _train_env(_accelerate_launch_env(_yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2})), 4, 2)
+    cfg = load_run_config(TRAIN, env=env)
+    assert (cfg.train.context_parallel_size, cfg.fsdp.sharding_strategy) == (2, "FULL_SHARD")
+    assert load_run_config([*TRAIN, "--context_parallel_size", "2"], env=env).train.context_parallel_size == 2
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*TRAIN, "--context_parallel_size", "4"], env=env)
+    assert e.value.problems == [
+        "--context_parallel_size 4 and the accelerate config's parallelism_config_cp_size 2 differ: give one of them."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "want"),
+    [(["--context_parallel_size", "3"], {"WORLD_SIZE": "4"},
+      "--context_parallel_size 3: it must be a whole number ≥ 1 that divides the 4 processes."),
+     (["--context_parallel_size", "2", "--objective", "dpo"], {"WORLD_SIZE": "2"},
+      "--context_parallel_size 2 with --objective dpo: preference objectives do not run with context parallelism yet"),
+     (["--context_parallel_size", "2", "--torch_compile", "True"], {"WORLD_SIZE": "2"},
+      "--context_parallel_size 2 with --torch_compile True: compiled blocks take transformers' own attention"),
+     (["--context_parallel_size", "2"], {"WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "NO_SHARD"},
+      "--context_parallel_size 2 with fsdp_sharding_strategy NO_SHARD: context parallelism shards over every rank")],
+)  # fmt: skip
+def test_what_context_parallelism_cannot_run_is_refused_before_loading(flags, env, want):
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*TRAIN, *flags], env=env)
+    assert any(p.startswith(want) for p in e.value.problems), e.value.problems
 
 
 def test_yaml_mistakes_name_the_key(tmp_path):
@@ -153,3 +187,4 @@ def test_negative_control_variables_read_by_nobody_pass_silently(tmp_path, monke
     path = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2})
     cfg = load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path)))
     assert cfg.fsdp.parallelism is None and cfg.fsdp.sharding_strategy == "FULL_SHARD"
+    assert cfg.train.context_parallel_size == 1
