@@ -6,11 +6,13 @@ checkpointing) and full fine-tuning. A planted cross-document leak and a planted
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from shardtune import context_parallel
+from tests.conftest import train_records
 from tests.families import (
     LR,
     STEPS,
@@ -25,6 +27,7 @@ from tests.mutation import Edit, plant
 
 CP = ["--context_parallel_size", "2"]
 GC = ["--gradient_checkpointing", "True"]
+SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
 
 
 def _argv(root, assets, out, method, batch, extra=()):
@@ -38,6 +41,9 @@ def runs(tmp_path_factory) -> dict:
     extra = {"lora": (), "qlora": GC, "full": ()}
     one = [{"name": m, "argv": _argv(root, assets, root / "one" / m, m, 4, extra[m])} for m in extra]
     two = [{"name": m, "argv": _argv(root, assets, root / "cp2" / m, m, 4, (*extra[m], *CP))} for m in extra]
+    # Checkpointed twins of the LoRA runs, to resume at step 2 with the other cp size.
+    one.append({"name": "saved", "argv": _argv(root, assets, root / "one" / "saved", "lora", 4, SAVE)})
+    two.append({"name": "saved", "argv": _argv(root, assets, root / "cp2" / "saved", "lora", 4, (*SAVE, *CP))})
     four = [{"name": "lora", "argv": _argv(root, assets, root / "dp2cp2" / "lora", "lora", 2, CP)}]
     codes = {**run_jobs(one, root, nproc=1), **{f"cp2/{k}": v for k, v in run_jobs(two, root, nproc=2).items()}}
     codes["dp2cp2/lora"] = run_jobs(four, root, nproc=4)["lora"]
@@ -69,6 +75,29 @@ def test_context_parallel_ranks_train_as_one_process(runs, run, method):
     summary = json.loads((root / run / method / "train_summary.json").read_text())
     one = json.loads((root / "one" / method / "train_summary.json").read_text())
     assert summary["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-5)  # evaluation under CP too
+
+
+def _resume(runs, tmp_path, source, name: str, nproc: int, extra=()) -> dict:
+    root, assets = runs["root"], runs["assets"]
+    out = tmp_path / name
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / "checkpoint-2", out / "checkpoints" / "checkpoint-2")
+    argv = _argv(root, assets, out, "lora", 4, (*SAVE, "--resume_from_checkpoint", "latest", *extra))
+    assert run_jobs([{"name": name, "argv": argv}], tmp_path, nproc=nproc)[name] == 0
+    return out
+
+
+def test_a_cp2_checkpoint_resumes_with_cp1_and_the_reverse(runs, tmp_path):
+    """Step 3 of a cp=2 run resumed at step 2 on 1 process, and of a 1-process run resumed on 2 ranks with cp=2,
+    both continue the uninterrupted run: the losses, grad_norm and the adapter (the optimizer state and the data
+    position are per data-parallel rank, which cp does not change)."""
+    root, codes = runs["root"], runs["codes"]
+    assert codes["saved"] == 0 and codes["cp2/saved"] == 0
+    to_one = _resume(runs, tmp_path, root / "cp2" / "saved", "to-one", 1)
+    to_cp2 = _resume(runs, tmp_path, root / "one" / "saved", "to-cp2", 2, CP)
+    for out in (to_one, to_cp2):
+        assert [r["step"] for r in train_records(out)] == [3]
+        assert_runs_match(root / "one" / "lora", out, matrix_tolerance("llama"), min_updates=0, resumed=True)
 
 
 def test_the_documents_cross_the_chunk_edges(runs):

@@ -77,8 +77,10 @@ def test_data_parallel_sizes_map_onto_the_sharding_strategy(tmp_path, sizes, str
     assert cfg.fsdp.sharding_strategy == want
 
 
-CP = ("parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 2 = 6, "
-      "but the run has 4 processes; make the product 4 (e.g. parallelism_config_dp_shard_size: 2).")
+CP = (
+    "parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 2 = 6, "
+    "but the run has 4 processes; make the product 4 (e.g. parallelism_config_dp_shard_size: 2)."
+)
 
 
 @pytest.mark.parametrize(
