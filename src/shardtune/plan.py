@@ -39,7 +39,7 @@ from shardtune.planning.fit import (
     warn_if_too_small,  # noqa: F401 - docs/plan.md names shardtune.plan's
 )
 from shardtune.planning.model import load_model_config
-from shardtune.planning.recommend import recommend
+from shardtune.planning.recommend import longest_sequences, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
 
@@ -96,6 +96,11 @@ class PlanArguments:
         "sdpa, flash_attention_2 or eager (default: flash_attention_2 with --use_flash_attn True, otherwise sdpa).",
     )
     loss_chunk_tokens: int = _f(1024, "Positions per chunk of shardtune's chunked lm_head + cross-entropy.")
+    longest_seq_len: bool = _f(
+        False,
+        "With --gpu_memory: the longest --max_seq_len that fits, with this run's --context_parallel_size and "
+        "with each cp degree that divides --num_processes.",
+    )
     trace: bool = _f(
         False,
         "Also run shardtune's own training step for this config under fake tensors (no weights, nothing "
@@ -178,6 +183,15 @@ def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments)
             raise ConfigError(problems) from None
 
 
+def _check_context_parallel(cp: int, launch: Launch, plan: PlanArguments) -> None:
+    if launch.world_size % cp:
+        raise ConfigError([f"--context_parallel_size {cp} must divide --num_processes {launch.world_size}."])
+    if cp > 1 and plan.trace:
+        why = ("--trace with --context_parallel_size: the trace does not run the context-parallel step yet; the "
+               "estimate models it (docs/long_context.md).")  # fmt: skip
+        raise ConfigError([why])
+
+
 def make_plan(argv: list[str]) -> Plan:
     """Parse `shardtune plan`'s flags, read config.json and estimate; raises ConfigError for user mistakes."""
     model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan")
@@ -185,6 +199,7 @@ def make_plan(argv: list[str]) -> Plan:
         raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
     _validate(model, data, train)
     launch = _launch(plan)
+    _check_context_parallel(train.context_parallel_size, launch, plan)
     if plan.attn_implementation and plan.attn_implementation not in ("sdpa", "flash_attention_2", "eager"):
         raise ConfigError(
             [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]
@@ -215,6 +230,10 @@ def make_plan(argv: list[str]) -> Plan:
         result.gpu_bytes = gpu_bytes
         if not result.estimate.fits(result.gpu_bytes):
             result.recommendation = recommend(kwargs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
+    if plan.longest_seq_len:
+        if gpu_bytes is None:
+            raise ConfigError(["--longest_seq_len needs --gpu_memory: the memory of one GPU to fit the sequence in."])
+        result.longest = longest_sequences(kwargs, gpu_bytes, launch.world_size, shape)
     if plan.host_memory:
         result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
     if plan.trace:

@@ -260,6 +260,19 @@ def expert_lora_4bit_saved_bytes_per_token(
     return k * sum(compute_bytes * (w + lora_r) for t, w in widths.items() if t in lora_targets)
 
 
+def context_parallel_bytes(
+    shape: ModelShape, batch_size: int, local_len: int, row_len: int, compute_bytes: int
+) -> tuple[int, int]:
+    """Context parallelism (shardtune.context_parallel), when a rank holds local_len of each row's row_len
+    positions: (per block, the row's gathered keys and values beyond the rank's own, which SDPA keeps for backward,
+    at the width the masked SDPA keeps them, every head's; once per micro-batch, the bool mask of the rank's
+    queries over the whole row). Zero without it."""
+    if row_len <= local_len:
+        return 0, 0
+    gathered = batch_size * (row_len - local_len) * 2 * compute_bytes * shape.q_dim
+    return gathered, batch_size * local_len * row_len
+
+
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     """The final norm's fp32 copy and rsqrt, and the head's input kept for the loss."""
     return 4 * shape.hidden_size + 4 + compute_bytes * shape.hidden_size

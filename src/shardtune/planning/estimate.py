@@ -228,6 +228,7 @@ def _dynamic(
     loss_chunk_tokens: int,
     dropout_mask_bytes: int,
     dropout_scratch_bytes: int = 0,
+    row_len: int | None = None,
 ) -> _Dynamic:
     _check_attention(attn_implementation)
     tokens = batch_size * seq_len
@@ -246,7 +247,9 @@ def _dynamic(
     )
     mask = act.attention_mask_bytes(batch_size, seq_len, a, attn_implementation, packing)
     inputs = act.step_input_bytes(shape, tokens, a)
-    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
+    gathered, cp_mask = act.context_parallel_bytes(shape, batch_size, seq_len, row_len or seq_len, a)
+    layer += gathered
+    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs + cp_mask
     dequant = _dequant_bytes(shape, a) if quantized else 0
     saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora, quantized)
     layer += saved
@@ -329,6 +332,7 @@ def estimate_memory(
     expandable_segments: bool = True,
     fsdp: bool = True,
     replicate_base: bool = False,
+    context_parallel: int = 1,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
@@ -339,7 +343,7 @@ def estimate_memory(
     fsdp=False: one process without fully_shard (a single-device trainer; fsdp.without_fsdp): _plain_buffers.
     replicate_base: LoRA's frozen base left out of FSDP (`--frozen_base replicated`, fsdp.frozen_parameters):
     every rank holds all of it, in the compute dtype, and FSDP gathers and reduces the trainable tensors only.
-    """
+    context_parallel: each row split over this many of the ranks (_dynamic_kwargs)."""
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = as_shape(model)
     if (use_4bit or use_8bit) and not use_peft_lora:
@@ -349,9 +353,8 @@ def estimate_memory(
     tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
     state, buffers = state_and_buffers(shape, tensors, settings, shard, strategy)
     dyn_kwargs = _dynamic_kwargs(shape, settings)
-    dynamic = _dynamic(
-        shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation, **dyn_kwargs
-    )
+    dynamic = _dynamic(shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
+                       **dyn_kwargs)  # fmt: skip
     parts = _step_parts(shape, settings, state, dynamic, buffers)
     by_phase = step_phases(parts)
     phase = peak_phase(by_phase)
@@ -410,12 +413,17 @@ def _allocator_terms(parts: StepParts, by_phase: dict, fragmentation: float, gat
 
 
 def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, Any]:
-    """_dynamic's arguments for the run's settings, less the two the activations table varies."""
+    """_dynamic's arguments for the run's settings, less the two the activations table varies. With context
+    parallelism a rank holds 1/cp of every row's activations and logits (seq_len), plus, per block, the row's
+    (row_len) gathered keys and values; FSDP still shards over all world_size ranks."""
     s = settings
+    cp = s["context_parallel"]
     return {
         "a": compute_dtype_bytes(s["bf16"], s["fp16"]),
         "batch_size": s["batch_size"] * s["rows_per_example"],  # the rows of one micro-batch: a preference pair is two
-        "seq_len": s["seq_len"],
+        # A rank's part of each row: rows are padded to a multiple of 2·cp (the zigzag split's chunks).
+        "seq_len": -(-s["seq_len"] // (2 * cp)) * 2 if cp > 1 else s["seq_len"],
+        "row_len": s["seq_len"],
         "packing": s["packing"],
         "lora_targets": resolve_lora_targets(shape, s["lora_target_modules"]) if s["use_peft_lora"] else (),
         "lora_r": s["lora_r"],

@@ -117,6 +117,7 @@ def run_kwargs(
         "grad_accum": train.gradient_accumulation_steps,
         "loss_chunk_tokens": loss_chunk_tokens,
         "replicate_base": replicates_base(model, launch.world_size, launch.offload),
+        "context_parallel": train.context_parallel_size,
         "fsdp": launch.world_size > 1
         or single_process_fsdp_reason(
             launch.single_process,

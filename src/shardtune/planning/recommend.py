@@ -60,6 +60,7 @@ def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str,
     if not kwargs.get("gradient_checkpointing"):
         change, flags = {"gradient_checkpointing": True}, {"gradient_checkpointing": True}
         yield from _stage("gradient checkpointing", flags, change, batch, accumulation)
+    yield from _context_parallel(kwargs, change, flags, accumulation)
     if not kwargs.get("offload"):
         change, flags = {**change, "offload": True}, {**flags, "fsdp_offload_params": True}
         yield from _stage(_describe(flags), flags, change, batch, accumulation)
@@ -82,6 +83,54 @@ def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str,
         if more % nodes == 0:
             yield f"{more} GPUs", {"num_processes": more}, {"world_size": more}
         more *= 2
+
+
+def _context_parallel(kwargs: dict[str, Any], change: dict, flags: dict, accumulation: int):
+    """Each row split over more of the same GPUs (shardtune.context_parallel), the global batch kept by
+    accumulating as many more micro-batches: the step computes the same gradient, a rank holds 1/cp of each row."""
+    world, cp = kwargs.get("world_size", 1), kwargs.get("context_parallel", 1)
+    more = cp * 2
+    while more <= world:
+        if world % more == 0 and kwargs.get("rows_per_example", 1) == 1:  # SFT only
+            g = accumulation * more // cp
+            c = {**change, "context_parallel": more, "grad_accum": g}
+            f = {**flags, "context_parallel_size": more, "gradient_accumulation_steps": g}
+            yield f"context parallel size {more} (each row over {more} GPUs, same global batch)", f, c
+        more *= 2
+
+
+def longest_sequences(kwargs: dict[str, Any], gpu_bytes: int, world_size: int, model: Any, *,
+                      estimator: Callable[..., MemoryEstimate] = estimate_memory) -> dict[int, int]:  # fmt: skip
+    """{cp degree: the longest max_seq_len (a multiple of 2·cp·64) whose estimate fits gpu_bytes}, for the run's
+    cp and every power-of-two degree dividing world_size (SFT); 0 where not even the shortest fits."""
+    degrees = sorted({kwargs.get("context_parallel", 1), *(d for d in _powers(world_size) if world_size % d == 0)})
+    if kwargs.get("rows_per_example", 1) != 1:
+        degrees = [kwargs.get("context_parallel", 1)]
+    return {cp: _longest(kwargs, gpu_bytes, model, cp, estimator) for cp in degrees}
+
+
+def _longest(kwargs: dict[str, Any], gpu_bytes: int, model: Any, cp: int, estimator) -> int:
+    """Doubling, then bisection, over multiples of 2·cp·64 positions (up to 2^16 of them)."""
+    step = 2 * cp * 64
+
+    def fits(n: int) -> bool:
+        return estimator(model, **{**kwargs, "seq_len": n * step, "context_parallel": cp}).total <= gpu_bytes
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 16:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def _powers(n: int) -> list[int]:
+    out, d = [], 1
+    while d <= n:
+        out.append(d)
+        d *= 2
+    return out
 
 
 def _describe(flags: dict[str, Any]) -> str:

@@ -52,6 +52,7 @@ class Plan:
     run: RunConfig | None = None  # the flags as `shardtune train` would run them (for --trace)
     config: Any = None  # the model's transformers config
     trace: Any = None  # a planning.trace.TraceResult, with --trace
+    longest: dict[int, int] | None = None  # --longest_seq_len: {cp degree: longest max_seq_len that fits}
 
     def to_dict(self) -> dict[str, Any]:
         targets = (
@@ -73,6 +74,7 @@ class Plan:
             "host_memory_bytes": self.host_bytes,
             "host_fits": None if self.host_bytes is None else self.estimate.host_total <= self.host_bytes,
             "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+            "longest_seq_len": {str(k): v for k, v in self.longest.items()} if self.longest else None,
         }
         out["settings"] = _jsonable(out["settings"])
         return out
@@ -277,7 +279,7 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
         f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
-        f"  peak during the {e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
+        f"  peak during {'' if e.peak_phase.startswith('a ') else 'the '}{e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
         _allocator_line(e),
         "",
         "Activations + logits (GiB)         checkpointing  no checkpointing",
@@ -312,6 +314,10 @@ def _verdict(p: Plan) -> list[str]:
         else:
             out.append(f"Does not fit: {e.total / GiB:.2f} GiB needed per GPU, {p.gpu_bytes / GiB:.2f} GiB available.")
             out += recommendation_lines(p.recommendation)
+    if p.longest:
+        cp = p.kwargs.get("context_parallel", 1)
+        parts = [f"cp {d}: {n:,}" + (" (this run)" if d == cp else "") for d, n in sorted(p.longest.items())]
+        out.append(f"Longest --max_seq_len that fits on {p.launch.world_size} GPU(s): " + "; ".join(parts) + ".")
     if p.host_bytes is not None:
         word = "fits in" if e.host_total <= p.host_bytes else "exceeds"
         out.append(f"Host RAM: {e.host_total / GiB:.2f} GiB {word} {p.host_bytes / GiB:.2f} GiB per machine.")

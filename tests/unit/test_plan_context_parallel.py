@@ -1,0 +1,87 @@
+"""`shardtune plan` with context parallelism: a rank's activations and logits are its part of each row, plus the
+row's gathered keys and values per block and its queries' mask over the row; the recommendation and the longest
+sequence that fits try cp degrees; what the plan cannot do with cp is refused."""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+
+import pytest
+
+from shardtune.config import ConfigError
+from shardtune.plan import main, make_plan
+from shardtune.planning import activations as act
+from shardtune.planning.estimate import estimate_memory
+from shardtune.planning.recommend import longest_sequences
+
+L8 = "meta-llama/Meta-Llama-3-8B"
+L70 = "meta-llama/Llama-2-70b-hf"
+RUN = shlex.split(
+    "--use_peft_lora True --lora_target_modules all-linear --bf16 True --per_device_train_batch_size 1 "
+    "--gradient_checkpointing True --num_processes 8"
+)
+
+
+def _plan(*flags: str):
+    return make_plan(["--model_name_or_path", L8, *RUN, *flags])
+
+
+def test_a_rank_holds_its_part_of_the_row_and_the_rows_keys_and_values():
+    """cp=2 at 16384 positions is the estimate at 8192 positions per rank, plus per block the other half of the
+    row's keys and values (at every head's width, as the masked SDPA keeps them) and once the queries' bool mask
+    over the row: nothing else changes."""
+    full = _plan("--max_seq_len", "16384", "--context_parallel_size", "2")
+    half = _plan("--max_seq_len", "8192")
+    shape, a = full.shape, 2
+    gathered, mask = act.context_parallel_bytes(shape, 1, 8192, 16384, a)
+    assert gathered == 8192 * 2 * a * shape.q_dim and mask == 8192 * 16384
+    # with gradient checkpointing one block's saved activations are live at the backward's peak
+    got = full.estimate.device["activations"] - half.estimate.device["activations"]
+    assert got == gathered + mask
+    for category in ("frozen base weights", "trainable weights", "gradients", "optimizer state"):
+        assert full.estimate.device[category] == half.estimate.device[category]  # FSDP shards over all 8 either way
+    assert full.estimate.device["logits and loss"] == half.estimate.device["logits and loss"]
+
+
+def test_memory_per_rank_falls_with_cp_at_a_long_sequence():
+    """At 32768 positions on 8 GPUs each doubling of cp lowers the activations per rank (by less than half: the
+    gathered keys and values do not shrink)."""
+    acts = [_plan("--max_seq_len", "32768", "--context_parallel_size", str(cp)).estimate.device["activations"]
+            for cp in (1, 2, 4, 8)]  # fmt: skip
+    assert all(b < a for a, b in itertools.pairwise(acts))
+    assert all(b > a / 2 for a, b in itertools.pairwise(acts))
+
+
+def test_the_recommendation_splits_rows_over_more_gpus_and_keeps_the_global_batch(capsys):
+    argv = ["--model_name_or_path", L70, *RUN, "--max_seq_len", "32768", "--gpu_memory", "80"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "Smallest change that fits: context parallel size 2 (each row over 2 GPUs, same global batch)" in out
+    assert "set --context_parallel_size 2, --gradient_accumulation_steps 2" in out
+    fixed = make_plan([*argv, "--context_parallel_size", "2", "--gradient_accumulation_steps", "2"])
+    assert fixed.estimate.fits(fixed.gpu_bytes)
+
+
+def test_the_longest_sequence_that_fits_grows_with_cp(capsys):
+    p = make_plan(["--model_name_or_path", L70, *RUN, "--gpu_memory", "80", "--longest_seq_len", "True"])
+    assert sorted(p.longest) == [1, 2, 4, 8]
+    lengths = [p.longest[cp] for cp in (1, 2, 4, 8)]
+    assert all(b > a for a, b in itertools.pairwise(lengths)) and lengths[0] > 0
+    for cp, n in p.longest.items():  # the longest fits, one more step of 2·cp·64 positions does not
+        at = {**p.kwargs, "context_parallel": cp}
+        assert estimate_memory(p.shape, **{**at, "seq_len": n}).total <= p.gpu_bytes
+        assert estimate_memory(p.shape, **{**at, "seq_len": n + 2 * cp * 64}).total > p.gpu_bytes
+    assert longest_sequences(p.kwargs, p.gpu_bytes, 8, p.shape) == p.longest
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [(["--context_parallel_size", "3"], "--context_parallel_size 3 must divide --num_processes 8."),
+     (["--context_parallel_size", "2", "--trace", "True"],
+      "--trace with --context_parallel_size: the trace does not run the context-parallel step yet"),
+     (["--longest_seq_len", "True"], "--longest_seq_len needs --gpu_memory")],
+)  # fmt: skip
+def test_what_the_plan_cannot_do_with_cp_is_refused(flags, want):
+    with pytest.raises(ConfigError, match=want.replace("(", r"\(").replace(")", r"\)")):
+        _plan("--max_seq_len", "4096", *flags)
