@@ -7,11 +7,13 @@ has as many early (cheap) as late (expensive) queries. Every tensor of the batch
 labels are already shifted (labels[t] is the target of position t), so no target is lost at a chunk edge; the
 position ids travel with their tokens, so RoPE sees each token's own position.
 
-The attention: each rank all-gathers (shardtune.distributed.context_parallel) the keys and values of its row (its queries stay local), puts them in the
-row's order and runs SDPA with a mask that is causal by global position and within each document, the documents
-read off the whole row's position ids before the split (a document starts where the position does not follow the
-previous one). So documents that span two chunks, or two ranks, attend exactly as in one process, and no document
-ever sees another. All-gathering K/V (rather than a ring of partial softmaxes) keeps any attention kernel usable
+The attention (shardtune.fastpath's, given a CPShard): the documents are read off the whole row's position ids
+before the split (a document starts where the position does not follow the previous one). Within a rank's chunk,
+the documents that begin in it attend among its own positions, per document as without context parallelism; the
+part of a document that began in an earlier chunk attends the row's keys from that document's start, all-gathered
+over the cp ranks (shardtune.distributed.context_parallel), causal aligned at the bottom right. So documents that
+span two chunks, or two ranks, attend exactly as in one process, no document ever sees another, and no mask of
+the whole row is built. All-gathering K/V (rather than a ring of partial softmaxes) keeps any attention kernel usable
 with an exact backward: the gather's backward is a reduce-scatter of the K/V gradients. Its cost is the row's K/V
 per rank (2·L·kv_heads·head_dim per layer, not the L² scores), which GQA makes small; see docs/long_context.md.
 """
@@ -29,11 +31,26 @@ POSITION_KEYS = ("input_ids", "position_ids", "labels")
 
 
 @dataclass(frozen=True)
-class CPShard:
-    """One rank's share of a micro-batch: what its queries may attend to in the row, and how it gets the row's
-    keys and values (shardtune.distributed.context_parallel all-gathers them over the batch's cp ranks)."""
+class Part:
+    """Consecutive local positions [start, end) of one rank's chunk of a row. With key_start None, documents that
+    began within the chunk: the queries attend within these local positions only (`spans`: their per-document
+    spans, shardtune.fastpath.packed_documents of these positions, set by shardtune.distributed.context_parallel).
+    Otherwise the part of a document that began before the chunk, at row position key_start: the queries attend
+    the gathered row's keys [key_start, key_end), causal aligned at the bottom right (the last query sees all)."""
 
-    mask: torch.Tensor  # [B, 1, L_local, L] bool: causal by row position and within the query's document
+    start: int
+    end: int
+    key_start: int | None = None
+    key_end: int | None = None
+    spans: tuple = ()
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """One rank's share of a micro-batch: its rows' parts in local order, and how it gets the rows' keys and
+    values (shardtune.distributed.context_parallel all-gathers them over the batch's cp ranks)."""
+
+    rows: tuple[tuple[Part, ...], ...]
     gather: Callable[[torch.Tensor], torch.Tensor]  # [B, heads, L_local, d] -> [B, heads, L, d] in row order
 
 
@@ -56,9 +73,9 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def split(batch: dict[str, torch.Tensor], *, size: int, rank: int, pad_id: int):
-    """(this rank's part of every position-wise tensor of `batch`, its queries' mask over the row [B, 1, L_local,
-    L], `order`: gathered (rank-major) position -> row position). Rows are padded to a multiple of 2·size:
-    padding is a document of its own (positions from 0) without targets."""
+    """(this rank's part of every position-wise tensor of `batch`, each row's Parts in local order, `order`:
+    gathered (rank-major) position -> row position). Rows are padded to a multiple of 2·size: padding is a
+    document of its own (positions from 0) without targets."""
     length = batch["input_ids"].shape[1]
     full = padded_length(length, size)
     batch = dict(batch)
@@ -69,20 +86,27 @@ def split(batch: dict[str, torch.Tensor], *, size: int, rank: int, pad_id: int):
             batch[key] = F.pad(batch[key], (0, extra), value=pad[key])
         tail = torch.arange(extra, dtype=batch["position_ids"].dtype).expand(batch["position_ids"].shape[0], -1)
         batch["position_ids"] = torch.cat([batch["position_ids"], tail], dim=1)
-    docs = document_ids(batch["position_ids"])
     mine = zigzag(full, size, rank)
     gathered = torch.cat([zigzag(full, size, r) for r in range(size)])
     local = {k: (v[:, mine] if k in POSITION_KEYS else v) for k, v in batch.items()}
-    causal = torch.arange(full)[None, :] <= mine[:, None]  # [L_local, L]
-    mask = (docs[:, mine, None] == docs[:, None, :]) & causal[None]
-    return local, mask[:, None], torch.argsort(gathered)
+    chunk = full // (2 * size)
+    rows = tuple(_parts(row, chunk, (rank, 2 * size - 1 - rank)) for row in document_ids(batch["position_ids"]))
+    return local, rows, torch.argsort(gathered)
 
 
-def attention(q, k, v, shard: CPShard, dropout: float, scaling: float | None) -> torch.Tensor:
-    """This rank's queries [B, H, L_local, d] against its rows' gathered keys and values -> [B, L_local, H, d]."""
-    keys, values = shard.gather(k), shard.gather(v)
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=shard.mask.to(q.device), dropout_p=dropout, scale=scaling,
-        enable_gqa=q.shape[1] != keys.shape[1],
-    )  # fmt: skip
-    return out.transpose(1, 2)
+def _parts(docs: torch.Tensor, chunk: int, chunks: tuple[int, int]) -> tuple[Part, ...]:
+    """A row's local Parts: for each of the rank's two chunks, the part of a document that began before it (if
+    any), then the rest of the chunk."""
+    starts = [0, *(torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist()]
+    ends = [*starts[1:], docs.numel()]
+    parts = []
+    for i, c in enumerate(chunks):
+        s, offset = c * chunk, i * chunk
+        d = max(j for j, st in enumerate(starts) if st <= s)
+        n = 0
+        if starts[d] < s:  # a document from an earlier chunk: its queries here see its keys from its start
+            n = min(chunk, ends[d] - s)
+            parts.append(Part(offset, offset + n, key_start=starts[d], key_end=s + n))
+        if n < chunk:
+            parts.append(Part(offset + n, offset + chunk))
+    return tuple(parts)

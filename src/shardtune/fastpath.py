@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from shardtune import context_parallel
 
@@ -276,7 +277,7 @@ def packed_sdpa_attention(
     if isinstance(documents, context_parallel.CPShard):
         if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
             raise ValueError("context parallelism does not support sliding-window attention yet")
-        return context_parallel.attention(query, key, value, documents, dropout, scaling), None
+        return _context_parallel_attention(query, key, value, documents, dropout, scaling), None
     plain = (
         documents is None
         or query.shape[2] != key.shape[2]
@@ -306,6 +307,37 @@ def packed_sdpa_attention(
         ]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))  # [1, seq, heads, head_dim]
     return torch.cat(rows, dim=0), None
+
+
+def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropout: float, scaling: float | None):
+    """This rank's queries [B, H, L_local, d] -> [B, L_local, H, d] (shardtune.context_parallel): per row, each
+    local part's documents among its own positions (span attention, as without context parallelism), and a
+    document that began in an earlier chunk against the gathered row's keys from its start (lower-right causal)."""
+    gathered = [shard.gather(k), shard.gather(v)] if any(p.key_start is not None for r in shard.rows for p in r) else []
+    rows = []
+    for b, parts in enumerate(shard.rows):
+        sizes = [p.end - p.start for p in parts]
+        out = []
+        for p, qs, ks, vs in zip(parts, q[b].split(sizes, 1), k[b].split(sizes, 1), v[b].split(sizes, 1), strict=True):
+            if p.key_start is None:
+                spans = [sp.size for sp in p.spans]
+                out += [_span_attention(qq[None], kk[None], vv[None], sp, dropout, scaling)
+                        for sp, qq, kk, vv in zip(p.spans, qs.split(spans, 1), ks.split(spans, 1), vs.split(spans, 1),
+                                                  strict=True)]  # fmt: skip
+            else:
+                keys, values = (t[b : b + 1, :, p.key_start : p.key_end] for t in gathered)
+                out.append(_lower_right(qs[None], keys, values, dropout, scaling))
+        rows.append(torch.cat(out, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def _lower_right(q, k, v, dropout: float, scaling: float | None) -> torch.Tensor:
+    """Causal attention of the last q.shape[2] positions of a document over its k.shape[2] keys, without a mask
+    tensor (torch's lower-right causal bias) -> [1, L, heads, d]."""
+    bias = causal_lower_right(q.shape[2], k.shape[2])
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=gqa).transpose(1, 2)  # fmt: skip
 
 
 @functools.cache

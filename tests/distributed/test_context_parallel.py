@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardtune import context_parallel
 from tests.conftest import train_records
@@ -116,11 +118,12 @@ def test_the_documents_cross_the_chunk_edges(runs):
     assert crossing > 0
 
 
-# The mask forgets documents: queries see every earlier position of the row (the leak packed CP had in TRL).
+# The part of a document that began in an earlier chunk attends the row from its start, earlier documents
+# included (the leak packed CP had in TRL).
 LEAK = Edit(
     "context_parallel.py",
-    "    mask = (docs[:, mine, None] == docs[:, None, :]) & causal[None]\n",
-    "    mask = causal[None].expand(docs.shape[0], -1, -1)\n",
+    "parts.append(Part(offset, offset + n, key_start=starts[d], key_end=s + n))",
+    "parts.append(Part(offset, offset + n, key_start=0, key_end=s + n))",
 )
 # Labels shifted after the split: every rank's last position of a chunk loses its target.
 EDGE = Edit(
@@ -141,21 +144,37 @@ def test_a_cross_document_leak_or_a_dropped_edge_target_is_caught(runs, tmp_path
         assert_runs_match(root / "one" / "lora", out, matrix_tolerance("llama"))
 
 
-def test_the_split_covers_every_position_once_and_masks_as_one_row():
-    """zigzag: 2·cp chunks, rank i holds i and 2·cp-1-i; together the ranks hold every position once. The mask of
-    each rank's queries over the gathered row is the one-process per-document causal mask's rows."""
+def test_the_split_covers_every_position_once_and_attends_as_one_row():
+    """zigzag: 2·cp chunks, rank i holds i and 2·cp-1-i; together the ranks hold every position once, and the
+    labels travel with their positions (padding has none). Each rank's attention (its local parts, and the parts
+    of documents begun in earlier chunks against the row's keys) equals per-document causal attention of the whole
+    row at its positions, for documents crossing chunk and rank edges, GQA included."""
+    from shardtune.fastpath import _context_parallel_attention, packed_documents
+
     length, size = 24, 3
     held = torch.cat([context_parallel.zigzag(length, size, r) for r in range(size)])
     assert sorted(held.tolist()) == list(range(length))
     assert context_parallel.zigzag(length, size, 0).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])
     batch = {"input_ids": torch.arange(25)[None], "position_ids": pos, "labels": torch.arange(25)[None]}
-    docs = context_parallel.document_ids(torch.cat([pos, torch.arange(5)[None]], dim=1))[0]  # padded to 30
-    full = (docs[:, None] == docs[None, :]) & torch.ones(30, 30, dtype=torch.bool).tril()
+    padded = torch.cat([pos, torch.arange(5)[None]], dim=1)  # to 30 = a multiple of 2·3
+    docs = context_parallel.document_ids(padded)[0]
+    allowed = (docs[:, None] == docs[None, :]) & torch.ones(30, 30, dtype=torch.bool).tril()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 30, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=allowed).transpose(1, 2)  # fmt: skip
     for r in range(size):
-        local, mask, order = context_parallel.split(batch, size=size, rank=r, pad_id=0)
+        local, rows, order = context_parallel.split(batch, size=size, rank=r, pad_id=0)
         mine = context_parallel.zigzag(30, size, r)
-        assert torch.equal(mask[0, 0], full[mine])
         assert local["labels"][0].tolist() == [x if x < 25 else -100 for x in mine.tolist()]
         gathered = torch.cat([context_parallel.zigzag(30, size, q) for q in range(size)])
         assert torch.equal(gathered[order], torch.arange(30))  # the gathered keys put back in row order
+        parts = tuple(p if p.key_start is not None else replace(p, spans=packed_documents(
+            local["position_ids"][:, p.start : p.end])[0]) for p in rows[0])  # fmt: skip
+        assert sum(p.end - p.start for p in parts) == len(mine)
+        k_r, v_r = k[:, :, mine], v[:, :, mine]
+        # one process holds every rank's keys: the all-gather of this rank's k_r (or v_r) is the whole row's
+        shard = context_parallel.CPShard((parts,), lambda x, k_r=k_r: k if x is k_r else v)
+        got = _context_parallel_attention(q[:, :, mine], k_r, v_r, shard, 0.0, None)
+        torch.testing.assert_close(got, want[:, mine], rtol=0, atol=1e-12)

@@ -3,11 +3,14 @@ process groups, and the all-gather of a row's keys and values with its exact bac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from shardtune import context_parallel
 from shardtune.context_parallel import CPShard
+from shardtune.fastpath import packed_documents
 
 
 def groups(world_size: int, size: int):
@@ -48,10 +51,17 @@ class _GatherPositions(torch.autograd.Function):
 
 
 def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int) -> tuple[dict, CPShard]:
-    """This rank's part of a micro-batch and the CPShard its attention reads."""
-    local, mask, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)
+    """This rank's part of a micro-batch and the CPShard its attention reads (the local parts' per-document
+    spans from their own position ids)."""
+    local, rows, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)
+    pos = local["position_ids"]
+    rows = tuple(
+        tuple(p if p.key_start is not None else replace(p, spans=packed_documents(pos[b : b + 1, p.start : p.end])[0])
+              for p in parts)
+        for b, parts in enumerate(rows)
+    )  # fmt: skip
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return _GatherPositions.apply(x, group, size, rank).index_select(2, order.to(x.device))
 
-    return local, CPShard(mask, gather)
+    return local, CPShard(rows, gather)

@@ -260,17 +260,14 @@ def expert_lora_4bit_saved_bytes_per_token(
     return k * sum(compute_bytes * (w + lora_r) for t, w in widths.items() if t in lora_targets)
 
 
-def context_parallel_bytes(
-    shape: ModelShape, batch_size: int, local_len: int, row_len: int, compute_bytes: int
-) -> tuple[int, int]:
-    """Context parallelism (shardtune.context_parallel), when a rank holds local_len of each row's row_len
-    positions: (per block, the row's gathered keys and values beyond the rank's own, which SDPA keeps for backward,
-    at the width the masked SDPA keeps them, every head's; once per micro-batch, the bool mask of the rank's
-    queries over the whole row). Zero without it."""
+def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, row_len: int, compute_bytes: int) -> int:
+    """Per block, with context parallelism (shardtune.context_parallel) when a rank holds local_len of each row's
+    row_len positions: the row's all-gathered keys and values beyond the rank's own, which the attention of a
+    document begun in an earlier chunk keeps for backward (slices of them). Zero without it. The attention itself
+    runs per document, as without context parallelism: no row-wide mask."""
     if row_len <= local_len:
-        return 0, 0
-    gathered = batch_size * (row_len - local_len) * 2 * compute_bytes * shape.q_dim
-    return gathered, batch_size * local_len * row_len
+        return 0
+    return batch_size * (row_len - local_len) * 2 * compute_bytes * shape.kv_dim
 
 
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

@@ -247,9 +247,8 @@ def _dynamic(
     )
     mask = act.attention_mask_bytes(batch_size, seq_len, a, attn_implementation, packing)
     inputs = act.step_input_bytes(shape, tokens, a)
-    gathered, cp_mask = act.context_parallel_bytes(shape, batch_size, seq_len, row_len or seq_len, a)
-    layer += gathered
-    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs + cp_mask
+    layer += act.context_parallel_bytes(shape, batch_size, seq_len, row_len or seq_len, a)
+    fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
     dequant = _dequant_bytes(shape, a) if quantized else 0
     saved, backward, dora = _adapter_block_terms(shape, a, lora_targets, lora_r, use_dora, quantized)
     layer += saved
