@@ -42,6 +42,7 @@ ZERO_TARGETS = "tests/unit/test_zero_targets.py::test_two_ranks_one_without_targ
 ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batches"
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
 QUANT_EXPERTS = "tests/unit/test_quant_experts.py::test_{}"
+CP_TESTS = "tests/distributed/test_context_parallel.py::test_{}"
 EXPERTS_E2E = "tests/e2e/test_families.py::test_expert_lora_{}[qwen3-moe]"
 RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
@@ -589,6 +590,33 @@ MUTANTS: tuple[Mutant, ...] = (
             "transposed=False))",
         ),
         [EXPERTS_E2E.format("reloads_in_peft_merges_and_chats")],
+    ),
+    _m(
+        "cp_document_leak",
+        "masking",
+        "With context parallelism, the part of a document begun in an earlier chunk attends the row's keys from the "
+        "row's start, earlier documents included",
+        Edit(
+            "context_parallel.py",
+            "parts.append(Part(offset, offset + n, key_start=starts[d], key_end=s + n))",
+            "parts.append(Part(offset, offset + n, key_start=0, key_end=s + n))",
+        ),
+        [
+            CP_TESTS.format("the_split_covers_every_position_once_and_attends_as_one_row"),
+            CP_TESTS.format("context_parallel_ranks_train_as_one_process[cp2-lora]"),
+        ],
+    ),
+    _m(
+        "cp_zigzag_overlap",
+        "sharding",
+        "The zigzag split gives rank i chunk i twice instead of chunks i and 2·cp-1-i (half of every row never "
+        "trains, the other half twice)",
+        Edit(
+            "context_parallel.py",
+            "first, second = rank * chunk, (2 * size - 1 - rank) * chunk",
+            "first, second = rank * chunk, rank * chunk",
+        ),
+        [CP_TESTS.format("the_split_covers_every_position_once_and_attends_as_one_row")],
     ),
     _m(
         "expert_4bit_scales_shared",

@@ -27,7 +27,7 @@ from shardtune.config import (
     parse_args,
     validate,
 )
-from shardtune.fsdp_settings import SINGLE_PROCESS_ENV, single_process_setting
+from shardtune.fsdp_settings import SINGLE_PROCESS_ENV, context_parallel_size, single_process_setting
 from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -199,6 +199,8 @@ def make_plan(argv: list[str]) -> Plan:
         raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
     _validate(model, data, train)
     launch = _launch(plan)
+    if plan.config_file and train.context_parallel_size == 1:  # the YAML's parallelism_config_cp_size
+        train.context_parallel_size = context_parallel_size(fsdp_settings_from_yaml(plan.config_file))
     _check_context_parallel(train.context_parallel_size, launch, plan)
     if plan.attn_implementation and plan.attn_implementation not in ("sdpa", "flash_attention_2", "eager"):
         raise ConfigError(

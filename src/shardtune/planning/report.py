@@ -260,9 +260,16 @@ def _describe_run(p: Plan) -> list[str]:
             f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {_sharding(k)}"
             f"{', CPU offload' if k['offload'] else ''}, {dtype}, batch {k['batch_size']} x {k['seq_len']} tokens, "
             f"{'gradient checkpointing' if k['gradient_checkpointing'] else 'no checkpointing'}, "
-            f"{k['attn_implementation']}"
+            f"{k['attn_implementation']}" + _context_parallel_text(k)
         ),
     ]
+
+
+def _context_parallel_text(k: dict[str, Any]) -> str:
+    cp = k.get("context_parallel", 1)
+    if cp == 1:
+        return ""
+    return f", context parallel {cp} (each row over {cp} GPUs, {k['world_size'] // cp} batches per step)"
 
 
 def _sharding(k: dict[str, Any]) -> str:
@@ -279,7 +286,7 @@ def format_plan(p: Plan) -> str:
     lines += [
         f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
         f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
-        f"  peak during {'' if e.peak_phase.startswith('a ') else 'the '}{e.peak_phase}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
+        f"  peak during {_phase(e.peak_phase)}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
         _allocator_line(e),
         "",
         "Activations + logits (GiB)         checkpointing  no checkpointing",
@@ -291,6 +298,10 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  {'peak':<32}{_gib(e.host_total)}")
     lines += ["", *_verdict(p)]
     return "\n".join(lines + ([""] + [f"note: {n}" for n in e.notes] if e.notes else []))
+
+
+def _phase(name: str) -> str:
+    return name if name.startswith("a ") else f"the {name}"
 
 
 def _flags_text(flags: dict[str, Any]) -> str:
