@@ -55,7 +55,7 @@ ORPO_FIRST_STEP = (
 RELOAD_LORA = "tests/e2e/test_reload.py::test_reload_in_fresh_process_gives_trained_eval_loss[lora]"
 
 TRAIN_STEP = (
-    "        loss, parts = objective.step(model, b, totals, info.dims.dp_size)\n"
+    "        loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)\n"
     "        if backward:\n            loss.backward()"
 )
 CLIP = "    grads = [p for p in params if p.grad is not None]\n    if not grads:"
@@ -115,7 +115,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad_fsdp_average_kept",
         "gradient scale",
         "the loss is not multiplied by the data-parallel size, so FSDP's 1/N averaging of gradients stays",
-        Edit("trainer.py", TRAIN_STEP, TRAIN_STEP.replace("totals, info.dims.dp_size)", "totals, 1)")),
+        Edit("trainer.py", TRAIN_STEP, TRAIN_STEP.replace("totals, info.dims.gradient_divisor)", "totals, 1)")),
         [PARITY_LORA],
     ),
     # ---------------------------------------------------------------- sharding

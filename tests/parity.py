@@ -175,7 +175,7 @@ BUGS = {
     # the later ones move by about 1e-5 relative.
     "per_rank_normaliser": Edit(
         "trainer.py",
-        "        loss, parts = objective.step(model, b, totals, info.dims.dp_size)\n",
+        "        loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)\n",
         "        own = {k: sum(c[k] for c in local) * info.dims.dp_size for k in keys}\n"
         "        loss, parts = objective.step(model, b, own, info.dims.dp_size)\n",
     ),

@@ -135,7 +135,7 @@ def test_full_fine_tuning_two_ranks_match_one_process(matrix, family):
 
 # The loss is not multiplied by the data-parallel size: on 2 ranks FSDP's average halves the gradient.
 UNSCALED_LOSS = Edit(
-    "trainer.py", "objective.step(model, b, totals, info.dims.dp_size)", "objective.step(model, b, totals, 1)"
+    "trainer.py", "objective.step(model, b, totals, info.dims.gradient_divisor)", "objective.step(model, b, totals, 1)"
 )
 
 
