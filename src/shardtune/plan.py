@@ -8,6 +8,7 @@ published measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -208,6 +209,8 @@ def make_plan(argv: list[str]) -> Plan:
         )
     config = load_model_config(model.model_name_or_path, model.trust_remote_code)
     shape = plan_shape(config, model.chat_template_format)
+    if train.router_aux_loss_coef is not None:  # --router_aux_loss_coef over the config's
+        shape = dataclasses.replace(shape, router_aux_loss_coef=train.router_aux_loss_coef)
     kwargs = run_kwargs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
     gpu_bytes = parse_bytes(plan.gpu_memory) if plan.gpu_memory else None
     run = RunConfig(model, data, train, _fsdp_settings(launch))

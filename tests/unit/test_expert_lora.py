@@ -129,3 +129,21 @@ def test_planner_counts_the_expert_and_router_lora_training_adds(model_type):
     assert lora_param_count(shape, 4, planned) == trained
     assert lora_param_count(shape, 4, resolve_lora_targets(shape, "all-linear")) < trained
     assert expert_lora_saved_bytes(shape, 2, planned) == 2 * experts
+
+
+def test_the_planner_counts_the_router_loss_at_the_loss_not_in_the_blocks_backward():
+    """With the router load-balancing loss on (the config's coefficient), every MoE block's router logits and
+    the loss's softmax of them (E wide per token, compute dtype) exist at the loss; --router_aux_loss_coef 0
+    removes exactly those bytes from the loss phases and nothing from a block's backward."""
+    from shardtune.plan import make_plan
+
+    flags = ["--model_name_or_path", "bench/configs/qwen3-30b-a3b", "--use_peft_lora", "True", "--bf16", "True",
+             "--max_seq_len", "4096", "--per_device_train_batch_size", "2", "--num_processes", "8"]  # fmt: skip
+    on, off = make_plan(flags), make_plan([*flags, "--router_aux_loss_coef", "0"])
+    s = on.shape
+    assert s.router_aux_loss_coef > 0 and off.shape.router_aux_loss_coef == 0
+    per_copy = 2 * 4096 * s.num_layers * s.num_experts * 2  # tokens x layers x E x bf16
+    phases = on.estimate.phase_bytes, off.estimate.phase_bytes
+    assert phases[0]["loss backward"] - phases[1]["loss backward"] == per_copy
+    assert phases[0]["loss forward"] - phases[1]["loss forward"] == 2 * per_copy
+    assert phases[0]["decoder-layer backward"] == phases[1]["decoder-layer backward"]

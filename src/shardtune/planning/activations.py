@@ -270,6 +270,16 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
     return batch_size * (row_len - local_len) * 2 * compute_bytes * shape.kv_dim
 
 
+def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+    """Per token, with the router load-balancing loss on (shardtune.router_aux): every MoE block's router logits
+    (E wide) are returned to the loss, whose softmax of each keeps its output for backward until the loss's
+    backward runs (transformers' load_balancing_loss_func): both at the loss's forward, the softmaxes at its
+    backward (counted there twice and once); freed before the blocks run backward."""
+    if not (shape.num_experts and shape.router_aux_loss_coef > 0):
+        return 0
+    return shape.num_layers * shape.num_experts * compute_bytes
+
+
 def final_norm_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     """The final norm's fp32 copy and rsqrt, and the head's input kept for the loss."""
     return 4 * shape.hidden_size + 4 + compute_bytes * shape.hidden_size

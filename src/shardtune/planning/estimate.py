@@ -276,7 +276,8 @@ def _dynamic(
         working, block = working + dora, layer
     stored = shape.num_layers * block + fixed
     peak, kept = act.logits_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens)
-    peak += act.loss_input_grad_bytes(tokens, shape.hidden_size, a, loss_impl, loss_chunk_tokens)
+    aux = tokens * act.router_aux_bytes_per_token(shape, a)
+    peak += act.loss_input_grad_bytes(tokens, shape.hidden_size, a, loss_impl, loss_chunk_tokens) + aux
     forward = tokens * a * shape.hidden_size + mask + inputs
     return _Dynamic(
         stored,
@@ -284,7 +285,7 @@ def _dynamic(
         peak,
         kept,
         forward,
-        act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens),
+        act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens) + 2 * aux,
         tokens * act.final_norm_bytes_per_token(shape, a),
         block,
     )

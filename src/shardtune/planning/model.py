@@ -49,6 +49,8 @@ class ModelShape:
     num_experts: int = 0
     expert_intermediate_size: int = 0
     experts_per_token: int = 0  # the router's top-k
+    # The coefficient of the router load-balancing loss the run adds (the config's unless --router_aux_loss_coef).
+    router_aux_loss_coef: float = 0.0
     # A second token-indexed embedding (Gemma 4 and Gemma 3n: embed_tokens_per_layer, rows
     # vocab_size_per_layer_input, width num_layers · hidden_size_per_layer_input), in the root FSDP unit beside
     # embed_tokens; it grows with the vocabulary when tokens are added, and its new rows are trainable tokens too.
@@ -146,6 +148,7 @@ class ModelShape:
             num_experts=int(get("num_local_experts") or get("num_experts") or 0),
             expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
             experts_per_token=int(get("num_experts_per_tok") or 0),
+            router_aux_loss_coef=float(get("router_aux_loss_coef") or 0.0),
             per_layer_vocab_size=int(get("vocab_size_per_layer_input") or 0) if per_layer_input else 0,
             per_layer_width=int(get("num_hidden_layers")) * per_layer_input,
         )
