@@ -99,7 +99,7 @@ def _failed(name: str, r: dict) -> bool:
         return not r["loss_falls"] or not r["hfu"] >= r["mfu"] > 0
     if name == "attention":  # a control that passes means the comparison cannot see a leak
         return not r["logits_equal"] or not r["control"]["failed"]
-    if name == "qlora":
+    if name in ("qlora", "context_parallel"):
         return not r["equal"] or not r["control"]["failed"]
     if name in ("offload_loading", "kill_resume"):
         return not r["resume_equal"]
@@ -127,6 +127,9 @@ def _summary(name: str, r: dict) -> str:
         return f"logits max {worst:.2f}x tol; {ctl(r['control'])}; fwd+bwd {times}"
     if name == "qlora":
         return f"logits {r['over_tol']:.2f}x tol; {ctl(r['control'])}; {r['packed_mib_per_rank']:.2f} MiB packed"
+    if name == "context_parallel":
+        worst = max(v["over_tol"] for v in r["sizes"].values())
+        return f"attention max {worst:.2f}x tol at cp 2 and 4; {ctl(r['control'])}"
     if name == "kill_resume" and r.get("nondeterministic_ops"):
         return f"identical: {r['resume_equal']}; ops without a deterministic kernel: {len(r['nondeterministic_ops'])}"
     if name in ("offload_loading", "kill_resume"):

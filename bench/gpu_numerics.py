@@ -25,6 +25,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +198,55 @@ def check_attention(ctx: dict) -> dict:
         "control": _control("per_document_sdpa with a cross-document leak", control),
         "elements": ref.numel(),
     }
+
+
+def check_context_parallel(ctx: dict) -> dict:
+    """The context-parallel attention's math on the device (shardtune.context_parallel and fastpath): cp ranks
+    simulated in one process (each rank's all-gather is the whole row's keys), on a packed row of 8192 positions
+    whose documents cross chunk and rank edges, in bf16 with GQA; every rank's output against SDPA over the whole
+    row with the per-document causal mask, element by element; the planted control, a crossing document attending
+    the row from its start, must fail the same comparison."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardtune import context_parallel
+    from shardtune.fastpath import _context_parallel_attention, packed_documents
+
+    device, length = ctx["device"], 8192
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(200, 3000, (16,), generator=g).tolist()
+    pos = torch.cat([torch.arange(n) for n in sizes])[:length][None]
+    q, k, v = (torch.randn(1, h, length, 64, generator=g).to(device, torch.bfloat16) for h in (16, 4, 4))
+    docs = context_parallel.document_ids(pos)[0].to(device)
+    allowed = (docs[:, None] == docs[None, :]) & torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+    batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos, "labels": torch.zeros_like(pos)}
+
+    def ranks(size: int, leak: bool) -> list:
+        outs = []
+        for r in range(size):
+            local, rows, _ = context_parallel.split(batch, size=size, rank=r, pad_id=0)
+            mine = context_parallel.zigzag(length, size, r).to(device)
+            parts = tuple(
+                replace(p, spans=packed_documents(local["position_ids"][:, p.start : p.end].to(device))[0])
+                if p.key_start is None else replace(p, key_start=0 if leak else p.key_start)
+                for p in rows[0]
+            )  # fmt: skip
+            k_r, v_r = k[:, :, mine], v[:, :, mine]
+            shard = context_parallel.CPShard((parts,), lambda x, k_r=k_r: k if x is k_r else v)
+            outs.append((mine, _context_parallel_attention(q[:, :, mine], k_r, v_r, shard, 0.0, None)))
+        return outs
+
+    def assemble(outs):
+        got = torch.empty_like(ref)
+        for mine, out in outs:
+            got[:, mine] = out
+        return got
+
+    out = {f"cp{size}": compare(ref, assemble(ranks(size, False))) for size in (2, 4)}
+    return {"sizes": out, "equal": all(r["equal"] for r in out.values()),
+            "control": _control("a crossing document attending the row from its start", compare(
+                ref, assemble(ranks(2, True)))), "positions": length}  # fmt: skip
 
 
 def bnb_or_skip():
