@@ -222,6 +222,7 @@ def _target_modules(spec: str, model: nn.Module | None = None, experts_adapted: 
     return names
 
 
+@quant_experts.expert_stand_ins
 def attach_adapter(
     model: nn.Module,
     *,
@@ -242,34 +243,8 @@ def attach_adapter(
     target_parameters / target_experts: PEFT's target_parameters (expert tensors, router weights; see
     shardtune.targets.plan_parameters). PEFT adapts a parameter as a weight delta, which has no input to drop, and
     refuses any lora_dropout then; so the adapter is made with none, and lora_dropout is put back on the linear
-    layers' LoRA inputs (the saved adapter_config.json says 0.0, which is what PEFT needs to load it)."""
-    # 4-bit experts are modules, not parameters: PEFT finds and wraps them as the 3-D parameters they stand for.
-    with quant_experts.shaped_as_parameters(model):
-        model = _wrap(
-            model, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules,
-            use_dora=use_dora, modules_to_save=modules_to_save, new_token_ids=new_token_ids,
-            adapter_name=adapter_name, adapter_path=adapter_path, target_parameters=target_parameters,
-            target_experts=target_experts,
-        )  # fmt: skip
-    quant_experts.bind_expert_lora(model)
-    return model
-
-
-def _wrap(
-    model: nn.Module,
-    *,
-    lora_r: int,
-    lora_alpha: float,
-    lora_dropout: float,
-    target_modules: str,
-    use_dora: bool,
-    modules_to_save: str | None,
-    new_token_ids: list[int],
-    adapter_name: str,
-    adapter_path: str | None,
-    target_parameters: str | None,
-    target_experts: bool,
-) -> nn.Module:
+    layers' LoRA inputs (the saved adapter_config.json says 0.0, which is what PEFT needs to load it). 4-bit
+    experts are modules, not parameters: PEFT wraps them as the 3-D parameters they stand for (expert_stand_ins)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter_path:

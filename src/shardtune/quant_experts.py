@@ -27,6 +27,7 @@ soon as all its rows have been read, so at most the experts in flight are held i
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 
@@ -225,6 +226,21 @@ def shaped_as_parameters(model: nn.Module) -> Iterator[None]:
         for owner, name, child in swapped:
             del owner._parameters[name]
             owner._modules[name] = child
+
+
+def expert_stand_ins(attach):
+    """Decorates a function attaching a PEFT adapter to `model` (its first argument): while it runs, 4-bit experts
+    stand in as the 3-D parameters they are (shaped_as_parameters); after it, their LoRA is bound to the 4-bit
+    forward (bind_expert_lora)."""
+
+    @functools.wraps(attach)
+    def attached(model: nn.Module, *args, **kwargs) -> nn.Module:
+        with shaped_as_parameters(model):
+            model = attach(model, *args, **kwargs)
+        bind_expert_lora(model)
+        return model
+
+    return attached
 
 
 def bind_expert_lora(model: nn.Module) -> None:
