@@ -1,7 +1,8 @@
 """Context parallelism (shardtune.context_parallel) from the command line: cp=2 on 2 ranks and dp=2 × cp=2 on 4
 ranks train as 1 process with the same global batch, on packed rows whose documents cross the chunk edges: per-step
 losses, grad_norm and every trained tensor (tests/families.py's matrix bounds), for LoRA, QLoRA (with gradient
-checkpointing) and full fine-tuning. A planted cross-document leak and a planted dropped edge target fail it."""
+checkpointing), full fine-tuning and DoRA with assistant-only targets. A planted cross-document leak and a planted
+dropped edge target fail it."""
 
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ def _argv(root, assets, out, method, batch, extra=()):
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cp")
     assets = build_assets(root, families=["llama"])
-    extra = {"lora": (), "qlora": GC, "full": ()}
-    one = [{"name": m, "argv": _argv(root, assets, root / "one" / m, m, 4, extra[m])} for m in extra]
-    two = [{"name": m, "argv": _argv(root, assets, root / "cp2" / m, m, 4, (*extra[m], *CP))} for m in extra]
+    # name: (method, flags); "dora" adds DoRA's weight norms and assistant-only targets (labels cut mid-row)
+    cases = {"lora": ("lora", ()), "qlora": ("qlora", GC), "full": ("full", ()),
+             "dora": ("lora", ("--use_dora", "True", "--assistant_only_loss", "True"))}  # fmt: skip
+    one = [{"name": n, "argv": _argv(root, assets, root / "one" / n, m, 4, f)} for n, (m, f) in cases.items()]
+    two = [{"name": n, "argv": _argv(root, assets, root / "cp2" / n, m, 4, (*f, *CP))} for n, (m, f) in cases.items()]
     # Checkpointed twins of the LoRA runs, to resume at step 2 with the other cp size.
     one.append({"name": "saved", "argv": _argv(root, assets, root / "one" / "saved", "lora", 4, SAVE)})
     two.append({"name": "saved", "argv": _argv(root, assets, root / "cp2" / "saved", "lora", 4, (*SAVE, *CP))})
@@ -59,7 +62,9 @@ def _moved(tensors: dict, base: dict | None = None) -> float:
     return max(float((tensors[k] - base[k]).abs().max()) for k in same)
 
 
-@pytest.mark.parametrize(("run", "method"), [("cp2", "lora"), ("cp2", "qlora"), ("cp2", "full"), ("dp2cp2", "lora")])
+@pytest.mark.parametrize(
+    ("run", "method"), [("cp2", "lora"), ("cp2", "qlora"), ("cp2", "full"), ("cp2", "dora"), ("dp2cp2", "lora")]
+)
 def test_context_parallel_ranks_train_as_one_process(runs, run, method):
     root, codes = runs["root"], runs["codes"]
     assert codes[method] == 0 and codes[f"{run}/{method}"] == 0, codes
