@@ -76,8 +76,11 @@ def train(model: Path, tokenizer: Path, data: Path, out: Path, flags: list[str])
            str(_free_port()), "-m", "shardtune", "train", *argv]  # fmt: skip
     # The guide's fsdp_config.yaml loads on rank 0 only (fsdp_cpu_ram_efficient_loading: true), as accelerate
     # launch passes it.
+    # glibc returns freed blocks to the OS (bench/long_context.py measured what its default heap retention adds
+    # to the resident set), so that the peak follows the live tensors.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}  # fmt: skip
+           "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "MALLOC_MMAP_THRESHOLD_": "65536",
+           "MALLOC_TRIM_THRESHOLD_": "65536"}  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
