@@ -313,7 +313,11 @@ def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropou
     """This rank's queries [B, H, L_local, d] -> [B, L_local, H, d] (shardtune.context_parallel): per row, each
     local part's documents among its own positions (span attention, as without context parallelism), and a
     document that began in an earlier chunk against the gathered row's keys from its start (lower-right causal)."""
-    gathered = [shard.gather(k), shard.gather(v)] if any(p.key_start is not None for r in shard.rows for p in r) else []
+    # Every rank gathers in every layer, and every rank's output depends on the gathered keys and values, with or
+    # without a part that reads them: the all-gather and its backward's reduce-scatter are collectives, and a rank
+    # that skipped either (no gather, or no gradient reaching it) would leave the others waiting.
+    gathered = [shard.gather(k), shard.gather(v)]
+    used = any(p.key_start is not None for parts in shard.rows for p in parts)
     rows = []
     for b, parts in enumerate(shard.rows):
         sizes = [p.end - p.start for p in parts]
@@ -328,7 +332,8 @@ def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropou
                 keys, values = (t[b : b + 1, :, p.key_start : p.key_end] for t in gathered)
                 out.append(_lower_right(qs[None], keys, values, dropout, scaling))
         rows.append(torch.cat(out, dim=1))
-    return torch.cat(rows, dim=0)
+    out = torch.cat(rows, dim=0)
+    return out if used else out + sum(t[:, :, :0].sum() for t in gathered)  # empty: adds 0, keeps them in the graph
 
 
 def _lower_right(q, k, v, dropout: float, scaling: float | None) -> torch.Tensor:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,12 @@ from tests.mutation import Edit, plant
 CP = ["--context_parallel_size", "2"]
 GC = ["--gradient_checkpointing", "True"]
 SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _argv(root, assets, out, method, batch, extra=(), family="llama"):
@@ -187,3 +195,29 @@ def test_the_split_covers_every_position_once_and_attends_as_one_row():
         shard = context_parallel.CPShard((parts,), lambda x, k_r=k_r: k if x is k_r else v)
         got = _context_parallel_attention(q[:, :, mine], k_r, v_r, shard, 0.0, None)
         torch.testing.assert_close(got, want[:, mine], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [(8, 16, 8),  # chunks of 8: rank 0 (chunks 0, 3) begins both with a document, rank 1's chunk 2 continues one
+     (3, 20, 9)],  # documents crossing chunk and rank edges on both ranks
+)  # fmt: skip
+def test_every_rank_attends_and_backpropagates_as_one_process(tmp_path, lengths):
+    """2 gloo ranks: each rank's context-parallel attention, forward and the gradients of its queries, keys and
+    values (the gathered keys' gradients come back through the reduce-scatter), equals autograd over the whole row
+    in one process (fp64). The first row gives one rank no document begun in an earlier chunk and the other one:
+    both still meet in every all-gather (a rank that skipped it would leave the other waiting)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "errors.json"
+    worker = Path(__file__).with_name("cp_attention_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(worker), str(out), ",".join(map(str, lengths))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    for r in ranks:
+        assert all(e < 1e-12 for e in r["errors"].values()), r
+    if lengths == (8, 16, 8):
+        assert [r["crossing_parts"] for r in ranks] == [0, 1]
