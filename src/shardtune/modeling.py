@@ -18,7 +18,7 @@ from shardtune import dtypes, families, fastpath, quant, quant_experts, router_a
 from shardtune.families import family_attention
 from shardtune.log import print0, warn0
 from shardtune.validation import tied_head_saved_problem
-from shardtune.weights import causal_lm_class, layout_conversions
+from shardtune.weights import causal_lm_class, layout_conversions, stacked_experts
 
 
 def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
@@ -158,17 +158,13 @@ def check_4bit_layout(config, skeleton: nn.Module | None = None) -> None:
     """Refuse a family whose checkpoint the 4-bit loader cannot read: one whose tensors transformers merges while
     loading in any way but stacking experts (and concatenating gate and up), which shardtune.quant_experts inverts;
     given the model's skeleton, also an experts module that computes outside transformers' experts interface."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    from transformers.core_model_loading import WeightRenaming
 
     name = getattr(causal_lm_class(config), "__name__", config.model_type)
     for conv in layout_conversions(config):
         if isinstance(conv, WeightRenaming):
             continue
-        ops = [type(op) for op in getattr(conv, "operations", [])]
-        stacked = ops in ([MergeModulelist], [MergeModulelist, Concatenate]) and all(
-            op.dim == 1 for op in conv.operations if isinstance(op, Concatenate)
-        )
-        if not (isinstance(conv, WeightConverter) and stacked):
+        if not stacked_experts(conv):
             raise ValueError(
                 f"--use_4bit_quantization: {name} checkpoints store {_listed(conv.source_patterns)} that "
                 f"transformers converts into {_listed(conv.target_patterns)} while loading in a way shardtune's "

@@ -207,8 +207,8 @@ def expert_slices(
     """Where a fused expert parameter lives in a per-expert checkpoint: [(stored name, expert, rows)], the rows of
     the fused tensor's expert-e slice that the stored tensor holds; None when the
     family's conversion has no rule for it. Only the stack-then-concatenate conversion transformers uses for
-    experts is inverted; another is refused by the caller."""
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    experts is inverted (stacked_experts); another raises ValueError."""
+    from transformers.core_model_loading import WeightConverter
 
     for conv in layout_conversions(config):
         if not isinstance(conv, WeightConverter):
@@ -217,16 +217,27 @@ def expert_slices(
         target = next((t for t in targets if param.endswith(t.lstrip("."))), None)
         if target is None or len(targets) != 1:
             continue
-        ops = [type(op) for op in conv.operations]
-        if ops not in ([MergeModulelist], [MergeModulelist, Concatenate]):
-            raise ValueError(f"{param}: transformers builds it with {', '.join(o.__name__ for o in ops)}; "
-                             "shardtune inverts stacked and concatenated experts only.")  # fmt: skip
-        if ops == [MergeModulelist, Concatenate] and conv.operations[1].dim != 1:
-            raise ValueError(f"{param}: its experts are concatenated along dim {conv.operations[1].dim}; "
-                             "shardtune inverts a concatenation along dim 1 only.")  # fmt: skip
+        if not stacked_experts(conv):
+            ops = ", ".join(type(op).__name__ for op in conv.operations)
+            raise ValueError(f"{param}: transformers builds it with {ops}; shardtune inverts experts stacked and "
+                             "concatenated along dim 1 only.")  # fmt: skip
         prefix = param[: len(param) - len(target.lstrip("."))]
         return _expert_names(conv.source_patterns, prefix, shapes, resolve)
     return None
+
+
+def stacked_experts(conv) -> bool:
+    """Whether a transformers conversion only stacks per-expert tensors (MergeModulelist) and concatenates them
+    along dim 1 (gate and up): the one conversion shardtune inverts, to load 4-bit experts and to merge expert
+    LoRA into per-expert tensors."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    if not isinstance(conv, WeightConverter):
+        return False
+    ops = [type(op) for op in conv.operations]
+    return ops in ([MergeModulelist], [MergeModulelist, Concatenate]) and all(
+        op.dim == 1 for op in conv.operations if isinstance(op, Concatenate)
+    )
 
 
 def _expert_names(sources, prefix: str, shapes, resolve) -> list[tuple[str, int, slice]]:

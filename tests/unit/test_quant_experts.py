@@ -170,3 +170,19 @@ def test_expert_lora_on_4bit_experts_equals_peft_on_the_same_weights(model_type,
     with torch.no_grad(), ours.disable_adapter(), ref.disable_adapter():
         torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0,
                                    atol=8 * eps * float(want.abs().max()))  # fmt: skip
+
+
+def test_a_conversion_the_loader_cannot_invert_is_refused(monkeypatch):
+    """Stacking experts (and concatenating gate and up along dim 1) is the one conversion inverted; anything else
+    a family's checkpoint needs while loading is refused before reading, naming the tensors."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    model = _model("qwen3_moe")
+    modeling.check_4bit_layout(model.config, model)  # transformers' own rule for Qwen3-MoE: accepted
+    other = WeightConverter(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+                            "mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=2)])  # fmt: skip
+    monkeypatch.setattr(modeling, "layout_conversions", lambda config: [other])
+    with pytest.raises(ValueError, match=r"checkpoints store mlp\.experts\.\*\.gate_proj\.weight, mlp\.experts\.\*"
+                                         r"\.up_proj\.weight that transformers converts into mlp\.experts\.gate_up_proj"
+                                         r" while loading in a way shardtune's 4-bit loader cannot invert"):  # fmt: skip
+        modeling.check_4bit_layout(model.config)
