@@ -129,7 +129,8 @@ def _summary(name: str, r: dict) -> str:
         return f"logits {r['over_tol']:.2f}x tol; {ctl(r['control'])}; {r['packed_mib_per_rank']:.2f} MiB packed"
     if name == "context_parallel":
         worst = max(v["over_tol"] for v in r["sizes"].values())
-        return f"attention max {worst:.2f}x tol at cp 2 and 4; {ctl(r['control'])}"
+        kernels = "SDPA and flash varlen" if "skipped" not in r["flash_varlen"] else "SDPA (no flash_attn)"
+        return f"attention max {worst:.2f}x tol at cp 2 and 4, {kernels}; {ctl(r['control'])}"
     if name == "kill_resume" and r.get("nondeterministic_ops"):
         return f"identical: {r['resume_equal']}; ops without a deterministic kernel: {len(r['nondeterministic_ops'])}"
     if name in ("offload_loading", "kill_resume"):

@@ -204,13 +204,15 @@ def check_context_parallel(ctx: dict) -> dict:
     """The context-parallel attention's math on the device (shardtune.context_parallel and fastpath): cp ranks
     simulated in one process (each rank's all-gather is the whole row's keys), on a packed row of 8192 positions
     whose documents cross chunk and rank edges, in bf16 with GQA; every rank's output against SDPA over the whole
-    row with the per-document causal mask, element by element; the planted control, a crossing document attending
-    the row from its start, must fail the same comparison."""
+    row with the per-document causal mask, element by element, with SDPA per part and, where flash_attn is
+    installed on CUDA, as one flash-attention varlen call (the kernel `shardtune train` uses there); the planted
+    control, a crossing document attending the row from its start, must fail the same comparison."""
     import torch
     import torch.nn.functional as F
 
     from shardtune import context_parallel
-    from shardtune.fastpath import _context_parallel_attention, packed_documents
+    from shardtune.distributed.context_parallel import local_shard
+    from shardtune.fastpath import _context_parallel_attention
 
     device, length = ctx["device"], 8192
     g = torch.Generator().manual_seed(0)
@@ -220,20 +222,21 @@ def check_context_parallel(ctx: dict) -> dict:
     docs = context_parallel.document_ids(pos)[0].to(device)
     allowed = (docs[:, None] == docs[None, :]) & torch.ones(length, length, dtype=torch.bool, device=device).tril()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
-    batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos, "labels": torch.zeros_like(pos)}
+    batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos.to(device), "labels": torch.zeros_like(pos)}
+    kernels = {"sdpa": False}
+    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        kernels["flash_varlen"] = True
 
-    def ranks(size: int, leak: bool) -> list:
+    def ranks(size: int, leak: bool, varlen: bool) -> list:
         outs = []
         for r in range(size):
             local, rows, _ = context_parallel.split(batch, size=size, rank=r, pad_id=0)
+            if leak:
+                rows = tuple(tuple(replace(p, key_start=0) if p.key_start else p for p in parts) for parts in rows)
             mine = context_parallel.zigzag(length, size, r).to(device)
-            parts = tuple(
-                replace(p, spans=packed_documents(local["position_ids"][:, p.start : p.end].to(device))[0])
-                if p.key_start is None else replace(p, key_start=0 if leak else p.key_start)
-                for p in rows[0]
-            )  # fmt: skip
             k_r, v_r = k[:, :, mine], v[:, :, mine]
-            shard = context_parallel.CPShard((parts,), lambda x, k_r=k_r: k if x is k_r else v)
+            shard = local_shard(rows, local["position_ids"], lambda x, k_r=k_r: k if x is k_r else v, size=size,
+                                varlen=varlen)  # fmt: skip
             outs.append((mine, _context_parallel_attention(q[:, :, mine], k_r, v_r, shard, 0.0, None)))
         return outs
 
@@ -243,10 +246,12 @@ def check_context_parallel(ctx: dict) -> dict:
             got[:, mine] = out
         return got
 
-    out = {f"cp{size}": compare(ref, assemble(ranks(size, False))) for size in (2, 4)}
-    return {"sizes": out, "equal": all(r["equal"] for r in out.values()),
+    out = {f"{name} cp{size}": compare(ref, assemble(ranks(size, False, varlen)))
+           for name, varlen in kernels.items() for size in (2, 4)}  # fmt: skip
+    flash = {} if "flash_varlen" in kernels else {"skipped": "flash_attn is not installed on CUDA here"}
+    return {"sizes": out, "flash_varlen": flash, "equal": all(r["equal"] for r in out.values()),
             "control": _control("a crossing document attending the row from its start", compare(
-                ref, assemble(ranks(2, True)))), "positions": length}  # fmt: skip
+                ref, assemble(ranks(2, True, False)))), "positions": length}  # fmt: skip
 
 
 def bnb_or_skip():

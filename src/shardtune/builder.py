@@ -65,6 +65,9 @@ class ModelSpec:
     packing: bool = False
     # Ranks each row's positions are split over (shardtune.context_parallel); the fast path's attention only.
     context_parallel: int = 1
+    # With context parallelism: its attention as one flash-attention varlen call (CUDA, flash_attn installed),
+    # or SDPA per part (modeling.context_parallel_attention).
+    cp_varlen: bool = False
     # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
     # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
     read_weights: bool = True
@@ -74,6 +77,9 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
     """The spec of a run: its model flags, its FSDP settings and its precision (decided once, cfg.precision)."""
     m, t, f = cfg.model, cfg.train, cfg.fsdp
     precision = cfg.precision
+    attn, cp_varlen = modeling.context_parallel_attention(
+        modeling.attn_implementation(m.use_flash_attn, device_type), t.context_parallel_size, precision.compute
+    )
     qcfg = modeling.bnb_config(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
@@ -86,7 +92,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         model_name_or_path=m.model_name_or_path,
         dtype=precision.storage,
         param_dtype=precision.param_dtype,
-        attn_impl=modeling.attn_implementation(m.use_flash_attn, device_type),
+        attn_impl=attn,
         trust_remote_code=m.trust_remote_code,
         n_tokens=n_tokens,
         new_token_ids=list(new_token_ids),
@@ -117,6 +123,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         packing=cfg.data.packing or cfg.data.streaming,
         router_aux_loss_coef=t.router_aux_loss_coef,
         context_parallel=t.context_parallel_size,
+        cp_varlen=cp_varlen,
     )
 
 
@@ -159,6 +166,7 @@ def build_training_module(
         per_document_attention=not spec.torch_compile,
         layout=layout,
         router_aux_loss_coef=spec.router_aux_loss_coef,
+        cp_varlen=spec.cp_varlen,
     )
     block_types = modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap)
     blocks = [m for m in train_module.modules() if isinstance(m, block_types)]
@@ -208,7 +216,7 @@ def context_parallel_problems(
     if layout.path != "fast" or not verdict.fast_packing or attn != fastpath.ATTENTION:
         p.append(f"{flag}: {config.model_type} trains through its own forward or attention here ({attn}), not "
                  "shardtune's per-document attention, which context parallelism runs in; use "
-                 "--context_parallel_size 1 (or --use_flash_attn False) for this model.")  # fmt: skip
+                 "--context_parallel_size 1 for this model.")  # fmt: skip
     if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
         p.append(f"{flag}: {config.model_type} has sliding-window or soft-capped attention, which the "
                  "context-parallel attention does not implement yet; use --context_parallel_size 1.")  # fmt: skip

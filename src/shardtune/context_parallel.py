@@ -20,6 +20,7 @@ per rank (2·L·kv_heads·head_dim per layer, not the L² scores), which GQA mak
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +53,50 @@ class CPShard:
 
     rows: tuple[tuple[Part, ...], ...]
     gather: Callable[[torch.Tensor], torch.Tensor]  # [B, heads, L_local, d] -> [B, heads, L, d] in row order
+    varlen: Varlen | None = None  # the same attention as one flash-attention varlen call (CUDA), or per part (SDPA)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A rank's whole context-parallel attention as one variable-length call (flash-attention's
+    flash_attn_varlen_func, causal: aligned at the bottom right where a segment has more keys than queries).
+
+    The queries are the rank's positions flattened row after row ([B·L_local]), cut into segments: each document
+    begun in a local part, and each part of a document begun in an earlier chunk. A segment's keys are taken by
+    `key_index` from the local keys flattened ([B·L_local]) followed by the gathered rows' keys ([B·L]): a local
+    document's own positions, or a crossing part's row keys [key_start, key_end)."""
+
+    cu_q: torch.Tensor  # int32 [segments + 1]: cumulative query lengths
+    cu_k: torch.Tensor  # int32 [segments + 1]: cumulative key lengths
+    max_q: int
+    max_k: int
+    key_index: torch.Tensor  # int64 [total keys]
+
+
+def varlen(rows: tuple[tuple[Part, ...], ...], positions: torch.Tensor, row_len: int) -> Varlen:
+    """The Varlen of a rank's parts (`rows`, as split gives them) and its local position ids [B, L_local], for
+    rows of row_len positions (padded)."""
+    batch, local_len = positions.shape
+    q_lens, keys = [], []
+    for b, parts in enumerate(rows):
+        for p in parts:
+            if p.key_start is not None:
+                q_lens.append(p.end - p.start)
+                start = batch * local_len + b * row_len
+                keys.append(torch.arange(start + p.key_start, start + p.key_end))
+                continue
+            start = b * local_len + p.start
+            docs = document_ids(positions[b : b + 1, p.start : p.end])[0]
+            for n in torch.unique_consecutive(docs, return_counts=True)[1].tolist():
+                q_lens.append(n)
+                keys.append(torch.arange(start, start + n))
+                start += n
+    k_lens = [len(k) for k in keys]
+    return Varlen(_cumulative(q_lens), _cumulative(k_lens), max(q_lens), max(k_lens), torch.cat(keys))
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
 def zigzag(length: int, size: int, rank: int) -> torch.Tensor:

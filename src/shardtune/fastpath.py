@@ -317,6 +317,8 @@ def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropou
     # without a part that reads them: the all-gather and its backward's reduce-scatter are collectives, and a rank
     # that skipped either (no gather, or no gradient reaching it) would leave the others waiting.
     gathered = [shard.gather(k), shard.gather(v)]
+    if shard.varlen is not None:  # flash-attention (modeling.context_parallel_attention chose it)
+        return _varlen_attention(q, k, v, gathered, shard.varlen, dropout, scaling)
     used = any(p.key_start is not None for parts in shard.rows for p in parts)
     rows = []
     for b, parts in enumerate(shard.rows):
@@ -334,6 +336,30 @@ def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropou
         rows.append(torch.cat(out, dim=1))
     out = torch.cat(rows, dim=0)
     return out if used else out + sum(t[:, :, :0].sum() for t in gathered)  # empty: adds 0, keeps them in the graph
+
+
+def _varlen_attention(q, k, v, gathered, layout: context_parallel.Varlen, dropout: float, scaling: float | None):
+    """_context_parallel_attention as one flash-attention varlen call: the queries flattened, each segment's keys
+    picked from the local and the gathered keys (context_parallel.Varlen). Flash takes GQA's fewer key heads as
+    they are and aligns a segment with more keys than queries at the bottom right, as _lower_right does."""
+    b, heads, n, d = q.shape
+
+    def segments(local: torch.Tensor, row: torch.Tensor) -> torch.Tensor:  # -> [total keys, kv heads, d]
+        flat = torch.cat([local.transpose(1, 2).flatten(0, 1), row.transpose(1, 2).flatten(0, 1)])
+        return flat.index_select(0, layout.key_index)
+
+    out = flash_varlen()(
+        q.transpose(1, 2).flatten(0, 1), segments(k, gathered[0]), segments(v, gathered[1]),
+        layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
+    )  # fmt: skip
+    return out.view(b, n, heads, d)
+
+
+def flash_varlen():
+    """flash-attention's flash_attn_varlen_func (an optional CUDA dependency, imported when first used)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
 
 
 def _lower_right(q, k, v, dropout: float, scaling: float | None) -> torch.Tensor:

@@ -6,8 +6,10 @@ Nothing here imports torch.distributed: sharding lives in shardtune.distributed.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import math
+import re
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +32,27 @@ def attn_implementation(use_flash_attn: bool, device_type: str) -> str:
         reason = "not on CUDA" if device_type != "cuda" else "flash_attn is not installed"
         print0(f"--use_flash_attn: {reason}; using SDPA attention, run per document of each packed row.")
     return fastpath.register_attention()
+
+
+def context_parallel_attention(attn_impl: str, context_parallel: int, compute_dtype: torch.dtype) -> tuple[str, bool]:
+    """(the model's attention, whether context parallelism runs it as one flash-attention varlen call). Under
+    context parallelism the model runs shardtune's attention, which holds the split (shardtune.fastpath); where
+    flash-attention 2 was chosen (CUDA, installed, version 2.1 or later: its causal mask of fewer queries than
+    keys is aligned at the bottom right) and the compute dtype is 16-bit, that attention calls flash's varlen."""
+    if context_parallel == 1:
+        return attn_impl, False
+    flash = attn_impl == "flash_attention_2" and compute_dtype in (torch.float16, torch.bfloat16)
+    if flash and _flash_version() < (2, 1):
+        print0("--context_parallel_size: flash_attn older than 2.1; using SDPA per part of each row.")
+        flash = False
+    elif flash:
+        print0("--context_parallel_size: flash-attention varlen per document, over the gathered keys.")
+    return fastpath.register_attention(), flash
+
+
+def _flash_version() -> tuple[int, ...]:
+    version = importlib.metadata.version("flash_attn")
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2])
 
 
 def load_tokenizer(
@@ -388,6 +411,7 @@ class CausalLMForTraining(nn.Module):
         layout: families.Layout | None = None,
         packing: bool | None = None,
         router_aux_loss_coef: float | None = None,
+        cp_varlen: bool = False,
     ):
         super().__init__()
         self.model = model
@@ -414,6 +438,7 @@ class CausalLMForTraining(nn.Module):
         # With context parallelism, the micro-batch's CPShard (set by shardtune.trainer.local_part before each
         # forward): the fast path's attention then gathers each row's keys and values over the cp ranks.
         self.cp_shard = None
+        self.cp_varlen = cp_varlen  # the shard's attention as one flash-attention varlen call (modeling.py)
 
     @property
     def router_aux_loss_coef(self) -> float:

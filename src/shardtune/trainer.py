@@ -193,7 +193,8 @@ def local_part(model: nn.Module, batch: dict, info: DistInfo) -> dict:
     (and for its recomputation in backward, which runs before the next micro-batch is split)."""
     if info.dims.cp == 1:
         return batch
-    local, shard = shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP)
+    local, shard = shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP,
+                               varlen=model.cp_varlen)  # fmt: skip
     model.cp_shard = shard
     return local
 

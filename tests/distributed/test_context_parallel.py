@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,7 +165,8 @@ def test_the_split_covers_every_position_once_and_attends_as_one_row():
     labels travel with their positions (padding has none). Each rank's attention (its local parts, and the parts
     of documents begun in earlier chunks against the row's keys) equals per-document causal attention of the whole
     row at its positions, for documents crossing chunk and rank edges, GQA included."""
-    from shardtune.fastpath import _context_parallel_attention, packed_documents
+    from shardtune.distributed.context_parallel import local_shard
+    from shardtune.fastpath import _context_parallel_attention
 
     length, size = 24, 3
     held = torch.cat([context_parallel.zigzag(length, size, r) for r in range(size)])
@@ -187,12 +187,10 @@ def test_the_split_covers_every_position_once_and_attends_as_one_row():
         assert local["labels"][0].tolist() == [x if x < 25 else -100 for x in mine.tolist()]
         gathered = torch.cat([context_parallel.zigzag(30, size, q) for q in range(size)])
         assert torch.equal(gathered[order], torch.arange(30))  # the gathered keys put back in row order
-        parts = tuple(p if p.key_start is not None else replace(p, spans=packed_documents(
-            local["position_ids"][:, p.start : p.end])[0]) for p in rows[0])  # fmt: skip
-        assert sum(p.end - p.start for p in parts) == len(mine)
+        assert sum(p.end - p.start for p in rows[0]) == len(mine)
         k_r, v_r = k[:, :, mine], v[:, :, mine]
         # one process holds every rank's keys: the all-gather of this rank's k_r (or v_r) is the whole row's
-        shard = context_parallel.CPShard((parts,), lambda x, k_r=k_r: k if x is k_r else v)
+        shard = local_shard(rows, local["position_ids"], lambda x, k_r=k_r: k if x is k_r else v, size=size)
         got = _context_parallel_attention(q[:, :, mine], k_r, v_r, shard, 0.0, None)
         torch.testing.assert_close(got, want[:, mine], rtol=0, atol=1e-12)
 

@@ -3,6 +3,7 @@ process groups, and the all-gather of a row's keys and values with its exact bac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 import torch
@@ -50,18 +51,32 @@ class _GatherPositions(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
 
 
-def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int) -> tuple[dict, CPShard]:
-    """This rank's part of a micro-batch and the CPShard its attention reads (the local parts' per-document
-    spans from their own position ids)."""
+def shard_batch(
+    batch: dict, *, group, size: int, rank: int, pad_id: int, varlen: bool = False
+) -> tuple[dict, CPShard]:
+    """This rank's part of a micro-batch and the CPShard its attention reads; `varlen`: as one flash-attention
+    varlen call (CUDA) rather than SDPA per part."""
     local, rows, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)
-    pos = local["position_ids"]
-    rows = tuple(
-        tuple(p if p.key_start is not None else replace(p, spans=packed_documents(pos[b : b + 1, p.start : p.end])[0])
-              for p in parts)
-        for b, parts in enumerate(rows)
-    )  # fmt: skip
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return _GatherPositions.apply(x, group, size, rank).index_select(2, order.to(x.device))
 
-    return local, CPShard(rows, gather)
+    return local, local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen)
+
+
+def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: bool = False) -> CPShard:
+    """The CPShard of a rank's parts (context_parallel.split's `rows`) and its local position ids: each local
+    part's per-document spans (read from its own position ids), and with `varlen` the whole attention's varlen
+    layout, both built on the host once per micro-batch and moved to the positions' device."""
+    rows = tuple(
+        tuple(p if p.key_start is not None
+              else replace(p, spans=packed_documents(positions[b : b + 1, p.start : p.end])[0]) for p in parts)
+        for b, parts in enumerate(rows)
+    )  # fmt: skip
+    layout = None
+    if varlen:
+        host = positions.detach().cpu()
+        layout = context_parallel.varlen(rows, host, host.shape[1] * size)  # every rank holds L / size of a row
+        layout = dataclasses.replace(layout, **{f: getattr(layout, f).to(positions.device)
+                                                for f in ("cu_q", "cu_k", "key_index")})  # fmt: skip
+    return CPShard(rows, gather, layout)
