@@ -184,13 +184,9 @@ def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments)
             raise ConfigError(problems) from None
 
 
-def _check_context_parallel(cp: int, launch: Launch, plan: PlanArguments) -> None:
+def _check_context_parallel(cp: int, launch: Launch) -> None:
     if launch.world_size % cp:
         raise ConfigError([f"--context_parallel_size {cp} must divide --num_processes {launch.world_size}."])
-    if cp > 1 and plan.trace:
-        why = ("--trace with --context_parallel_size: the trace does not run the context-parallel step yet; the "
-               "estimate models it (docs/long_context.md).")  # fmt: skip
-        raise ConfigError([why])
 
 
 def make_plan(argv: list[str]) -> Plan:
@@ -202,7 +198,7 @@ def make_plan(argv: list[str]) -> Plan:
     launch = _launch(plan)
     if plan.config_file and train.context_parallel_size == 1:  # the YAML's parallelism_config_cp_size
         train.context_parallel_size = context_parallel_size(fsdp_settings_from_yaml(plan.config_file))
-    _check_context_parallel(train.context_parallel_size, launch, plan)
+    _check_context_parallel(train.context_parallel_size, launch)
     if plan.attn_implementation and plan.attn_implementation not in ("sdpa", "flash_attention_2", "eager"):
         raise ConfigError(
             [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]

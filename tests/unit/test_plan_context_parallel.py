@@ -1,10 +1,11 @@
 """`shardtune plan` with context parallelism: a rank's activations and logits are its part of each row, plus the
 row's gathered keys and values per block; the recommendation and the longest
-sequence that fits try cp degrees; what the plan cannot do with cp is refused."""
+sequence that fits try cp degrees; the traced step with cp; what the plan cannot do with cp is refused."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import shlex
 
 import pytest
@@ -13,7 +14,10 @@ from shardtune.config import ConfigError
 from shardtune.plan import main, make_plan
 from shardtune.planning import activations as act
 from shardtune.planning.estimate import estimate_memory
+from shardtune.planning.known_configs import known_config
 from shardtune.planning.recommend import longest_sequences
+from shardtune.planning.report import category_comparison, trace_comparison
+from tests.unit.test_plan_trace import BOUND
 
 L8 = "meta-llama/Meta-Llama-3-8B"
 L70 = "meta-llama/Llama-2-70b-hf"
@@ -77,10 +81,31 @@ def test_the_longest_sequence_that_fits_grows_with_cp(capsys):
 @pytest.mark.parametrize(
     ("flags", "want"),
     [(["--context_parallel_size", "3"], "--context_parallel_size 3 must divide --num_processes 8."),
-     (["--context_parallel_size", "2", "--trace", "True"],
-      "--trace with --context_parallel_size: the trace does not run the context-parallel step yet"),
      (["--longest_seq_len", "True"], "--longest_seq_len needs --gpu_memory")],
 )  # fmt: skip
 def test_what_the_plan_cannot_do_with_cp_is_refused(flags, want):
     with pytest.raises(ConfigError, match=want.replace("(", r"\(").replace(")", r"\)")):
         _plan("--max_seq_len", "4096", *flags)
+
+
+def test_the_traced_context_parallel_step_agrees_with_the_estimate(tmp_path):
+    """`plan --trace` with cp runs rank 0's context-parallel step under fake tensors (its part of each row, the
+    gathered keys and values, the all-gather's backward): each traced phase within the traced planner's bound
+    (tests/unit/test_plan_trace.py's BOUND, 3%) of the estimate, and a block's backward below the cp=1 trace's by
+    about the half of the row a rank no longer holds. A trace that ignored cp would keep cp=1's activations at
+    the step's peak, 2.4x the estimate's."""
+    cfg = {**known_config(L8), "num_hidden_layers": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    flags = shlex.split("--bf16 True --per_device_train_batch_size 1 --gradient_checkpointing True --use_peft_lora "
+                        "True --lora_r 16 --lora_target_modules all-linear --num_processes 2 --max_length 4096 "
+                        "--trace True")  # fmt: skip
+    one, two = (make_plan(["--model_name_or_path", str(path), *flags, "--context_parallel_size", cp]) for cp in "12")
+    for name, (got, est) in trace_comparison(two).items():
+        assert abs(est - got) <= BOUND * got, f"{name}: traced {got / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
+    # a block's backward: its recomputed activations and the backward's temporaries, per rank (measured 0.49x)
+    block = [sum(p.trace.by_category("decoder-layer backward")[c] for c in ("activations", "temporaries"))
+             for p in (one, two)]  # fmt: skip
+    assert block[1] < 0.6 * block[0], block
+    rows = category_comparison(two)
+    assert abs(rows["activations"][0] - rows["activations"][1]) <= BOUND * rows["activations"][0]

@@ -51,9 +51,7 @@ class _GatherPositions(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
 
 
-def shard_batch(
-    batch: dict, *, group, size: int, rank: int, pad_id: int, varlen: bool = False
-) -> tuple[dict, CPShard]:
+def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen: bool = False) -> tuple[dict, CPShard]:
     """This rank's part of a micro-batch and the CPShard its attention reads; `varlen`: as one flash-attention
     varlen call (CUDA) rather than SDPA per part."""
     local, rows, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)

@@ -14,13 +14,17 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from shardtune.distributed.context_parallel import groups as cp_groups
 from shardtune.distributed.mesh import DistInfo, build_mesh
 from shardtune.parallel import ParallelDims
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, device: str) -> Iterator[DistInfo]:
-    """Rank 0 of a `world_size`-rank job on `num_nodes` machines, with the mesh shardtune would build for it.
+def fake_process_group(
+    world_size: int, num_nodes: int, sharding_strategy: str, device: str, context_parallel: int = 1
+) -> Iterator[DistInfo]:
+    """Rank 0 of a `world_size`-rank job on `num_nodes` machines, with the mesh (and, with context parallelism,
+    the cp process group) shardtune would build for it.
 
     The mesh is built before any FakeTensorMode is entered: DeviceMesh reads its rank layout with real tensors.
     """
@@ -32,9 +36,14 @@ def fake_process_group(world_size: int, num_nodes: int, sharding_strategy: str, 
     try:
         local = world_size // num_nodes
         dims = ParallelDims.build(
-            world_size=world_size, local_world_size=local, rank=0, sharding_strategy=sharding_strategy
+            world_size=world_size,
+            local_world_size=local,
+            rank=0,
+            sharding_strategy=sharding_strategy,
+            cp=context_parallel,
         )
-        yield DistInfo(0, world_size, 0, local, torch.device(device), build_mesh(device, dims), dims)
+        cp_group = cp_groups(world_size, context_parallel) if context_parallel > 1 else None
+        yield DistInfo(0, world_size, 0, local, torch.device(device), build_mesh(device, dims), dims, cp_group)
     finally:
         dist.destroy_process_group()
 

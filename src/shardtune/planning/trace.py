@@ -13,6 +13,8 @@ What the trace cannot run exactly, and what it runs instead:
 - data-dependent host logic has no values under fake tensors: the packed rows' per-document attention spans
   (shardtune.fastpath reads position_ids on the host) and transformers' packed-sequence check. The trace
   runs SDPA with the 4-D packed-row mask, as transformers does when it cannot read the positions.
+- with context parallelism, rows of one document each are split as `shardtune train` splits them (on the host
+  batch's real values); rank 0's part then runs through the fake process group's cp group.
 - the loss keeps every position (`h[labels != -100]` is taken as all rows: the guide's packed rows train on
   every token), see `_AllTargetsFakeMode`.
 """
@@ -145,7 +147,9 @@ def trace_step(
 
     with (
         tempfile.TemporaryDirectory() as tmp,
-        fake_process_group(world_size, num_nodes, cfg.fsdp.sharding_strategy, device) as info,
+        fake_process_group(
+            world_size, num_nodes, cfg.fsdp.sharding_strategy, device, cfg.train.context_parallel_size
+        ) as info,
     ):
         model_args = dataclasses.replace(cfg.model, model_name_or_path=_config_folder(config, tmp))
         cfg = dataclasses.replace(cfg, model=model_args)
@@ -164,7 +168,7 @@ def trace_step(
                 "chatml, --modules_to_save lm_head)."
             )
             raise ConfigError([why])
-        with _AllTargetsFakeMode.make(), _fake_4bit_weights():
+        with _AllTargetsFakeMode.make(), _fake_4bit_weights(), _real_causal_bias():
             return _trace_built(model, cfg, info, n_tokens)
 
 
@@ -190,6 +194,28 @@ def _fake_4bit_weights():
         bnb_modules.fix_4bit_weight_quant_state_from_module = original
 
 
+@contextlib.contextmanager
+def _real_causal_bias():
+    """torch's lower-right causal bias (context parallelism's attention of a document begun in an earlier chunk)
+    is a tensor subclass, which cannot be made under the trace's dispatch modes: it is made outside them (it
+    holds no data: SDPA reads its shape and variant, and builds any mask it needs on the queries' device)."""
+    from shardtune import fastpath
+
+    original = fastpath.causal_lower_right
+
+    def real(*args):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the fake mode and the trace's recording modes
+            return original(*args)
+
+    fastpath.causal_lower_right = real
+    try:
+        yield
+    finally:
+        fastpath.causal_lower_right = original
+
+
 def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     """Record the allocation history of two steps and replay it, then trace a third step under FSDP2's tracker.
 
@@ -207,8 +233,10 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     with recorder.recording():
         allocate_unread(model, info.device)
         optimizer = _optimizer(model, t)
-        batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, n_tokens, info.device)
+        batch = _batch(t.per_device_train_batch_size, cfg.data.max_length, info)
         model.per_document_attention = False  # see the module docstring
+        if info.dims.cp > 1:
+            batch = _context_parallel_part(model, batch, info)
         model.train()
         for n in (1, micro_batches):
             for _ in range(n):
@@ -293,10 +321,33 @@ def _worst(runs) -> dict:
     return out
 
 
-def _batch(batch_size: int, seq_len: int, vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
-    ids = torch.zeros((batch_size, seq_len), dtype=torch.long, device=device)
-    pos = torch.arange(seq_len, device=device).expand(batch_size, seq_len).contiguous()
-    return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+def _batch(batch_size: int, seq_len: int, info) -> dict[str, torch.Tensor]:
+    """One micro-batch of whole rows, each one document. Under context parallelism its real host copy: the split
+    reads the positions."""
+    with _real_tensors() if info.dims.cp > 1 else contextlib.nullcontext():
+        ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
+        pos = torch.arange(seq_len).expand(batch_size, seq_len).contiguous()
+        batch = {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+    return batch if info.dims.cp > 1 else {k: v.to(info.device) for k, v in batch.items()}
+
+
+def _context_parallel_part(model, batch: dict, info) -> dict:
+    """Rank 0's part of the micro-batch (shardtune.trainer.local_part, which also gives the model its CPShard):
+    with rows of one document each, chunk 0 attends among its own positions and chunk 2·cp - 1 the whole row's
+    gathered keys, the largest crossing part a row can have. The split runs on the host batch's real values; the
+    part then enters the trace as fake tensors on the device."""
+    from shardtune.trainer import local_part
+
+    with _real_tensors():
+        local = local_part(model, batch, info)
+    return {k: v.to(info.device) for k, v in local.items()}
+
+
+def _real_tensors():
+    """Real (not fake) tensors inside the trace's FakeTensorMode, for the host logic that reads values."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def _forward_backward(model, batch) -> None:
