@@ -157,6 +157,10 @@ _NOT_IMPLEMENTED = {
     "tp_size": "tensor parallelism is not implemented in shardtune yet",
     "sp_size": "sequence parallelism (accelerate's DeepSpeed Ulysses) is not implemented in shardtune",
 }
+# The context-parallel choices accelerate passes beside the sizes, and the one shardtune runs: its context
+# parallelism all-gathers each row's keys and values (docs/long_context.md, "Why all-gather of K/V"), in its own
+# attention (not torch's context_parallel, accelerate's "torch" backend, whose hook forces one causal mask per row).
+CP_OPTIONS = {"cp_comm_strategy": "allgather", "cp_backend": "torch"}
 # FSDP2 with a replicate axis: a strategy that shards everywhere becomes its hybrid variant.
 _HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
 
@@ -169,7 +173,8 @@ def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
     }
     if not given and not env_bool(env.get("ACCELERATE_USE_PARALLELISM_CONFIG"), False):
         return None
-    return {k: given.get(k, "1") for k in PARALLELISM_SIZES}
+    options = {k: env[f"PARALLELISM_CONFIG_{k.upper()}"] for k in CP_OPTIONS if f"PARALLELISM_CONFIG_{k.upper()}" in env}
+    return {**{k: given.get(k, "1") for k in PARALLELISM_SIZES}, **options}
 
 
 def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: int) -> tuple[str, list[str]]:
@@ -182,7 +187,7 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
         return strategy, []
     key = "parallelism_config_{}".format
     n, p = {}, []
-    for k, v in sizes.items():
+    for k, v in ((k, sizes[k]) for k in PARALLELISM_SIZES):
         try:
             n[k] = int(v)
         except ValueError:
@@ -193,6 +198,8 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
     if p:  # the data-parallel sizes follow once these are 1
         return strategy, p
     r, s, cp = n["dp_replicate_size"], n["dp_shard_size"], n["cp_size"]
+    if cp > 1:
+        p += _cp_option_problems(sizes)
     if min(r, s, cp) < 1 or r * s * cp != world_size:
         p.append(
             f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} × {key('cp_size')} {cp} = {r * s * cp}, "
@@ -222,6 +229,16 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
     if dims is None or (dims.dp_replicate, dims.dp_shard) != (r, s):
         return strategy, [_layout_problem(r, s, strategy, world_size, local_world_size)]
     return wanted, []
+
+
+def _cp_option_problems(sizes: Mapping[str, str]) -> list[str]:
+    """accelerate's cp_comm_strategy and cp_backend, where they ask for what shardtune does not run (CP_OPTIONS)."""
+    return [
+        f"parallelism_config_{k} {sizes[k]!r}: shardtune's context parallelism all-gathers each row's keys and "
+        f"values in its own attention (docs/long_context.md); set parallelism_config_{k}: {want}."
+        for k, want in CP_OPTIONS.items()
+        if sizes.get(k, want).strip().lower() != want
+    ]
 
 
 def context_parallel_size(settings: FSDPSettings) -> int:

@@ -190,3 +190,22 @@ def test_negative_control_variables_read_by_nobody_pass_silently(tmp_path, monke
     cfg = load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path)))
     assert cfg.fsdp.parallelism is None and cfg.fsdp.sharding_strategy == "FULL_SHARD"
     assert cfg.train.context_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("cp_comm_strategy", "alltoall"), ("cp_backend", "deepspeed")]
+)
+def test_a_context_parallel_algorithm_shardtune_does_not_run_is_refused(tmp_path, capsys, option, value):
+    """accelerate's cp_comm_strategy (allgather or alltoall) and cp_backend: with cp_size 2, anything but
+    all-gather in shardtune's own attention is refused by name under each launcher, not run as all-gather; the
+    defaults accelerate writes pass."""
+    path = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2, option: value})
+    want = f"parallelism_config_{option} {value!r}: shardtune's context parallelism all-gathers"
+    with pytest.raises(ConfigError, match=want):
+        load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(path)))
+    with pytest.raises(ConfigError, match=want):
+        build_launch(["--config_file", str(path), *TRAIN])
+    with pytest.raises(ConfigError, match=want):
+        load_run_config(TRAIN, env=_train_env(accelerate_env(read_accelerate_yaml(path))))
+    ok = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2, "cp_comm_strategy": "allgather", "cp_backend": "torch"})
+    assert load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(ok))).train.context_parallel_size == 2
