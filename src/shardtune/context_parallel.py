@@ -54,6 +54,8 @@ class CPShard:
     rows: tuple[tuple[Part, ...], ...]
     gather: Callable[[torch.Tensor], torch.Tensor]  # [B, heads, L_local, d] -> [B, heads, L, d] in row order
     varlen: Varlen | None = None  # the same attention as one flash-attention varlen call (CUDA), or per part (SDPA)
+    # A per-row value (a sequence's log-prob, its target count) summed over the batch's cp ranks, differentiably.
+    sum_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

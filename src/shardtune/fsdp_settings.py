@@ -173,7 +173,9 @@ def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
     }
     if not given and not env_bool(env.get("ACCELERATE_USE_PARALLELISM_CONFIG"), False):
         return None
-    options = {k: env[f"PARALLELISM_CONFIG_{k.upper()}"] for k in CP_OPTIONS if f"PARALLELISM_CONFIG_{k.upper()}" in env}
+    options = {
+        k: env[f"PARALLELISM_CONFIG_{k.upper()}"] for k in CP_OPTIONS if f"PARALLELISM_CONFIG_{k.upper()}" in env
+    }
     return {**{k: given.get(k, "1") for k in PARALLELISM_SIZES}, **options}
 
 

@@ -435,7 +435,7 @@ class CausalLMForTraining(nn.Module):
         # (Gemma 3n and Gemma 4 are *ForConditionalGeneration) keeps it in its text_config.
         self._transform = families.head_transform(base.config, layout.head)
         self.router_aux = router_aux.family_router_aux(base, router_aux_loss_coef)  # None: a dense model
-        # With context parallelism, the micro-batch's CPShard (set by shardtune.trainer.local_part before each
+        # With context parallelism, the micro-batch's CPShard (set by shardtune.trainer before each
         # forward): the fast path's attention then gathers each row's keys and values over the cp ranks.
         self.cp_shard = None
         self.cp_varlen = cp_varlen  # the shard's attention as one flash-attention varlen call (modeling.py)
@@ -488,6 +488,8 @@ class CausalLMForTraining(nn.Module):
         h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux, aux_mask)
         if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
             logps, n = self._sequence_logps(h, labels)
+            if self.cp_shard is not None:  # this rank's positions' terms: the rows' sums over the cp ranks
+                logps, n = self.cp_shard.sum_rows(logps), self.cp_shard.sum_rows(n)
             return (logps, n, aux) if router_aux else (logps, n)
         total, count = self._token_loss(h, labels)
         return (total, count, aux) if router_aux else (total, count)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardtune.distributed.context_parallel import local_part
 from shardtune.distributed.mesh import all_gather_objects
 from shardtune.log import print0
 
@@ -58,8 +59,9 @@ def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int
     kw = {"batch_size": batch_size, "rank": dims.dp_rank, "world_size": dims.dp_size, "epoch": 0, "seed": 0}
     with disabled_adapter(model) if disable else contextlib.nullcontext():
         for batch in split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False):
-            b = {k: batch[k].to(info.device) for k in ("input_ids", "position_ids", "labels")}
-            logps, _ = model(**b, per_sequence=True)
+            rows = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+            part, model.cp_shard = local_part(rows, info, model)  # the rows' sums on every cp rank
+            logps, _ = model(**{k: v.to(info.device) for k, v in part.items()}, per_sequence=True)
             chosen, rejected = logps.double().cpu().chunk(2)
             for j, pair in enumerate(batch["pair_index"].tolist()):
                 if pair >= 0:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
-from shardtune.distributed.context_parallel import shard_batch
+from shardtune.distributed.context_parallel import local_part
 from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0, warn0
 from shardtune.loss import Objective
@@ -149,15 +149,19 @@ def train_step(model: nn.Module, batches: list[dict], info: DistInfo, objective:
 
 
 def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective, *, backward: bool):
-    batches = [local_part(model, b, info) for b in batches]
-    local = [objective.counts(b) for b in batches]
+    parts_of = [local_part(b, info, model) for b in batches]
+    # Counted over what each rank computes: its positions' targets (SFT), and with context parallelism the whole
+    # rows of a paired objective, whose per-row log-probs every cp rank holds summed (each rank's loss is then
+    # its 1/cp share: counts and sums over all ranks stay those of one process).
+    local = [objective.counts(b if objective.paired else part) for b, (part, _) in zip(batches, parts_of, strict=True)]
     keys = sorted(local[0])
-    local_tokens = sum(int(b["input_ids"].numel()) for b in batches)
+    local_tokens = sum(int(part["input_ids"].numel()) for part, _ in parts_of)
     reduced = all_reduce_sum([sum(c[k] for c in local) for k in keys] + [local_tokens], info.device)
     totals = {k: int(v) for k, v in zip(keys, reduced, strict=False)}
     sums: dict[str, torch.Tensor] = {}
-    for b in batches:
-        b = {k: v.to(info.device, non_blocking=True) for k, v in b.items()}
+    for part, shard in parts_of:
+        b = {k: v.to(info.device, non_blocking=True) for k, v in part.items()}
+        model.cp_shard = shard  # this micro-batch's, for its forward and the recomputation in its backward
         loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)
         if backward:
             loss.backward()
@@ -180,23 +184,6 @@ def evaluate_objective(model: nn.Module, split, objective: Objective, *, batch_s
     metrics, _, _ = _run_objective(model, batches, info, objective, backward=False)
     model.train()
     return {f"eval_{k}": v for k, v in metrics.items()}
-
-
-# The token id of the positions context parallelism pads rows with: a document of its own without targets, so the
-# id never reaches a loss (any id of the vocabulary would do).
-PAD_FOR_CP = 0
-
-
-def local_part(model: nn.Module, batch: dict, info: DistInfo) -> dict:
-    """This rank's part of a micro-batch: all of it, or with context parallelism its share of every row's
-    positions (shardtune.context_parallel), whose attention context the training module keeps for the forward
-    (and for its recomputation in backward, which runs before the next micro-batch is split)."""
-    if info.dims.cp == 1:
-        return batch
-    local, shard = shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP,
-                               varlen=model.cp_varlen)  # fmt: skip
-    model.cp_shard = shard
-    return local
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -230,7 +217,7 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
     )
     loss_sum, n_targets = 0.0, 0
     for batch in batches:
-        batch = local_part(model, batch, info)
+        batch, model.cp_shard = local_part(batch, info, model)
         loss, n = model(**{k: v.to(info.device) for k, v in batch.items()})
         loss_sum += float(loss)
         n_targets += int(n)

@@ -1,8 +1,8 @@
 """Context parallelism (shardtune.context_parallel) from the command line: cp=2 on 2 ranks and dp=2 × cp=2 on 4
 ranks train as 1 process with the same global batch, on packed rows whose documents cross the chunk edges: per-step
 losses, grad_norm and every trained tensor (tests/families.py's matrix bounds), for LoRA, QLoRA (with gradient
-checkpointing), full fine-tuning, DoRA with assistant-only targets, and a mixture of experts (Qwen3-MoE) with 4-bit
-experts carrying expert LoRA. A planted cross-document leak and a planted dropped edge target fail it."""
+checkpointing), full fine-tuning, DoRA with assistant-only targets, a mixture of experts (Qwen3-MoE) with 4-bit
+experts carrying expert LoRA, and LoRA over 2 micro-batches per step. A planted cross-document leak and a planted dropped edge target fail it."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from tests.mutation import Edit, plant
 CP = ["--context_parallel_size", "2"]
 GC = ["--gradient_checkpointing", "True"]
 SAVE = ["--save_strategy", "steps", "--save_steps", "2"]
+ACCUM = ["--gradient_accumulation_steps", "2"]
 
 
 def _free_port() -> int:
@@ -60,6 +61,8 @@ def runs(tmp_path_factory) -> dict:
     # Checkpointed twins of the LoRA runs, to resume at step 2 with the other cp size.
     one.append({"name": "saved", "argv": _argv(root, assets, root / "one" / "saved", "lora", 4, SAVE)})
     two.append({"name": "saved", "argv": _argv(root, assets, root / "cp2" / "saved", "lora", 4, (*SAVE, *CP))})
+    # Two micro-batches per step: each micro-batch's forward and its backward's recomputation read its own split.
+    two.append({"name": "accum", "argv": _argv(root, assets, root / "cp2" / "accum", "lora", 2, (*CP, *ACCUM, *GC))})
     four = [{"name": "lora", "argv": _argv(root, assets, root / "dp2cp2" / "lora", "lora", 2, CP)}]
     codes = {**run_jobs(one, root, nproc=1), **{f"cp2/{k}": v for k, v in run_jobs(two, root, nproc=2).items()}}
     codes["dp2cp2/lora"] = run_jobs(four, root, nproc=4)["lora"]
@@ -75,13 +78,15 @@ def _moved(tensors: dict, base: dict | None = None) -> float:
 
 @pytest.mark.parametrize(
     ("run", "method"),
-    [("cp2", "lora"), ("cp2", "qlora"), ("cp2", "full"), ("cp2", "dora"), ("cp2", "moe"), ("dp2cp2", "lora")],
-)
+    [("cp2", "lora"), ("cp2", "qlora"), ("cp2", "full"), ("cp2", "dora"), ("cp2", "moe"), ("cp2", "accum"),
+     ("dp2cp2", "lora")],
+)  # fmt: skip
 def test_context_parallel_ranks_train_as_one_process(runs, run, method):
     root, codes = runs["root"], runs["codes"]
-    assert codes[method] == 0 and codes[f"{run}/{method}"] == 0, codes
+    baseline = "lora" if method == "accum" else method  # accum: the LoRA run's global batch in 2 micro-batches
+    assert codes[baseline] == 0 and codes[f"{run}/{method}"] == 0, codes
     tol = matrix_tolerance("qwen3-moe" if method == "moe" else "llama")
-    trained = assert_runs_match(root / "one" / method, root / run / method, tol, min_updates=STEPS)
+    trained = assert_runs_match(root / "one" / baseline, root / run / method, tol, min_updates=STEPS)
     if method == "full":
         from tests.families import saved_tensors
 
@@ -91,7 +96,7 @@ def test_context_parallel_ranks_train_as_one_process(runs, run, method):
     log = (root / "log-2.txt").read_text() if run == "cp2" else (root / "log-4.txt").read_text()
     assert "Context parallelism: each row split over 2 ranks (4 chunks, zigzag)" in log
     summary = json.loads((root / run / method / "train_summary.json").read_text())
-    one = json.loads((root / "one" / method / "train_summary.json").read_text())
+    one = json.loads((root / "one" / baseline / "train_summary.json").read_text())
     assert summary["final_eval_loss"] == pytest.approx(one["final_eval_loss"], rel=1e-5)  # evaluation under CP too
 
 

@@ -152,3 +152,32 @@ def test_full_fine_tuning_precomputes_the_reference_once(runs, tiny_assets, tmp_
     trained = assert_runs_match(sharded, single, close, min_updates=2)  # loss, grad_norm, the model's tensors
     base = saved_tensors(tiny_assets["model"])
     assert max(float((trained[k] - v).abs().max()) for k, v in base.items()) > LR > 3 * close.atol  # it moved
+
+
+CP = {"context_parallel_size": 2}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_context_parallel_preference_runs_give_the_numbers_of_one_process(runs, tiny_assets, tmp_path, objective):
+    """cp=2 on 2 ranks (one data-parallel rank holding the 4 pairs of each micro-batch, 2 micro-batches per step)
+    against 1 process: every row's log-prob is the sum of the two ranks' position terms (an all-reduce whose
+    backward is one too), the pairs are counted once per data-parallel batch, and DPO's reference (the base with
+    the adapter disabled) and ORPO's NLL over the chosen targets follow. Losses, grad_norm, TRL's metrics, the
+    adapter and the final eval as in the 2-rank test above."""
+    steps = 4 if objective == "dpo" else 2  # the DPO baseline is the fixture's 4-step run
+    single = runs["single"] if objective == "dpo" else tmp_path / "single"
+    if objective != "dpo":
+        run_cli(_args(tiny_assets, runs["data"], single, per_device=4, steps=steps, objective=objective), nproc=1)
+    cp = tmp_path / "cp2"
+    out = run_cli(_args(tiny_assets, runs["data"], cp, per_device=4, steps=steps, objective=objective, **CP),
+                  nproc=2, env=FSDP_ENV)  # fmt: skip
+    assert "Context parallelism: each row split over 2 ranks" in out.stdout + out.stderr
+    one, two = _by_step(single), _by_step(cp)
+    for step in range(1, steps + 1):
+        for key in METRICS:
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (step, key)
+    assert_runs_match(single, cp, _tolerance(steps=steps), min_updates=steps)
+    if objective == "dpo":
+        ev1, ev2 = _by_step(single, "eval")[4], _by_step(cp, "eval")[4]
+        for key in ("eval_loss", "eval_rewards/chosen", "eval_logps/rejected"):
+            assert ev2[key] == pytest.approx(ev1[key], rel=1e-4), key

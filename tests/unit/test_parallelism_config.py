@@ -152,8 +152,8 @@ def test_cp_size_is_the_context_parallel_size_and_agrees_with_the_flag(tmp_path)
     ("flags", "env", "want"),
     [(["--context_parallel_size", "3"], {"WORLD_SIZE": "4"},
       "--context_parallel_size 3: it must be a whole number ≥ 1 that divides the 4 processes."),
-     (["--context_parallel_size", "2", "--objective", "dpo"], {"WORLD_SIZE": "2"},
-      "--context_parallel_size 2 with --objective dpo: preference objectives do not run with context parallelism yet"),
+     (["--context_parallel_size", "2", "--objective", "kto"], {"WORLD_SIZE": "2"},
+      "--context_parallel_size 2 with --objective kto: KTO's KL rows run as a forward of their own"),
      (["--context_parallel_size", "2", "--torch_compile", "True"], {"WORLD_SIZE": "2"},
       "--context_parallel_size 2 with --torch_compile True: compiled blocks take transformers' own attention"),
      (["--context_parallel_size", "2"], {"WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "NO_SHARD"},
@@ -192,9 +192,7 @@ def test_negative_control_variables_read_by_nobody_pass_silently(tmp_path, monke
     assert cfg.train.context_parallel_size == 1
 
 
-@pytest.mark.parametrize(
-    ("option", "value"), [("cp_comm_strategy", "alltoall"), ("cp_backend", "deepspeed")]
-)
+@pytest.mark.parametrize(("option", "value"), [("cp_comm_strategy", "alltoall"), ("cp_backend", "deepspeed")])
 def test_a_context_parallel_algorithm_shardtune_does_not_run_is_refused(tmp_path, capsys, option, value):
     """accelerate's cp_comm_strategy (allgather or alltoall) and cp_backend: with cp_size 2, anything but
     all-gather in shardtune's own attention is refused by name under each launcher, not run as all-gather; the

@@ -1,5 +1,6 @@
 """The collectives of context parallelism (shardtune.context_parallel holds the split and the attention): the cp
-process groups, and the all-gather of a row's keys and values with its exact backward."""
+process groups, the all-gather of a row's keys and values and the sum of per-row values over the cp ranks, each
+with its exact backward, and a rank's part of a micro-batch."""
 
 from __future__ import annotations
 
@@ -51,6 +52,41 @@ class _GatherPositions(torch.autograd.Function):
         return grad.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of a tensor over the cp group (all-reduce). Backward: every rank's loss may read the sum, so the
+    gradient of its own term is the sum of the ranks' gradients of the sum (all-reduce again): the adjoint of an
+    all-reduce, so the ranks' losses add up to the objective of one process."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+# The token id of the positions context parallelism pads rows with: a document of its own without targets, so the
+# id never reaches a loss (any id of the vocabulary would do).
+PAD_FOR_CP = 0
+
+
+def local_part(batch: dict, info, model) -> tuple[dict, CPShard | None]:
+    """This rank's part of a micro-batch and its CPShard: all of it and None, or with context parallelism its
+    share of every row's positions (shardtune.context_parallel), its attention as the training module `model`
+    runs it (`cp_varlen`). The module reads the shard for the micro-batch's forward and its recomputation in
+    backward: the caller sets `model.cp_shard` before each micro-batch's forward (shardtune.trainer)."""
+    if info.dims.cp == 1:
+        return batch, None
+    return shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP,
+                       varlen=model.cp_varlen)  # fmt: skip
+
+
 def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen: bool = False) -> tuple[dict, CPShard]:
     """This rank's part of a micro-batch and the CPShard its attention reads; `varlen`: as one flash-attention
     varlen call (CUDA) rather than SDPA per part."""
@@ -59,10 +95,13 @@ def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen
     def gather(x: torch.Tensor) -> torch.Tensor:
         return _GatherPositions.apply(x, group, size, rank).index_select(2, order.to(x.device))
 
-    return local, local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen)
+    def sum_rows(x: torch.Tensor) -> torch.Tensor:
+        return _SumOverRanks.apply(x, group)
+
+    return local, local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen, sum_rows=sum_rows)
 
 
-def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: bool = False) -> CPShard:
+def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: bool = False, sum_rows=None) -> CPShard:
     """The CPShard of a rank's parts (context_parallel.split's `rows`) and its local position ids: each local
     part's per-document spans (read from its own position ids), and with `varlen` the whole attention's varlen
     layout, both built on the host once per micro-batch and moved to the positions' device."""
@@ -77,4 +116,4 @@ def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: boo
         layout = context_parallel.varlen(rows, host, host.shape[1] * size)  # every rank holds L / size of a row
         layout = dataclasses.replace(layout, **{f: getattr(layout, f).to(positions.device)
                                                 for f in ("cu_q", "cu_k", "key_index")})  # fmt: skip
-    return CPShard(rows, gather, layout)
+    return CPShard(rows, gather, layout, sum_rows)

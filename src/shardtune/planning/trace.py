@@ -332,14 +332,14 @@ def _batch(batch_size: int, seq_len: int, info) -> dict[str, torch.Tensor]:
 
 
 def _context_parallel_part(model, batch: dict, info) -> dict:
-    """Rank 0's part of the micro-batch (shardtune.trainer.local_part, which also gives the model its CPShard):
+    """Rank 0's part of the micro-batch (shardtune.distributed.context_parallel.local_part), and the model's CPShard:
     with rows of one document each, chunk 0 attends among its own positions and chunk 2·cp - 1 the whole row's
     gathered keys, the largest crossing part a row can have. The split runs on the host batch's real values; the
     part then enters the trace as fake tensors on the device."""
-    from shardtune.trainer import local_part
+    from shardtune.distributed.context_parallel import local_part
 
     with _real_tensors():
-        local = local_part(model, batch, info)
+        local, model.cp_shard = local_part(batch, info, model)
     return {k: v.to(info.device) for k, v in local.items()}
 
 
