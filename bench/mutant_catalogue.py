@@ -619,6 +619,43 @@ MUTANTS: tuple[Mutant, ...] = (
         [CP_TESTS.format("the_split_covers_every_position_once_and_attends_as_one_row")],
     ),
     _m(
+        "cp_stale_shard",
+        "masking",
+        "With context parallelism and several micro-batches per step, every micro-batch's attention reads the last "
+        "micro-batch's split (its documents and key ranges)",
+        Edit(
+            "trainer.py",
+            "        model.cp_shard = shard  # this micro-batch's, for its forward and the recomputation in its backward",
+            "        model.cp_shard = parts_of[-1][1]",
+        ),
+        [CP_TESTS.format("context_parallel_ranks_train_as_one_process[cp2-accum]")],
+    ),
+    _m(
+        "cp_row_sum_backward_identity",
+        "gradient scale",
+        "With context parallelism, the per-row log-probs' sum over the cp ranks passes its gradient back unsummed "
+        "(each rank's share of the loss then gives 1/cp of its gradient)",
+        Edit(
+            "distributed/context_parallel.py",
+            "        grad = grad.contiguous().clone()\n        dist.all_reduce(grad, group=ctx.group)\n        return grad, None",
+            "        return grad, None",
+        ),
+        ["tests/distributed/test_preference_cli.py::"
+         "test_context_parallel_preference_runs_give_the_numbers_of_one_process[orpo]"],
+    ),
+    _m(
+        "cp_varlen_key_offset",
+        "masking",
+        "With context parallelism on flash-attention varlen, a crossing part's keys start one position late (the "
+        "document's first key never attended)",
+        Edit(
+            "context_parallel.py",
+            "keys.append(torch.arange(start + p.key_start, start + p.key_end))",
+            "keys.append(torch.arange(start + p.key_start + 1, start + p.key_end))",
+        ),
+        ["tests/unit/test_cp_varlen.py::test_every_rank_equals_the_whole_rows_and_the_sdpa_path[2]"],
+    ),
+    _m(
         "expert_4bit_scales_shared",
         "quantization",
         "Every 4-bit expert is dequantized with expert 0's block scales (the stacked quantization state indexed "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,17 @@ class CPShard:
     varlen: Varlen | None = None  # the same attention as one flash-attention varlen call (CUDA), or per part (SDPA)
     # A per-row value (a sequence's log-prob, its target count) summed over the batch's cp ranks, differentiably.
     sum_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    positions: torch.Tensor | None = None  # the local position ids [B, L_local], host copy (select_rows' varlen)
+    size: int = 1
+
+    def select_rows(self, rows: slice) -> CPShard:
+        """The shard of some of the micro-batch's rows, for a forward on those rows alone (KTO's KL rows)."""
+        layout = self.varlen
+        if layout is not None:
+            layout = varlen(self.rows[rows], self.positions[rows], self.positions.shape[1] * self.size)
+            device = self.varlen.cu_q.device
+            layout = replace(layout, **{f: getattr(layout, f).to(device) for f in ("cu_q", "cu_k", "key_index")})
+        return replace(self, rows=self.rows[rows], varlen=layout, positions=self.positions[rows])
 
 
 @dataclass(frozen=True)

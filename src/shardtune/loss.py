@@ -103,6 +103,13 @@ def _policy(model: nn.Module, rows: dict, keep_rows: torch.Tensor):
     return model(**rows, per_sequence=True, router_aux=True, aux_mask=mask)
 
 
+def _on_rows(model: nn.Module, shard, rows: slice) -> None:
+    """With context parallelism (`shard`: the micro-batch's split, or None), point the model's split at some of
+    the micro-batch's rows, for a forward on those rows alone."""
+    if shard is not None:
+        model.cp_shard = shard.select_rows(rows)
+
+
 @dataclass
 class PairScores:
     """Per pair (shape [B]): the loss, the rewards and the log-probs that the metrics report."""
@@ -238,8 +245,11 @@ class KTOObjective(PreferenceObjective):
         ref = self._reference(model, batch)  # [2B]: completions, then KL rows
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
         n = len(batch["pair_index"])
+        whole = getattr(model, "cp_shard", None)
         with torch.no_grad():  # the KL term is detached (TRL): its rows need no graph
+            _on_rows(model, whole, slice(n, None))
             kl_logps, _ = model(**{k: v[n:] for k, v in inputs.items()}, per_sequence=True)
+        _on_rows(model, whole, slice(0, n))  # kept through the backward's recomputation
         logps, _, aux = _policy(model, {k: v[:n] for k, v in inputs.items()}, batch["pair_index"] >= 0)
         valid = (batch["pair_index"] >= 0).to(logps.dtype)
         ref = ref.to(logps.dtype)

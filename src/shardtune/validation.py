@@ -56,9 +56,6 @@ def _context_parallel_problems(cfg: RunConfig) -> list[str]:
         return []
     flag = f"--context_parallel_size {cp}"
     p = []
-    if t.objective == "kto":
-        p.append(f"{flag} with --objective kto: KTO's KL rows run as a forward of their own, which context "
-                 "parallelism does not split yet; use --context_parallel_size 1, or DPO.")  # fmt: skip
     if t.torch_compile:
         p.append(f"{flag} with --torch_compile True: compiled blocks take transformers' own attention, not the "
                  "context-parallel one; remove --torch_compile.")  # fmt: skip

@@ -110,3 +110,22 @@ def test_two_ranks_with_a_precomputed_reference_give_the_numbers_of_one_process(
     assert single[1]["loss"] == pytest.approx(expected, abs=1e-7) and sharded[1]["loss"] == pytest.approx(
         expected, abs=1e-7
     )
+
+
+def test_context_parallel_gives_the_numbers_of_one_process(runs, tiny_assets, tmp_path):
+    """cp=2 on 2 ranks (one data-parallel rank: the micro-batches of 4 examples of the 1-process run): the
+    completions' and the KL rows' log-probs each summed over the cp ranks, their forwards split on their own rows;
+    the reference is the 4-bit base with the adapter disabled, as in the 1-process run. Losses, KL estimates,
+    rewards, grad_norm, the adapter and the eval as in the 2-rank test above."""
+    cp = tmp_path / "cp2"
+    out = run_cli(_args(tiny_assets, runs["data"], cp, per_device=4, context_parallel_size=2), nproc=2, env=FSDP_ENV)
+    assert "Context parallelism: each row split over 2 ranks" in out.stdout + out.stderr
+    single, split = _by_step(runs["single"]), _by_step(cp)
+    one_step = decoder_chain(**TINY, seq=64, vocab=TINY_VOCAB, tokens=64, backward=True)
+    assert_runs_match(runs["single"], cp, run_tolerance(chain=3 * one_step, n=8, steps=3, lr=LR), min_updates=3)
+    for step in single:
+        for key in METRICS:
+            assert split[step][key] == pytest.approx(single[step][key], rel=1e-4, abs=1e-6), (step, key)
+    ev1, ev2 = _by_step(runs["single"], "eval")[3], _by_step(cp, "eval")[3]
+    for key in ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_logps/rejected"):
+        assert ev2[key] == pytest.approx(ev1[key], rel=1e-4, abs=1e-6), key

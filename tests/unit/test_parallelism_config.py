@@ -152,8 +152,6 @@ def test_cp_size_is_the_context_parallel_size_and_agrees_with_the_flag(tmp_path)
     ("flags", "env", "want"),
     [(["--context_parallel_size", "3"], {"WORLD_SIZE": "4"},
       "--context_parallel_size 3: it must be a whole number ≥ 1 that divides the 4 processes."),
-     (["--context_parallel_size", "2", "--objective", "kto"], {"WORLD_SIZE": "2"},
-      "--context_parallel_size 2 with --objective kto: KTO's KL rows run as a forward of their own"),
      (["--context_parallel_size", "2", "--torch_compile", "True"], {"WORLD_SIZE": "2"},
       "--context_parallel_size 2 with --torch_compile True: compiled blocks take transformers' own attention"),
      (["--context_parallel_size", "2"], {"WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "NO_SHARD"},

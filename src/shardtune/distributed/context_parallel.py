@@ -111,9 +111,9 @@ def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: boo
         for b, parts in enumerate(rows)
     )  # fmt: skip
     layout = None
+    host = positions.detach().cpu()
     if varlen:
-        host = positions.detach().cpu()
         layout = context_parallel.varlen(rows, host, host.shape[1] * size)  # every rank holds L / size of a row
         layout = dataclasses.replace(layout, **{f: getattr(layout, f).to(positions.device)
                                                 for f in ("cu_q", "cu_k", "key_index")})  # fmt: skip
-    return CPShard(rows, gather, layout, sum_rows)
+    return CPShard(rows, gather, layout, sum_rows, host, size)
