@@ -43,6 +43,7 @@ ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_th
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
 QUANT_EXPERTS = "tests/unit/test_quant_experts.py::test_{}"
 CP_TESTS = "tests/distributed/test_context_parallel.py::test_{}"
+CP_PREFERENCE = "tests/distributed/test_preference_cli.py::test_context_parallel_preference_runs_give_the_numbers_of_one_process[{}]"
 EXPERTS_E2E = "tests/e2e/test_families.py::test_expert_lora_{}[qwen3-moe]"
 RESUME_EXACT = (
     "tests/distributed/test_checkpoint.py::test_sigkill_mid_save_keeps_previous_checkpoint_and_resume_is_exact"
@@ -640,8 +641,7 @@ MUTANTS: tuple[Mutant, ...] = (
             "        grad = grad.contiguous().clone()\n        dist.all_reduce(grad, group=ctx.group)\n        return grad, None",
             "        return grad, None",
         ),
-        ["tests/distributed/test_preference_cli.py::"
-         "test_context_parallel_preference_runs_give_the_numbers_of_one_process[orpo]"],
+        [CP_PREFERENCE.format("orpo")],
     ),
     _m(
         "cp_varlen_key_offset",
