@@ -43,6 +43,7 @@ ROUTER_AUX_RANKS = "tests/distributed/test_router_aux.py::test_two_ranks_with_th
 CKPT_UNIT = "tests/unit/test_checkpoint_unit.py"
 QUANT_EXPERTS = "tests/unit/test_quant_experts.py::test_{}"
 CP_TESTS = "tests/distributed/test_context_parallel.py::test_{}"
+ROUTER_AUX_CP = "tests/distributed/test_router_aux.py::test_context_parallel_with_the_router_loss_equals_one_process"
 CP_PREFERENCE = "tests/distributed/test_preference_cli.py::test_context_parallel_preference_runs_give_the_numbers_of_one_process[{}]"
 EXPERTS_E2E = "tests/e2e/test_families.py::test_expert_lora_{}[qwen3-moe]"
 RESUME_EXACT = (
@@ -654,6 +655,18 @@ MUTANTS: tuple[Mutant, ...] = (
             "keys.append(torch.arange(start + p.key_start + 1, start + p.key_end))",
         ),
         ["tests/unit/test_cp_varlen.py::test_every_rank_equals_the_whole_rows_and_the_sdpa_path[2]"],
+    ),
+    _m(
+        "cp_router_aux_per_rank",
+        "normalisation",
+        "With context parallelism, each rank's router load-balancing loss counts only its own part of the rows' "
+        "tokens (the expert fractions of a part, not of the micro-batch)",
+        Edit(
+            "modeling.py",
+            "        if self.cp_shard is not None and isinstance(logits, tuple) and logits:  # the whole rows' tokens",
+            "        if False:",
+        ),
+        [ROUTER_AUX_CP],
     ),
     _m(
         "expert_4bit_scales_shared",

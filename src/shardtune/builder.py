@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardtune import families, fastpath, modeling, quant, targets
+from shardtune import families, fastpath, modeling, quant
 from shardtune.config import RunConfig
 from shardtune.errors import ConfigError
 from shardtune.log import print0
@@ -208,8 +208,8 @@ def context_parallel_problems(
     config, layout: families.Layout, verdict: families.Verdict, attn: str, spec: ModelSpec
 ) -> list[str]:
     """What the model needs for context parallelism: shardtune's own per-document attention on the fast path (the
-    gathered keys and values are attended there), no sliding window or soft-capped scores (not in that
-    attention yet), and no router load-balancing term (its expert fractions would be per sequence part)."""
+    gathered keys and values are attended there), and no sliding window or soft-capped scores (not in that
+    attention yet)."""
     flag = f"--context_parallel_size {spec.context_parallel}"
     text = config.get_text_config()
     p = []
@@ -220,11 +220,6 @@ def context_parallel_problems(
     if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
         p.append(f"{flag}: {config.model_type} has sliding-window or soft-capped attention, which the "
                  "context-parallel attention does not implement yet; use --context_parallel_size 1.")  # fmt: skip
-    coef = spec.router_aux_loss_coef
-    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if targets.num_experts(config) and coef:
-        p.append(f"{flag}: the router load-balancing loss of {config.model_type} would be computed per part of "
-                 "each sequence; add --router_aux_loss_coef 0.")  # fmt: skip
     return p
 
 

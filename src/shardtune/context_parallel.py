@@ -58,6 +58,16 @@ class CPShard:
     sum_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
     positions: torch.Tensor | None = None  # the local position ids [B, L_local], host copy (select_rows' varlen)
     size: int = 1
+    # The row positions the rank holds [L_local] (zigzag), and the rows' length before padding to 2·size chunks.
+    row_index: torch.Tensor | None = None
+    length: int = 0
+    # A mixture of experts' router logits (one [tokens, experts] tensor per layer) and their token mask
+    # ([B, L_local]) gathered over the cp ranks, differentiably: the load-balancing loss of the whole rows.
+    gather_tokens: Callable | None = None
+
+    def real(self) -> torch.Tensor:
+        """[B, L_local] 1 on the rows' positions, 0 on the ones padded for the split."""
+        return (self.row_index < self.length).long()[None].expand(len(self.rows), -1)
 
     def select_rows(self, rows: slice) -> CPShard:
         """The shard of some of the micro-batch's rows, for a forward on those rows alone (KTO's KL rows)."""

@@ -99,7 +99,8 @@ def _policy(model: nn.Module, rows: dict, keep_rows: torch.Tensor):
     """(log-prob, targets, aux or None) per row of one-sequence rows; the router loss over their real tokens."""
     if _aux_coef(model) <= 0:
         return (*model(**rows, per_sequence=True), None)
-    mask = sequence_mask(rows["position_ids"], keep_rows)
+    shard = getattr(model, "cp_shard", None)  # with context parallelism: the row positions the rank holds
+    mask = sequence_mask(rows["position_ids"], keep_rows, None if shard is None else shard.row_index)
     return model(**rows, per_sequence=True, router_aux=True, aux_mask=mask)
 
 

@@ -472,7 +472,13 @@ class CausalLMForTraining(nn.Module):
         else:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
             h = out.logits
-        return h, self.router_aux(getattr(out, "router_logits", None), aux_mask) if with_aux else None
+        if not with_aux:
+            return h, None
+        logits = getattr(out, "router_logits", None)
+        if self.cp_shard is not None and isinstance(logits, tuple) and logits:  # the whole rows' tokens
+            mask = self.cp_shard.real() if aux_mask is None else aux_mask
+            logits, aux_mask = self.cp_shard.gather_tokens(logits, mask)
+        return h, self.router_aux(logits, aux_mask)
 
     def forward(
         self,

@@ -74,9 +74,12 @@ def log_line(aux: RouterAux | None) -> str | None:
     )
 
 
-def sequence_mask(position_ids: torch.Tensor, keep_rows: torch.Tensor) -> torch.Tensor:
+def sequence_mask(position_ids: torch.Tensor, keep_rows: torch.Tensor, index: torch.Tensor | None = None):
     """[rows, seq] 1 on the real tokens of rows that each hold one sequence (a preference or KTO row: positions
-    0..n-1, then padding whose positions restart at 0), 0 on the padding and on rows not kept (filler rows)."""
-    restart = (position_ids[:, 1:] == 0).cumsum(1) > 0
-    real = torch.cat([torch.ones_like(restart[:, :1]), ~restart], dim=1)
+    0..n-1, then padding whose positions restart at 0), 0 on the padding and on rows not kept (filler rows). A real
+    token's position is its index in the row (padding's is less): `index`, the row positions held (context
+    parallelism's part of each row), or all of them."""
+    if index is None:
+        index = torch.arange(position_ids.shape[1], device=position_ids.device)
+    real = position_ids == index.to(position_ids.device)
     return (real & keep_rows[:, None]).long()

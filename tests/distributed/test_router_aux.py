@@ -20,11 +20,11 @@ def mixtral(tmp_path_factory):
     return build_assets(tmp_path_factory.mktemp("moe"), ["mixtral"])
 
 
-def _run(assets, out, nproc: int, accumulation: int):
+def _run(assets, out, nproc: int, accumulation: int, extra=()):
     argv = train_argv(assets["root"] / "mixtral", assets["data"], out, "lora", batch=2)
     at = argv.index("--router_aux_loss_coef")
     del argv[at : at + 2]  # the config's coefficient, as a user's run has it
-    argv += ["--gradient_checkpointing", "True", "--gradient_accumulation_steps", str(accumulation)]
+    argv += ["--gradient_checkpointing", "True", "--gradient_accumulation_steps", str(accumulation), *extra]
     proc = run_cli(argv, nproc=nproc, env={"ACCELERATE_USE_FSDP": "true"})
     assert "the loss adds 0.001 (the config's) x the router load-balancing loss" in proc.stdout + proc.stderr
     return out
@@ -38,6 +38,21 @@ def test_two_ranks_with_the_router_loss_equal_one_process_on_the_same_micro_batc
     assert_same_tensors(one, two, tol)
     want, have = train_steps(one), train_steps(two)
     for s in want:  # the term is there (Mixtral's formula gives top_k = 2 for even routing) and equal on both sides
+        assert want[s]["aux_loss"] > 0
+        assert abs(have[s]["aux_loss"] - want[s]["aux_loss"]) <= tol.loss * want[s]["aux_loss"], s
+
+
+def test_context_parallel_with_the_router_loss_equals_one_process(mixtral, tmp_path):
+    """cp=2 on 2 ranks (one data-parallel rank: the 1-process run's micro-batches): every rank's router logits
+    are gathered over the cp ranks, so the aux loss is the whole micro-batch's, as in one process (the positions
+    context parallelism pads a row with left out); losses, aux_loss, grad_norm and the adapter agree."""
+    one = _run(mixtral, tmp_path / "one", 1, 1)
+    cp = _run(mixtral, tmp_path / "cp", 2, 1, ("--context_parallel_size", "2"))
+    tol = matrix_tolerance("mixtral")
+    assert_same_training(one, cp, tol)
+    assert_same_tensors(one, cp, tol)
+    want, have = train_steps(one), train_steps(cp)
+    for s in want:
         assert want[s]["aux_loss"] > 0
         assert abs(have[s]["aux_loss"] - want[s]["aux_loss"]) <= tol.loss * want[s]["aux_loss"], s
 

@@ -5,6 +5,7 @@ with its exact backward, and a rank's part of a micro-batch."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import replace
 
 import torch
@@ -98,7 +99,21 @@ def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen
     def sum_rows(x: torch.Tensor) -> torch.Tensor:
         return _SumOverRanks.apply(x, group)
 
-    return local, local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen, sum_rows=sum_rows)
+    shard = local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen, sum_rows=sum_rows)
+    index = context_parallel.zigzag(context_parallel.padded_length(batch["input_ids"].shape[1], size), size, rank)
+    tokens = functools.partial(_gather_tokens, group=group, size=size, rank=rank)
+    return local, replace(shard, row_index=index.to(local["position_ids"].device),
+                          length=batch["input_ids"].shape[1], gather_tokens=tokens)  # fmt: skip
+
+
+def _gather_tokens(router_logits: tuple, mask: torch.Tensor, *, group, size: int, rank: int):
+    """(every layer's router logits, their mask) of the cp group's tokens, rank after rank: one all-gather of
+    the layers stacked (its backward sums each rank's gradient of every copy, _GatherPositions), one of the mask."""
+    stacked = torch.stack([t.reshape(-1, t.shape[-1]) for t in router_logits])[None]  # [1, layers, tokens, E]
+    gathered = _GatherPositions.apply(stacked, group, size, rank)[0]
+    masks = [torch.empty_like(mask) for _ in range(size)]
+    dist.all_gather(masks, mask.contiguous(), group=group)
+    return tuple(gathered.unbind(0)), torch.cat(masks)
 
 
 def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: bool = False, sum_rows=None) -> CPShard:
