@@ -367,7 +367,7 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     if problems:
         raise ConfigError([f"the accelerate config's {p}" for p in problems])
     explicit = explicit_flags(argv)
-    problems = _context_parallel(train, fsdp, world, explicit)
+    problems = _context_parallel(train, fsdp, world, local, explicit)
     if problems:
         raise ConfigError(problems)
     cfg = RunConfig(model, data, train, fsdp, explicit=explicit)
@@ -375,9 +375,10 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     return cfg
 
 
-def _context_parallel(train, fsdp: FSDPSettings, world: int, explicit) -> list[str]:
+def _context_parallel(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:
     """--context_parallel_size, or the accelerate config's parallelism_config_cp_size (the same number when both
-    are given), into train.context_parallel_size; it must divide the processes."""
+    are given), into train.context_parallel_size; it must divide the processes, and a machine's processes where
+    a HYBRID strategy shards within each machine (a batch's cp ranks share one shard group)."""
     from_config = context_parallel_size(fsdp)
     if from_config > 1:
         if "context_parallel_size" in explicit and train.context_parallel_size != from_config:
@@ -389,5 +390,9 @@ def _context_parallel(train, fsdp: FSDPSettings, world: int, explicit) -> list[s
     cp = train.context_parallel_size
     if cp < 1 or world % cp:
         why = f"--context_parallel_size {cp}: it must be a whole number ≥ 1 that divides the {world} processes."
+        return [why]
+    if fsdp.sharding_strategy.startswith("HYBRID") and world > local and local % cp:
+        why = (f"--context_parallel_size {cp} with fsdp_sharding_strategy {fsdp.sharding_strategy}: it must divide "
+               f"the {local} processes of a machine, where the strategy shards; use a divisor of {local}.")  # fmt: skip
         return [why]
     return []

@@ -210,7 +210,8 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
         )
     if p:
         return strategy, p
-    world_size //= cp  # the data-parallel ranks, each group of cp ranks sharing a batch
+    # the data-parallel ranks, each group of cp ranks sharing a batch (on one machine: config.py checks cp divides it)
+    world_size, local_world_size = world_size // cp, max(local_world_size // cp, 1)
     # The sizes decide the mesh (as accelerate's FSDP2 builds it from them); the strategy keeps its resharding.
     if r * s == 1:
         return strategy, []

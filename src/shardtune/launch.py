@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.accelerate_config import accelerate_env, read_accelerate_yaml
@@ -86,6 +86,9 @@ class LaunchPlan:
     cmd: list[str]
     env: dict[str, str]
     dry_run: bool = False
+    # The variables torchrun gives each process, which the preflight checks the flags against (world size, a
+    # machine's processes): --context_parallel_size must divide them.
+    process_env: dict[str, str] = field(default_factory=dict)
 
 
 def _topology(cfg: dict[str, Any], ns: argparse.Namespace, path: str) -> dict[str, Any]:
@@ -189,7 +192,8 @@ def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune",
         raise ConfigError([f"{ns.config_file}: {p}" for p in problems])
     env["OMP_NUM_THREADS"] = _omp_threads(use_cpu, t["nproc_per_node"])
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(t), *entry, *train_args]
-    return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run)
+    world = {"WORLD_SIZE": str(t["num_processes"]), "LOCAL_WORLD_SIZE": str(t["nproc_per_node"])}
+    return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run, process_env=world)
 
 
 def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shardtune", "train")) -> int:
@@ -211,7 +215,9 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         from shardtune.preflight import launch_problems
 
         try:
-            problems = launch_problems(_parser().parse_known_args(argv)[1], {**os.environ, **plan.env})
+            problems = launch_problems(
+                _parser().parse_known_args(argv)[1], {**os.environ, **plan.env, **plan.process_env}
+            )
         except ConfigError as e:
             problems = e.problems
         if problems:

@@ -98,13 +98,15 @@ class ParallelDims:
         cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str, cp: int = 1
     ) -> ParallelDims:
         """NO_SHARD replicates on every rank; HYBRID shards within a machine and replicates across machines
-        (on one machine it is FULL_SHARD); the others shard across all ranks. With cp > 1 (FULL_SHARD or
-        SHARD_GRAD_OP only), ranks r·cp .. r·cp + cp - 1 share data-parallel batch r."""
+        (on one machine it is FULL_SHARD); the others shard across all ranks. With cp > 1 (a sharded strategy,
+        and a machine's processes divisible by cp under HYBRID), ranks r·cp .. r·cp + cp - 1 share data-parallel
+        batch r: consecutive ranks, so a batch's cp ranks are on one machine and inside one shard group."""
         s = strategy(sharding_strategy)
-        if cp > 1 and (s.hybrid or not s.sharded or world_size % cp):
+        if cp > 1 and (not s.sharded or world_size % cp or (s.hybrid and local_world_size % cp)):
             raise ValueError(
-                f"context parallel size {cp} needs FULL_SHARD or SHARD_GRAD_OP and a world size it divides "
-                f"({sharding_strategy}, {world_size} processes)."
+                f"context parallel size {cp} needs a sharded strategy and a world size it divides, and under "
+                f"HYBRID_SHARD a machine's processes it divides ({sharding_strategy}, {world_size} processes, "
+                f"{local_world_size} per machine)."
             )
         replicate_axis = True
         if not s.sharded:
@@ -115,7 +117,7 @@ class ParallelDims:
                     f"{sharding_strategy} needs the same number of processes on every node ({world_size} processes, "
                     f"{local_world_size} on this node)."
                 )
-            replicate, shard = world_size // local_world_size, local_world_size
+            replicate, shard = world_size // local_world_size, local_world_size // cp
         else:
             replicate, shard, replicate_axis = 1, world_size // cp, False
         dp = rank // cp

@@ -60,9 +60,9 @@ def _context_parallel_problems(cfg: RunConfig) -> list[str]:
         p.append(f"{flag} with --torch_compile True: compiled blocks take transformers' own attention, not the "
                  "context-parallel one; remove --torch_compile.")  # fmt: skip
     strategy = cfg.fsdp.sharding_strategy
-    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        p.append(f"{flag} with fsdp_sharding_strategy {strategy}: context parallelism shards over every rank; use "
-                 "FULL_SHARD or SHARD_GRAD_OP.")  # fmt: skip
+    if strategy == "NO_SHARD":
+        p.append(f"{flag} with fsdp_sharding_strategy {strategy}: context parallelism shards over its ranks; use "
+                 "FULL_SHARD, SHARD_GRAD_OP or a HYBRID strategy.")  # fmt: skip
     return p
 
 

@@ -1,7 +1,8 @@
 """Two simulated nodes of two processes each on loopback (two `shardtune launch` processes, one per
 machine_rank) with HYBRID_SHARD, against one node of four processes with FULL_SHARD and the same global batch. The
 two nodes share no data: each reads its own copy of the files and prepares its own cache. The runs agree in
-per-step loss and grad_norm and in the trained adapter (tests/parity.py)."""
+per-step loss and grad_norm and in the trained adapter (tests/parity.py); so does HYBRID_SHARD with context
+parallelism (cp 2 within each machine)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def _yaml(tmp_path, strategy: str, machines: int, processes: int):
     return path
 
 
-def _train_flags(assets, out, steps=3):
+def _train_flags(assets, out, steps=3, **extra):
     """`train`'s flags without the command (`shardtune launch` takes them)."""
     lora = {"use_peft_lora": True, "lora_r": 4, "lora_dropout": 0.0, "lora_target_modules": "all-linear"}
-    run = {"max_seq_len": 96, "seed": 11, "per_device_train_batch_size": 1, "max_steps": steps}
+    run = {"max_seq_len": 96, "seed": 11, "per_device_train_batch_size": 1, "max_steps": steps, **extra}
     saving = {"learning_rate": 3e-3, "save_strategy": "steps", "save_steps": 2}
     return train_args(assets, out, **run, **saving, **lora)[1:]
 
@@ -86,6 +87,12 @@ def test_hybrid_two_nodes_equals_one_node_full_shard_and_resumes_on_one_node(tin
     # 3 steps of 4 ranks × 1 packed row of 96 tokens, lr 3e-3 with no warmup: the same sums split over other
     # ranks/nodes. Steps 2 and 3 ran on weights the earlier steps moved.
     assert_runs_match(full, hybrid, train_parity(steps=3, seq=96, tokens_per_step=4 * 96, lr=3e-3))
+    # HYBRID_SHARD with context parallelism: each machine's 2 processes split every row of its batch of 2 (2
+    # replicas × 1 shard × cp 2): the same global batch of 4 rows, the same run.
+    cp = tmp_path / "hybrid-cp"
+    flags = _train_flags(tiny_assets, cp, per_device_train_batch_size=2, context_parallel_size=2)
+    _launch_two_machines(_yaml(tmp_path, "HYBRID_SHARD", 2, 4), flags, _port(), node_flags)
+    assert_runs_match(full, cp, train_parity(steps=3, seq=96, tokens_per_step=4 * 96, lr=3e-3))
     # The 2×2 run's checkpoint at step 2 resumes on one node of two processes (global batch 4 → 2: a warning).
     ckpt = hybrid / "checkpoints" / "checkpoint-2"
     assert (ckpt / "meta.json").exists()

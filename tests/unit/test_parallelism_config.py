@@ -155,7 +155,11 @@ def test_cp_size_is_the_context_parallel_size_and_agrees_with_the_flag(tmp_path)
      (["--context_parallel_size", "2", "--torch_compile", "True"], {"WORLD_SIZE": "2"},
       "--context_parallel_size 2 with --torch_compile True: compiled blocks take transformers' own attention"),
      (["--context_parallel_size", "2"], {"WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "NO_SHARD"},
-      "--context_parallel_size 2 with fsdp_sharding_strategy NO_SHARD: context parallelism shards over every rank")],
+      "--context_parallel_size 2 with fsdp_sharding_strategy NO_SHARD: context parallelism shards over its ranks"),
+     (["--context_parallel_size", "4"],
+      {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
+      "--context_parallel_size 4 with fsdp_sharding_strategy HYBRID_SHARD: it must divide the 2 processes of a "
+      "machine")],
 )  # fmt: skip
 def test_what_context_parallelism_cannot_run_is_refused_before_loading(flags, env, want):
     with pytest.raises(ConfigError) as e:
@@ -205,3 +209,19 @@ def test_a_context_parallel_algorithm_shardtune_does_not_run_is_refused(tmp_path
         load_run_config(TRAIN, env=_train_env(accelerate_env(read_accelerate_yaml(path))))
     ok = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2, "cp_comm_strategy": "allgather", "cp_backend": "torch"})
     assert load_run_config(TRAIN, env=_train_env(_accelerate_launch_env(ok))).train.context_parallel_size == 2
+
+
+def test_hybrid_shard_with_context_parallelism_keeps_a_batchs_cp_ranks_on_one_machine():
+    """2 machines of 4 processes, cp 2, HYBRID_SHARD: replicas across the machines, FSDP's shard group the 4
+    ranks of a machine (2 data-parallel shards × cp 2), ranks 2k and 2k+1 sharing batch k; the mesh's rows are the
+    machines, so the replicate coordinate is the machine and every batch index is taken once."""
+    from shardtune.parallel import ParallelDims
+
+    dims = [ParallelDims.build(world_size=8, local_world_size=4, rank=r, sharding_strategy="HYBRID_SHARD", cp=2)
+            for r in range(8)]  # fmt: skip
+    assert {d.mesh_shape for d in dims} == {(2, 4)} and {d.gradient_divisor for d in dims} == {8}
+    assert [d.dp_rank for d in dims] == [0, 0, 1, 1, 2, 2, 3, 3] and [d.cp_rank for d in dims] == [0, 1] * 4
+    assert [d.dp_replicate_rank for d in dims] == [r // 4 for r in range(8)]  # the mesh row of rank r
+    assert {d.dp_size for d in dims} == {4}
+    with pytest.raises(ValueError, match="HYBRID_SHARD a machine's processes it divides"):
+        ParallelDims.build(world_size=8, local_world_size=2, rank=0, sharding_strategy="HYBRID_SHARD", cp=4)
