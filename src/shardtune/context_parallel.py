@@ -74,8 +74,7 @@ class CPShard:
         layout = self.varlen
         if layout is not None:
             layout = varlen(self.rows[rows], self.positions[rows], self.positions.shape[1] * self.size)
-            device = self.varlen.cu_q.device
-            layout = replace(layout, **{f: getattr(layout, f).to(device) for f in ("cu_q", "cu_k", "key_index")})
+            layout = layout.to(self.varlen.cu_q.device)
         return replace(self, rows=self.rows[rows], varlen=layout, positions=self.positions[rows])
 
 
@@ -94,6 +93,9 @@ class Varlen:
     max_q: int
     max_k: int
     key_index: torch.Tensor  # int64 [total keys]
+
+    def to(self, device: torch.device) -> Varlen:
+        return replace(self, cu_q=self.cu_q.to(device), cu_k=self.cu_k.to(device), key_index=self.key_index.to(device))
 
 
 def varlen(rows: tuple[tuple[Part, ...], ...], positions: torch.Tensor, row_len: int) -> Varlen:

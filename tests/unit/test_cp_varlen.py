@@ -123,3 +123,23 @@ def test_flash_is_chosen_only_under_context_parallelism_in_16_bits(monkeypatch):
     assert modeling.context_parallel_attention(attn, 2, torch.bfloat16) == (attn, False)
     monkeypatch.setattr(modeling, "_flash_version", lambda: (2, 0))
     assert modeling.context_parallel_attention("flash_attention_2", 2, torch.float16) == (attn, False)
+
+
+def test_a_forward_on_some_rows_reads_their_own_layout(reference_flash):
+    """KTO's KL rows run a forward of their own: the shard of those rows (CPShard.select_rows) attends them as
+    the whole micro-batch's shard does."""
+    batch = _row_batch()
+    local, rows, _ = context_parallel.split(batch, size=2, rank=1, pad_id=0)
+    full = context_parallel.padded_length(batch["input_ids"].shape[1], 2)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, full, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    mine = context_parallel.zigzag(full, 2, 1)
+    q_r, k_r, v_r = (t[:, :, mine] for t in (q, k, v))
+    shard = local_shard(rows, local["position_ids"], lambda x: k if x is k_r else v, size=2, varlen=True)
+    both = fastpath._context_parallel_attention(q_r, k_r, v_r, shard, 0.0, None)
+    second = shard.select_rows(slice(1, None))
+    assert second.varlen.cu_q[-1] == mine.numel()
+    k1, v1 = k[1:], v[1:]
+    second = replace(second, gather=lambda x: k1 if x.data_ptr() == k_r[1:].data_ptr() else v1)
+    one = fastpath._context_parallel_attention(q_r[1:], k_r[1:], v_r[1:], second, 0.0, None)
+    torch.testing.assert_close(one, both[1:], rtol=0, atol=1e-12)

@@ -4,7 +4,6 @@ with its exact backward, and a rank's part of a micro-batch."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import replace
 
@@ -128,7 +127,6 @@ def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: boo
     layout = None
     host = positions.detach().cpu()
     if varlen:
-        layout = context_parallel.varlen(rows, host, host.shape[1] * size)  # every rank holds L / size of a row
-        layout = dataclasses.replace(layout, **{f: getattr(layout, f).to(positions.device)
-                                                for f in ("cu_q", "cu_k", "key_index")})  # fmt: skip
+        # every rank holds L / size of a row
+        layout = context_parallel.varlen(rows, host, host.shape[1] * size).to(positions.device)
     return CPShard(rows, gather, layout, sum_rows, host, size)
