@@ -158,8 +158,8 @@ def test_cp_size_is_the_context_parallel_size_and_agrees_with_the_flag(tmp_path)
       "--context_parallel_size 2 with fsdp_sharding_strategy NO_SHARD: context parallelism shards over its ranks"),
      (["--context_parallel_size", "4"],
       {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"},
-      "--context_parallel_size 4 with fsdp_sharding_strategy HYBRID_SHARD: it must divide the 2 processes of a "
-      "machine")],
+      ("--context_parallel_size 4 with fsdp_sharding_strategy HYBRID_SHARD: it must divide the 2 processes of a "
+       "machine"))],
 )  # fmt: skip
 def test_what_context_parallelism_cannot_run_is_refused_before_loading(flags, env, want):
     with pytest.raises(ConfigError) as e:
