@@ -515,7 +515,8 @@ _GUIDE = {
 # Answer.AI fsdp_qlora benchmarks_03_2024.md (train.py of March 2024): 2 GPUs, FSDP1 FULL_SHARD, pure bf16 (base,
 # LoRA and AdamW states), LoRA r=64 on q,k,v,gate,up,down with dropout 0.1, SDPA, reentrant checkpointing, dummy
 # rows of exactly 2048 tokens, transformers 4.38 (fp32 logits in the model). Figures: torch.cuda.max_memory_reserved
-# (the 9.16 GiB one: max_memory_allocated).
+# (the 9.16 GiB one: max_memory_allocated). transformers' own SDPA over each row (not shardtune's per document: the
+# same bytes on these unpacked rows, whose o_proj has no LoRA).
 _AAI = {
     **_FSDP1,
     "world_size": 2,
@@ -526,6 +527,7 @@ _AAI = {
     "loss_impl": "full_fp32",
     "seq_len": 2048,
     "attn_implementation": "sdpa",
+    "per_document_attention": False,
     "gradient_checkpointing": True,
 }
 _Q = {"use_4bit": True, "nested_quant": True}

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import math
 
+from shardtune.fastpath import SPAN_TOKENS
 from shardtune.planning.model import ModelShape
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 LOSS_IMPLEMENTATIONS = ("chunked", "full", "full_fp32")
 # CUDA's dropout keeps a bool mask (1 byte per element); its CPU kernel keeps the mask in the input's dtype.
 CUDA_DROPOUT_MASK_BYTES = 1
+# SDPA's math kernel computes in fp32 whatever its inputs' dtype, and keeps fp32 tensors for backward: torch
+# allows fp16/bf16 reductions there only on request (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp, off
+# by default; the kernel is the same composite on every device). Seen on bf16 inputs in
+# tests/unit/test_plan_packed_attention.py.
+MATH_SDPA_BYTES = 4
 
 
-def _linear_input_groups(shape: ModelShape, attn_implementation: str) -> list[tuple[tuple[str, ...], int, bool]]:
+def _linear_input_groups(
+    shape: ModelShape, attn_implementation: str, per_document: bool = False
+) -> list[tuple[tuple[str, ...], int, bool]]:
     """(linears that read the same input, input features, whether that input is already kept by attention)."""
     # flash and SDPA return their output as a transposed view of a [batch, seq, heads, dim] buffer they keep for
-    # backward, so o_proj's input is that same storage; eager attention makes a contiguous copy.
-    o_shared = attn_implementation != "eager"
+    # backward, so o_proj's input is that same storage; eager attention makes a contiguous copy, and so does
+    # shardtune's per-document attention (the spans' outputs are concatenated into a new tensor).
+    o_shared = attn_implementation != "eager" and not per_document
     attention = [(("q_proj", "k_proj", "v_proj"), shape.hidden_size, False), (("o_proj",), shape.q_dim, o_shared)]
     if shape.num_experts:  # the experts are not linears: see _mlp_saved_bytes
         return attention
@@ -51,20 +60,54 @@ def _mlp_saved_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
     return router + routed + trained
 
 
-def _attention_bytes(shape: ModelShape, seq_len: int, a: int, attn_implementation: str, masked: bool) -> int:
-    qd, kvd, nh = shape.q_dim, shape.kv_dim, shape.num_heads
+def kernel_attention_bytes(shape: ModelShape, a: int) -> int:
+    """Per token, SDPA's fused kernels (flash, memory-efficient; also flash-attention 2) without a mask tensor:
+    q, k and v as given (GQA's fewer key heads taken as they are), the output and an fp32 logsumexp per head."""
+    return a * shape.q_dim + 2 * a * shape.kv_dim + a * shape.q_dim + 4 * shape.num_heads
+
+
+def math_span_bytes(shape: ModelShape, a: int, span: int) -> int:
+    """Per token of a span of `span` positions on SDPA's math kernel (shardtune's short spans): the composite keeps,
+    in fp32 (MATH_SDPA_BYTES), the scaled queries, the keys repeated to every query head (enable_gqa repeats them
+    on this kernel) and scaled, the values repeated, and the softmax's output (heads x span per token), which both
+    the softmax and the product with the values keep. Not its own output: the spans' outputs are concatenated
+    into a new tensor, o_proj's input."""
+    w = max(a, MATH_SDPA_BYTES)
+    return 3 * w * shape.q_dim + w * shape.num_heads * span
+
+
+def per_document_attention_bytes(shape: ModelShape, seq_len: int, a: int, packed: bool) -> int:
+    """Per token, shardtune's SDPA per span of whole documents (shardtune.fastpath.packed_sdpa_attention), at the
+    most a row of seq_len positions can keep. Rows of at most SPAN_TOKENS positions run every span on the math
+    kernel. An unpacked row is one document: longer, it runs on a fused kernel. A packed row's short documents share
+    spans of up to SPAN_TOKENS positions (math kernel); a longer document runs on a fused kernel, which keeps its q,
+    k and v as views of the row's whole tensors, so one such document keeps the whole row's q, k and v: the bound
+    is a row of full short spans beside one long document (its own tokens keep less: output and logsumexp)."""
+    if seq_len <= SPAN_TOKENS:
+        return math_span_bytes(shape, a, seq_len)
+    if not packed:
+        return kernel_attention_bytes(shape, a)
+    row_qkv = a * (shape.q_dim + 2 * shape.kv_dim)
+    return math_span_bytes(shape, a, SPAN_TOKENS) + row_qkv
+
+
+def _attention_bytes(
+    shape: ModelShape, seq_len: int, a: int, attn_implementation: str, masked: bool, per_document: bool
+) -> int:
+    qd, nh = shape.q_dim, shape.num_heads
     if attn_implementation == "eager":
         # q and the repeated k, v are kept by the two matmuls; softmax keeps its fp32 output, the second matmul
         # its cast to the compute dtype: seq_len scores per head per token.
         probs = 4 * nh * seq_len + (a * nh * seq_len if a < 4 else 0)
         return 3 * a * qd + probs
-    # SDPA repeats k and v to every head when it is given a mask (packed rows); flash handles GQA natively.
-    sdpa_masked = masked and attn_implementation == "sdpa"
-    kv = qd if sdpa_masked else kvd
-    # SDPA turns a bool mask into an additive one in q's dtype (convert_boolean_attn_mask, [batch, 1, seq, seq])
-    # and keeps it for backward: seq·a bytes per token in every block.
-    mask = a * seq_len if sdpa_masked else 0
-    return a * qd + 2 * a * kv + a * qd + 4 * nh + mask  # q, k, v, output, fp32 logsumexp per head
+    if attn_implementation == "sdpa" and per_document:
+        return per_document_attention_bytes(shape, seq_len, a, packed=masked)
+    if not (masked and attn_implementation == "sdpa"):
+        return kernel_attention_bytes(shape, a)
+    # transformers' SDPA over a packed row with its 4-D bool mask: SDPA repeats k and v to every head when it is
+    # given a mask, and turns a bool mask into an additive one in q's dtype (convert_boolean_attn_mask,
+    # [batch, 1, seq, seq]), which it keeps for backward: seq·a bytes per token in every block.
+    return a * qd + 2 * a * qd + a * qd + 4 * nh + a * seq_len  # q, k, v, output, logsumexp, the mask
 
 
 def layer_saved_bytes_per_token(
@@ -79,18 +122,22 @@ def layer_saved_bytes_per_token(
     full_finetune: bool = False,
     use_dora: bool = False,
     masked: bool = False,
+    per_document: bool = False,
     dropout_mask_bytes: int = CUDA_DROPOUT_MASK_BYTES,
 ) -> int:
     """Bytes autograd keeps for backward per token in one decoder layer (frozen base + LoRA, or full FT).
 
     A frozen linear keeps nothing (its input is only needed for a weight gradient); LoRA's lora_A keeps its
     input (the dropout output, plus the dropout mask, one per wrapped module) and lora_B keeps lora_A's output.
+    masked: rows are packed; per_document: SDPA runs per document (per_document_attention_bytes), not over
+    whole rows with transformers' mask.
     """
     a, h = compute_bytes, shape.hidden_size
+    per_document = per_document and attn_implementation == "sdpa"
     norm = 4 * h + 4 + (a * h if full_finetune else 0)  # fp32 copy of the input and rsqrt; normed output if trained
-    total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked)
+    total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked, per_document)
     total += _mlp_saved_bytes(shape, a, full_finetune)
-    for linears, fan_in, shared in _linear_input_groups(shape, attn_implementation):
+    for linears, fan_in, shared in _linear_input_groups(shape, attn_implementation, per_document):
         wrapped = [m for m in linears if m in lora_targets]
         if full_finetune or (wrapped and lora_dropout == 0):
             total += 0 if shared else a * fan_in
@@ -289,12 +336,35 @@ def attention_mask_bytes(
     batch_size: int, seq_len: int, compute_bytes: int, attn_implementation: str, masked: bool
 ) -> int:
     """The 4-D mask transformers builds once per forward: eager always adds a float mask; SDPA takes a bool mask
-    only for packed rows; flash-attention never needs one."""
+    only for packed rows (shardtune's per-document SDPA too: its mask is SDPA's, fastpath.register_attention, and
+    it reads the spans' diagonal blocks from it); flash-attention never needs one."""
     if attn_implementation == "eager":
         return batch_size * seq_len * seq_len * compute_bytes
     if attn_implementation == "sdpa" and masked:
         return batch_size * seq_len * seq_len
     return 0
+
+
+def mask_build_bytes(batch_size: int, seq_len: int, compute_bytes: int, attn_implementation: str, masked: bool) -> int:
+    """The peak while transformers builds that mask (masking_utils.sdpa_mask, by broadcasting, before the first
+    block runs), the mask included. A packed row's mask function is and_masks(causal, same document): the first
+    comparison, their running AND and the second comparison exist at once, three [batch, 1, seq, seq] bool tensors,
+    the last of them the mask (a 3x peak measured on CPU, tests/unit/test_plan_packed_attention.py). Eager's float
+    mask is then made from the bool one, both alive (an unpacked row's bool mask is one comparison)."""
+    square = batch_size * seq_len * seq_len
+    bools = 3 * square if masked else square
+    if attn_implementation == "eager":
+        return max(bools, square + compute_bytes * square)
+    return bools if attn_implementation == "sdpa" and masked else 0
+
+
+def span_mask_bytes(batch_size: int, seq_len: int, packed: bool, per_document: bool) -> int:
+    """The bool masks of shardtune's per-document SDPA, made once per forward and kept with its documents
+    (fastpath.PackedDocuments) through the step: a span of several short documents has a span x span mask, at
+    most SPAN_TOKENS bytes per token; a span of one document has none (causal)."""
+    if not (packed and per_document):
+        return 0
+    return batch_size * seq_len * min(seq_len, SPAN_TOKENS)
 
 
 def logits_bytes(

@@ -18,6 +18,7 @@ import shardtune.planning.activations as act
 from shardtune.planning.buffers import state_and_buffers
 from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
 from shardtune.planning.phases import (
+    FORWARD,
     StepParts,
     forward_gather_alive,
     forward_gather_cache,
@@ -169,6 +170,7 @@ class _Dynamic:
     logits_forward: int = 0  # the loss's forward peak
     final_norm: int = 0  # the final norm's saved tensors and the head's input: freed before any block's backward
     block: int = 0  # one block's part of `stored`
+    mask_build: int = 0  # beyond `forward`, while transformers builds the attention mask (_with_mask_build)
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -209,6 +211,13 @@ def _check_attention(attn_implementation: str) -> None:
         )
 
 
+def _masks(batch: int, seq_len: int, a: int, attn: str, packing: bool, per_document: bool) -> tuple[int, int]:
+    """(the masks alive through the step: transformers' and the span masks, what building transformers' adds)."""
+    row = act.attention_mask_bytes(batch, seq_len, a, attn, packing)
+    spans = act.span_mask_bytes(batch, seq_len, packing, per_document and attn == "sdpa")  # shardtune's SDPA only
+    return row + spans, act.mask_build_bytes(batch, seq_len, a, attn, packing) - row
+
+
 def _dynamic(
     shape: ModelShape,
     *,
@@ -229,6 +238,7 @@ def _dynamic(
     dropout_mask_bytes: int,
     dropout_scratch_bytes: int = 0,
     row_len: int | None = None,
+    per_document_attention: bool = False,
 ) -> _Dynamic:
     _check_attention(attn_implementation)
     tokens = batch_size * seq_len
@@ -243,9 +253,10 @@ def _dynamic(
         full_finetune=full_finetune,
         use_dora=use_dora,
         masked=packing,
+        per_document=per_document_attention,
         dropout_mask_bytes=dropout_mask_bytes,
     )
-    mask = act.attention_mask_bytes(batch_size, seq_len, a, attn_implementation, packing)
+    mask, mask_build = _masks(batch_size, seq_len, a, attn_implementation, packing, per_document_attention)
     inputs = act.step_input_bytes(shape, tokens, a)
     layer += act.context_parallel_bytes(shape, batch_size, seq_len, row_len or seq_len, a)
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs
@@ -279,16 +290,9 @@ def _dynamic(
     aux = tokens * act.router_aux_bytes_per_token(shape, a)
     peak += act.loss_input_grad_bytes(tokens, shape.hidden_size, a, loss_impl, loss_chunk_tokens) + aux
     forward = tokens * a * shape.hidden_size + mask + inputs
-    return _Dynamic(
-        stored,
-        working,
-        peak,
-        kept,
-        forward,
-        act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens) + 2 * aux,
-        tokens * act.final_norm_bytes_per_token(shape, a),
-        block,
-    )
+    loss_forward = act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens) + 2 * aux
+    final_norm = tokens * act.final_norm_bytes_per_token(shape, a)
+    return _Dynamic(stored, working, peak, kept, forward, loss_forward, final_norm, block, mask_build)
 
 
 def estimate_memory(
@@ -333,6 +337,7 @@ def estimate_memory(
     fsdp: bool = True,
     replicate_base: bool = False,
     context_parallel: int = 1,
+    per_document_attention: bool = True,
 ) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine.
 
@@ -343,22 +348,21 @@ def estimate_memory(
     fsdp=False: one process without fully_shard (a single-device trainer; fsdp.without_fsdp): _plain_buffers.
     replicate_base: LoRA's frozen base left out of FSDP (`--frozen_base replicated`, fsdp.frozen_parameters):
     every rank holds all of it, in the compute dtype, and FSDP gathers and reduces the trainable tensors only.
-    context_parallel: each row split over this many of the ranks (_dynamic_kwargs)."""
+    context_parallel: each row split over this many of the ranks (_dynamic_kwargs). per_document_attention: SDPA
+    per document where the family allows it (_dynamic_kwargs); False: over whole rows (torch.compile, the trace)."""
     settings = {k: v for k, v in locals().items() if k != "model"}
     shape = as_shape(model)
     if (use_4bit or use_8bit) and not use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
-    strategy = sharding_strategy.upper()
-    shard = shard_group_size(world_size, num_nodes, strategy)
+    shard = shard_group_size(world_size, num_nodes, strategy := sharding_strategy.upper())
     tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
     state, buffers = state_and_buffers(shape, tensors, settings, shard, strategy)
     dyn_kwargs = _dynamic_kwargs(shape, settings)
     dynamic = _dynamic(shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
                        **dyn_kwargs)  # fmt: skip
     parts = _step_parts(shape, settings, state, dynamic, buffers)
-    by_phase = step_phases(parts)
-    phase = peak_phase(by_phase)
-    device = dict(by_phase[phase])
+    by_phase = _with_mask_build(step_phases(parts), parts, dynamic.mask_build)
+    device = dict(by_phase[phase := peak_phase(by_phase)])
     fragmentation = _fragmentation(allocator_overhead, expandable_segments)
     terms = _allocator_terms(parts, by_phase, fragmentation, gather_stream_cache and fsdp)
     device["allocator overhead"] = terms["reserved"] - sum(device.values())
@@ -371,6 +375,30 @@ def estimate_memory(
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps, terms)
+
+
+MASK_BUILD = "attention mask build"
+
+
+def _with_mask_build(by_phase: dict, parts: StepParts, extra: int) -> dict:
+    """The phases, and the moment transformers builds the attention mask (act.mask_build_bytes), when that holds
+    more than the mask it leaves: in the decoder's forward after the embeddings, before the first block's
+    pre-forward gathers that block, so the first block's all-gather phase less that block's gathered copies and
+    plus the building's transients (the span masks already exist: the training module makes them first)."""
+    if extra <= 0:
+        return by_phase
+    rows = dict(by_phase[FORWARD])
+    rows["activations"] += extra
+    rows["FSDP all-gather buffers"] -= (2 if parts.flat_copy else 1) * parts.block_gathered
+    return {**by_phase, MASK_BUILD: rows}
+
+
+def _gather_alive(parts: StepParts, phase: str) -> int:
+    """forward_gather_alive, and at the mask's building the root's flat all-gather output (its copy-out waits for
+    the first block's all-gather, as at FORWARD)."""
+    if phase == MASK_BUILD:
+        return parts.root_gathered if parts.flat_copy else 0
+    return forward_gather_alive(parts, phase)
 
 
 def _fragmentation(allocator_overhead: float | None, expandable_segments: bool) -> float:
@@ -395,9 +423,7 @@ def _allocator_terms(parts: StepParts, by_phase: dict, fragmentation: float, gat
       left cached.
     """
     cache = forward_gather_cache(parts) if gather_stream else 0
-    rest = max(
-        sum(rows.values()) - (forward_gather_alive(parts, ph) if gather_stream else 0) for ph, rows in by_phase.items()
-    )
+    rest = max(sum(rows.values()) - (_gather_alive(parts, ph) if gather_stream else 0) for ph, rows in by_phase.items())
     root = parts.root_scatter
     state = parts.state
     resident = (state["frozen"] + state["trainable"] + state["optimizer"]) * parts.on_gpu + parts.quant_constants
@@ -425,6 +451,8 @@ def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, An
         "seq_len": -(-s["seq_len"] // (2 * cp)) * 2 if cp > 1 else s["seq_len"],
         "row_len": s["seq_len"],
         "packing": s["packing"],
+        # decided once: by the family (planning.fit.plan_shape) and by the run (planning.fit.run_kwargs)
+        "per_document_attention": shape.per_document_attention and s["per_document_attention"],
         "lora_targets": resolve_lora_targets(shape, s["lora_target_modules"]) if s["use_peft_lora"] else (),
         "lora_r": s["lora_r"],
         "lora_dropout": s["lora_dropout"],

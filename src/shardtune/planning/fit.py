@@ -56,12 +56,32 @@ def _split(s: str | None) -> list[str]:
 
 
 def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
-    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens."""
-    shape = ModelShape.from_config(config)
+    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens, and whether the
+    family trains on shardtune's per-document attention (trains_per_document)."""
+    shape = replace(ModelShape.from_config(config), per_document_attention=trains_per_document(config))
     if chat_template_format in ("chatml", "zephyr"):
         padded = -(-(shape.vocab_size + CHAT_NEW_TOKENS) // 8) * 8
         shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)
     return shape
+
+
+def trains_per_document(config: Any) -> bool:
+    """Whether shardtune trains this family's attention per document (shardtune.fastpath.packed_sdpa_attention),
+    decided as builder.training_layout decides it: the family's attention is shardtune's SDPA (not eager for a
+    family that cannot run SDPA, nor attention classes chosen by name) and its conformance verdict trains packed
+    rows on the fast path (not its own forward, whose attention sees transformers' whole-row mask). The verdict
+    runs a tiny copy of the config once per process (cached; `shardtune train` reuses it). A config given as a
+    dict cannot be checked: shardtune's Llama-style default."""
+    if isinstance(config, dict):
+        return True
+    from shardtune import families, fastpath, modeling
+
+    # families.family_attention's choice, without the log line it prints (plan's output may be JSON).
+    attention = families._attention_choice(config, fastpath.register_attention())[0]
+    if attention != fastpath.ATTENTION:
+        return False
+    verdict = families.verdict(config, attention, modeling.CausalLMForTraining)
+    return verdict.layout(True).path == "fast"
 
 
 def lora_targets(model) -> str:
@@ -118,6 +138,8 @@ def run_kwargs(
         "loss_chunk_tokens": loss_chunk_tokens,
         "replicate_base": replicates_base(model, launch.world_size, launch.offload),
         "context_parallel": train.context_parallel_size,
+        # compiled blocks take transformers' masked attention (modeling.CausalLMForTraining, per_document_attention)
+        "per_document_attention": not train.torch_compile,
         "fsdp": launch.world_size > 1
         or single_process_fsdp_reason(
             launch.single_process,

@@ -60,6 +60,11 @@ class ModelShape:
     # meta): (module-path pattern, fan_in, fan_out, count). Empty when the class cannot be built here: the LoRA
     # count then assumes the Llama names above.
     all_linear_layers: tuple[tuple[str, int, int, int], ...] = ()
+    # Whether the family trains its attention with shardtune's per-document SDPA (shardtune.fastpath) on the fast
+    # path; False where it runs its own forward or attention classes, which attend over whole rows with
+    # transformers' mask. Read off the family's conformance verdict by planning.fit.plan_shape, as the builder
+    # reads it; True (shardtune's Llama-style default) for a shape given as numbers.
+    per_document_attention: bool = True
 
     def block_linears(self) -> tuple[str, ...]:
         """The nn.Linear layers of one block: attention only when the MLP is a mixture of experts."""

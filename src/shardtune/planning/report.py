@@ -85,13 +85,14 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
-    """The estimate's settings for what the trace runs: SDPA with the 4-D packed-row mask (fake tensors give
-    transformers no positions to read) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
+    """The estimate's settings for what the trace runs: transformers' SDPA over whole rows with the 4-D packed-row
+    mask, not shardtune's per-document attention (fake tensors give no positions to cut rows by: the trace turns
+    per_document_attention off) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
     keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
     CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
     CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
-    out = {**kwargs, "attn_implementation": "sdpa", "packing": True, "fsdp": True}
+    out = {**kwargs, "attn_implementation": "sdpa", "packing": True, "per_document_attention": False, "fsdp": True}
     if device == "cpu":
         out["offload"] = False
         out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
