@@ -7,10 +7,11 @@ heads, 4 KV heads) in fp32, with glibc returning freed blocks to the OS (see `tr
 and tokens/s come from the run summary; the same command at
 512 positions gives the fixed part (python, torch, gloo, the weights), and what a run peaks above it is what its
 rows cost. Beside it, the planner's activations + logits per rank for the same flags (a GPU estimate, in the
-compute dtype), as the ratio cp=2 / cp=1, to see that memory per rank falls as planned. Prints a table, writes
-bench/results/long_context.json.
+compute dtype: fp32 here, as the runs), how far each cp's plan is from the measured, and the ratio cp=2 / cp=1 of
+both, to see that memory per rank falls as planned. Prints a table, writes bench/results/long_context.json;
+`--table` prints the table of that file without running anything.
 
-    python bench/long_context.py [--workdir /tmp/long_context] [--lengths 8192,16384,32768]
+    python bench/long_context.py [--workdir /tmp/long_context] [--lengths 8192,16384,32768] [--table]
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/long_context")
     parser.add_argument("--lengths", default="8192,16384,32768")
+    parser.add_argument("--table", action="store_true", help="print the table of the last results, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print_table(json.loads(RESULTS.read_text()))
+        return
     from shardtune.demo import build_tokenizer, write_chat_dataset
 
     work = Path(args.workdir)
@@ -116,15 +121,25 @@ def main() -> None:
               "seconds": round(time.time() - t0), "rows": rows}  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"2 CPU ranks on {cpu}, float32, LoRA on a 4-block Llama (hidden 256), 1 row per data-parallel rank:")
-    print("| positions per row | peak per rank GiB, cp=1 / cp=2 | above the 512-position run, cp=2 / cp=1 | "
-          "planned, cp=2 / cp=1 | tokens/s, cp=1 / cp=2 | tokens/s ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        peaks = " / ".join(", ".join(f"{x:.2f}" for x in r["runs"][cp]["peak_gib"]) for cp in (1, 2))
-        speeds = " / ".join(f"{r['runs'][cp]['tokens_per_s']:,.0f}" for cp in (1, 2))
-        print(f"| {r['length']:,} | {peaks} | {r['memory_ratio']:.2f} | {r['planned_ratio']:.2f} | {speeds} | "
-              f"{r['speed_ratio']:.2f} |")  # fmt: skip
+    print_table(result)
+
+
+def print_table(result: dict) -> None:
+    """The markdown table of docs/long_context.md: per cp, the measured peaks, what a run peaks above the
+    512-position one, the planned activations + logits and how far they are from it; then tokens/s."""
+    print(f"2 CPU ranks on {result['cpu']}, {result['dtype']}, LoRA on a 4-block Llama (hidden 256), 1 row per "
+          "data-parallel rank:")  # fmt: skip
+    print("| positions per row | peak per rank GiB, cp=1 / cp=2 | above the 512 run, GiB, cp=1 / cp=2 | "
+          "planned GiB, cp=1 / cp=2 | planned vs measured, cp=1 / cp=2 | cp=2 / cp=1, measured / planned | "
+          "tokens/s, cp=1 / cp=2 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        runs, above, plan = r["runs"], r["above_512_gib"], r["planned_gib"]
+        peaks = " / ".join(", ".join(f"{x:.2f}" for x in runs[cp]["peak_gib"]) for cp in ("1", "2"))
+        off = " / ".join(f"{plan[cp] / above[cp] - 1:+.0%}" for cp in ("1", "2"))
+        speeds = " / ".join(f"{runs[cp]['tokens_per_s']:,.0f}" for cp in ("1", "2"))
+        print(f"| {r['length']:,} | {peaks} | {above['1']:.2f} / {above['2']:.2f} | {plan['1']:.2f} / {plan['2']:.2f} "
+              f"| {off} | {r['memory_ratio']:.2f} / {r['planned_ratio']:.2f} | {speeds} |")  # fmt: skip
 
 
 if __name__ == "__main__":
