@@ -434,6 +434,11 @@ def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) ->
 # elements whose gradient is within rounding of zero by a fraction of lr, which the later gradients see.
 SPREAD = {"grad_norm": 5.7e-7, "weight_per_lr_step": 4.9e-4}
 SENSITIVE = {"gemma4": {"grad_norm": 8.7e-5, "weight_per_lr_step": 7.6e-3}}
+# LoRA on the experts and routers of a mixture of experts: 2 ranks and 1 process sum a gradient in other orders, and
+# a token whose top-k experts nearly tie may route differently at the next step; the worst element then moves more
+# (measured, Qwen3-MoE, 2 ranks vs 1 process, 3 steps: 6.0e-3 per lr·step on a 2-core AMD EPYC with AVX2 (1 of 256
+# elements of one lora_A above SPREAD's bound), within SPREAD on an Intel Xeon with AVX-512/AMX).
+ROUTED = {**SPREAD, "weight_per_lr_step": 6.0e-3}
 # Margin over the measured spread: another CPU blocks its sums differently (AVX2 rather than AVX-512), which changes
 # which elements differ, not the size of the differences. The atols stay below one dropped update (lr), 70x for the
 # dense families and 4x for Gemma 4; the grad_norm bounds 500x below a halved gradient.
@@ -454,13 +459,15 @@ def run_tolerance(*, chain: int, n: int, steps: int, lr: float, spread: dict = S
     )
 
 
-def matrix_tolerance(family: str) -> TrainParity:
-    """The matrix's bounds: STEPS steps of 4 packed rows of 96 positions, the families' tiny decoders."""
+def matrix_tolerance(family: str, spread: dict | None = None) -> TrainParity:
+    """The matrix's bounds: STEPS steps of 4 packed rows of 96 positions, the families' tiny decoders; `spread`:
+    a measured spread of the run's kind (ROUTED) instead of the family's."""
     from tests.tolerance import decoder_chain
 
     chain = {"hidden": HIDDEN, "intermediate": FFN, "layers": LAYERS, "seq": 96, "vocab": 608}
     one_step = decoder_chain(**chain, tokens=4 * 96, backward=True)
-    return run_tolerance(chain=STEPS * one_step, n=4 * 96, steps=STEPS, lr=LR, spread=SENSITIVE.get(family, SPREAD))
+    spread = spread or SENSITIVE.get(family, SPREAD)
+    return run_tolerance(chain=STEPS * one_step, n=4 * 96, steps=STEPS, lr=LR, spread=spread)
 
 
 def update_rates(out: Path) -> dict[int, float]:

@@ -217,8 +217,8 @@ def context_parallel_problems(
         p.append(f"{flag}: {config.model_type} trains through its own forward or attention here ({attn}), not "
                  "shardtune's per-document attention, which context parallelism runs in; use "
                  "--context_parallel_size 1 for this model.")  # fmt: skip
-    if getattr(text, "sliding_window", None) or getattr(text, "attn_logit_softcapping", None):
-        p.append(f"{flag}: {config.model_type} has sliding-window or soft-capped attention, which the "
+    if not families.plain_causal(config) or getattr(text, "attn_logit_softcapping", None):
+        p.append(f"{flag}: {config.model_type} has sliding-window, chunked or soft-capped attention, which the "
                  "context-parallel attention does not implement yet; use --context_parallel_size 1.")  # fmt: skip
     return p
 

@@ -170,6 +170,17 @@ def _keep_layer_lists(d: dict, before: int, after: int) -> None:
 _SAID: set[str] = set()
 
 
+def plain_causal(config) -> bool:
+    """Whether the family's attention mask is causal within each document and nothing else: no sliding window,
+    no attention chunks, every layer full attention. shardtune's per-document attention then needs no mask from
+    transformers (fastpath.without_row_mask); the conformance check (check) runs it so, and would catch a family
+    that masks something more."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text, k, None) for k in ("sliding_window", "attention_chunk_size", "sliding_window_size")):
+        return False
+    return all(t == "full_attention" for t in (getattr(text, "layer_types", None) or ()))
+
+
 def family_attention(config, attn_impl: str) -> str:
     """attn_impl, or eager attention where the family cannot run SDPA: its class says it does not support SDPA
     (Gemma 2), or its config soft-caps the attention scores, which SDPA cannot do. Eager attention receives

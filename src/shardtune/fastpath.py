@@ -13,8 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -371,12 +374,36 @@ def _lower_right(q, k, v, dropout: float, scaling: float | None) -> torch.Tensor
                                           enable_gqa=gqa).transpose(1, 2)  # fmt: skip
 
 
+# Set while the training module runs a forward whose attention gets its documents (or its context-parallel split)
+# from shardtune and whose family masks nothing else (no sliding window, no chunks: families.plain_causal): the
+# row-wide mask transformers would build is then not read, and is not built (at L positions, L² bytes and 3·L²
+# while building).
+_NO_ROW_MASK = contextvars.ContextVar("shardtune_no_row_mask", default=False)
+
+
+@contextlib.contextmanager
+def without_row_mask() -> Iterator[None]:
+    token = _NO_ROW_MASK.set(True)
+    try:
+        yield
+    finally:
+        _NO_ROW_MASK.reset(token)
+
+
+def _row_mask(*args, **kwargs):
+    """SDPA's mask (transformers' sdpa_mask), or None inside without_row_mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _NO_ROW_MASK.get() else sdpa_mask(*args, **kwargs)
+
+
 @functools.cache
 def register_attention() -> str:
-    """Register "shardtune_sdpa" with transformers (its masks are SDPA's); return the name."""
+    """Register "shardtune_sdpa" with transformers (its masks are SDPA's, unless not needed: _row_mask); return
+    the name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION, packed_sdpa_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION, _row_mask)
     return ATTENTION

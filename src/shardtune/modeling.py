@@ -454,7 +454,9 @@ class CausalLMForTraining(nn.Module):
             extra[fastpath.DOCUMENTS_KWARG] = self.cp_shard
         elif self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
             extra[fastpath.DOCUMENTS_KWARG] = fastpath.packed_documents(position_ids)
-        return self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        skip = fastpath.DOCUMENTS_KWARG in extra and families.plain_causal(self._decoder.config)
+        with fastpath.without_row_mask() if skip else contextlib.nullcontext():  # the attention reads no row mask
+            return self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
 
     def _outputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states (fast path), or the own forward's logits, which the head then leaves as they are."""

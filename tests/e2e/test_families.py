@@ -27,6 +27,7 @@ from tests.families import (
     HIDDEN,
     LAYERS,
     LR,
+    ROUTED,
     STEPS,
     assert_runs_match,
     build_assets,
@@ -332,7 +333,7 @@ def test_expert_lora_two_ranks_match_one_process(matrix, family):
     that left the experts out would have neither."""
     root = matrix["root"]
     assert matrix["one"][f"{family}/experts"] == 0 and matrix["two"][f"{family}/experts"] == 0
-    close = matrix_tolerance(family)
+    close = matrix_tolerance(family, ROUTED)  # routing near-ties (tests/families.py); 5.5x below one update (LR)
     trained = assert_runs_match(root / "one-experts" / family, root / "experts" / family, close, min_updates=STEPS)
     config = json.loads((root / "experts" / family / "adapter_config.json").read_text())
     router = ROUTER.get(family, "mlp.gate")

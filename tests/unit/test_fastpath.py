@@ -153,6 +153,28 @@ def test_per_document_attention_keeps_a_mask_it_does_not_know(monkeypatch):
     assert float((bug - want).abs().max()) > 100 * tol(torch.float32, 150 + 16)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_row_mask_is_built_only_for_a_family_that_masks_more(monkeypatch, chunked):
+    """The training forward of a plain causal family (Llama) has transformers build no row-wide mask (a packed row
+    of L positions would cost L² bytes, 3·L² while building), and trains the same (the loss above); a family
+    with attention chunks (Llama 4's attention_chunk_size) still gets its mask, which the spans read."""
+    from transformers import masking_utils
+
+    model = _tiny_llama(fastpath.register_attention(), torch.float32)
+    if chunked:
+        model.config.attention_chunk_size = 8
+    built = []
+    sdpa_mask = masking_utils.sdpa_mask
+    monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *a, **k: built.append(1) or sdpa_mask(*a, **k))
+    pos = torch.stack([_positions(150, 20, 30, 100)])
+    ids = torch.randint(0, 97, pos.shape, generator=torch.Generator().manual_seed(1))
+    CausalLMForTraining(model, chunk_size=256)(ids, pos, ids.roll(-1, 1))
+    assert bool(built) == chunked
+    from shardtune import families
+
+    assert families.plain_causal(model.config) == (not chunked)
+
+
 def test_attention_without_spans_is_transformers_sdpa():
     """Generation and any caller that passes no spans get transformers' SDPA, mask included."""
     ref = _tiny_llama("sdpa", torch.float32)

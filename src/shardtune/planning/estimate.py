@@ -211,8 +211,14 @@ def _check_attention(attn_implementation: str) -> None:
         )
 
 
-def _masks(batch: int, seq_len: int, a: int, attn: str, packing: bool, per_document: bool) -> tuple[int, int]:
-    """(the masks alive through the step: transformers' and the span masks, what building transformers' adds)."""
+def _masks(
+    batch: int, seq_len: int, a: int, attn: str, packing: bool, per_document: bool, plain: bool
+) -> tuple[int, int]:
+    """(the masks alive through the step: transformers' and the span masks, what building transformers' adds).
+    Per document on a family that masks nothing more (`plain`), transformers builds no mask
+    (fastpath.without_row_mask)."""
+    if per_document and plain and attn == "sdpa":
+        return act.span_mask_bytes(batch, seq_len, packing, True), 0
     row = act.attention_mask_bytes(batch, seq_len, a, attn, packing)
     spans = act.span_mask_bytes(batch, seq_len, packing, per_document and attn == "sdpa")  # shardtune's SDPA only
     return row + spans, act.mask_build_bytes(batch, seq_len, a, attn, packing) - row
@@ -256,7 +262,9 @@ def _dynamic(
         per_document=per_document_attention,
         dropout_mask_bytes=dropout_mask_bytes,
     )
-    mask, mask_build = _masks(batch_size, seq_len, a, attn_implementation, packing, per_document_attention)
+    mask, mask_build = _masks(
+        batch_size, seq_len, a, attn_implementation, packing, per_document_attention, shape.plain_mask
+    )
     inputs = act.step_input_bytes(shape, tokens, a)
     layer += act.context_parallel_bytes(shape, batch_size, seq_len, row_len or seq_len, a)
     fixed = tokens * act.final_norm_bytes_per_token(shape, a) + mask + inputs

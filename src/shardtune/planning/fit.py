@@ -58,7 +58,13 @@ def _split(s: str | None) -> list[str]:
 def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
     """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens, and whether the
     family trains on shardtune's per-document attention (trains_per_document)."""
-    shape = replace(ModelShape.from_config(config), per_document_attention=trains_per_document(config))
+    from shardtune import families  # the family rules load transformers' model classes: only when planning one
+
+    shape = replace(
+        ModelShape.from_config(config),
+        per_document_attention=trains_per_document(config),
+        plain_mask=isinstance(config, dict) or families.plain_causal(config),
+    )
     if chat_template_format in ("chatml", "zephyr"):
         padded = -(-(shape.vocab_size + CHAT_NEW_TOKENS) // 8) * 8
         shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)

@@ -90,9 +90,12 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     per_document_attention off) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
     keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
     CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
-    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP."""
+    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP. With
+    context parallelism the trace splits real host rows (planning.trace): one document per row, per document."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
     out = {**kwargs, "attn_implementation": "sdpa", "packing": True, "per_document_attention": False, "fsdp": True}
+    if kwargs.get("context_parallel", 1) > 1:  # the split does read positions: rows of one document each, no mask
+        out.update(packing=False, per_document_attention=True)
     if device == "cpu":
         out["offload"] = False
         out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
