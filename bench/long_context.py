@@ -121,7 +121,7 @@ def main() -> None:
               "seconds": round(time.time() - t0), "rows": rows}  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
-    print_table(result)
+    print_table(json.loads(RESULTS.read_text()))  # the table reads the file's (string) keys, as --table does
 
 
 def print_table(result: dict) -> None:
