@@ -429,6 +429,8 @@ class CausalLMForTraining(nn.Module):
         # Plain attributes, not registered submodules: they are already registered under self.model.
         if layout.path == "fast":
             object.__setattr__(self, "_decoder", families.resolve_decoder(base, layout.decoder))
+            # whether the family masks nothing beyond each document's causality (decided once: no row mask then)
+            self._plain_mask = families.plain_causal(self._decoder.config)
         object.__setattr__(self, "_head", base.get_output_embeddings())
         # The family's logit transform (Granite's division by logits_scaling, a muP multiplier, Gemma's final
         # soft-capping, ...), read from the language model's config: a multimodal class loaded as a causal LM
@@ -454,7 +456,7 @@ class CausalLMForTraining(nn.Module):
             extra[fastpath.DOCUMENTS_KWARG] = self.cp_shard
         elif self.per_document_attention and self._decoder.config._attn_implementation == fastpath.ATTENTION:
             extra[fastpath.DOCUMENTS_KWARG] = fastpath.packed_documents(position_ids)
-        skip = fastpath.DOCUMENTS_KWARG in extra and families.plain_causal(self._decoder.config)
+        skip = fastpath.DOCUMENTS_KWARG in extra and self._plain_mask
         with fastpath.without_row_mask() if skip else contextlib.nullcontext():  # the attention reads no row mask
             return self._decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
 
