@@ -657,6 +657,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ["tests/unit/test_cp_varlen.py::test_every_rank_equals_the_whole_rows_and_the_sdpa_path[2]"],
     ),
     _m(
+        "cp_prefix_query_grad_dropped",
+        "gradient",
+        "On CPU, a document begun before its queries (a context-parallel crossing part) returns only the causal "
+        "block's share of the query gradient (the keys before the queries contribute none)",
+        Edit("fastpath.py", "return dq_a + dq_b, dk_a,", "return dq_b, dk_a,"),
+        ["tests/unit/test_fastpath.py::test_queries_over_keys_from_the_document_start_equal_masked_attention"],
+    ),
+    _m(
         "cp_router_aux_per_rank",
         "normalisation",
         "With context parallelism, each rank's router load-balancing loss counts only its own part of the rows' "

@@ -191,6 +191,30 @@ def test_attention_without_spans_is_transformers_sdpa():
         assert torch.equal(out, ref.generate(ids[:1], max_new_tokens=4, do_sample=False))
 
 
+# --- a document begun before its queries (context parallelism's crossing parts) -------------------------------
+
+
+@pytest.mark.parametrize(("queries", "before", "key_heads"), [(16, 24, 4), (16, 24, 2), (7, 1, 2), (33, 70, 1)])
+def test_queries_over_keys_from_the_document_start_equal_masked_attention(queries, before, key_heads):
+    """On CPU, the last `queries` positions of a document over its keys from the start are two kernel calls merged
+    by log-sum-exp (fastpath._PrefixThenCausal, no mask tensor): forward and every gradient equal the masked
+    attention of the whole rectangle. fp64, where the merge and the kernel's blocked softmax round at ~1e-16
+    (measured 6.7e-16 to 1.6e-15): 1e-12 is 500x that, and a block's share left out or mis-weighted is O(1)."""
+    torch.manual_seed(0)
+    d, n = 8, before + queries
+    q = torch.randn(1, 4, queries, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, key_heads, n, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = fastpath._lower_right(q, k, v, 0.0, None)
+    assert out.grad_fn.next_functions[0][0].name().endswith("_PrefixThenCausalBackward")
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[before:]  # query i sees the keys up to its own position
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    ref = ref.transpose(1, 2)
+    grad = torch.randn_like(ref)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 # --- LoRA forward -------------------------------------------------------------------------------------------------
 
 
