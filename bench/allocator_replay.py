@@ -125,18 +125,18 @@ def one(model: str, flags: str) -> dict:
     return out
 
 
-def save_replay(shape, settings: dict) -> dict:  # settings: a MemoryEstimate's (every argument of the estimate)
+def save_replay(shape, inputs) -> dict:  # inputs: a MemoryEstimate's (planning.inputs.PlanInputs)
     """FSDP1's SHARDED_STATE_DICT `model.state_dict()` through the caching allocator's rules: the resident state
     allocated first, tensor by tensor (each shard, its two AdamW states when it trains, the quantization constants
     as one block); then the root unit unsharded (its pre-hook runs first), each block unsharded, its parameters'
     chunks cloned and the block resharded, and last the root's chunks cloned and the root resharded."""
     from shardtune.planning.allocator import CachingAllocator
     from shardtune.planning.model import sharded_bytes
-    from shardtune.planning.state import TENSOR_FLAGS, quant_constants, run_tensors, shard_group_size
+    from shardtune.planning.state import quant_constants, run_tensors, shard_group_size
 
-    s = settings
-    tensors = run_tensors(shape, **{k: s[k] for k in TENSOR_FLAGS})
-    shard = shard_group_size(s["world_size"], s["num_nodes"], s["sharding_strategy"].upper())
+    s = inputs
+    tensors = run_tensors(shape, s)
+    shard = shard_group_size(s.world_size, s.num_nodes, s.sharding_strategy.upper())
     a, keys = CachingAllocator(), iter(range(1 << 62))
 
     def malloc(n: int) -> int:
@@ -147,13 +147,13 @@ def save_replay(shape, settings: dict) -> dict:  # settings: a MemoryEstimate's 
     def unit(group: str) -> list:
         return [t for t in tensors if t.group == group]
 
-    if not s["offload"]:
+    if not s.offload:
         for group, copies in (("block", shape.num_layers), ("root", 1)):
             for _ in range(copies):
                 for t in unit(group):
                     for _ in range(3 if t.trainable else 1):
                         malloc(sharded_bytes(t, shard))
-    malloc(quant_constants(shape, s["use_4bit"], s["use_8bit"], s["nested_quant"]))
+    malloc(quant_constants(shape, s.use_4bit, s.use_8bit, s.nested_quant))
     resident = a.allocated
     root = malloc(sum(t.numel * t.itemsize for t in unit("root")))
     for _ in range(shape.num_layers):
@@ -169,7 +169,7 @@ def save_replay(shape, settings: dict) -> dict:  # settings: a MemoryEstimate's 
 
 
 def _saves() -> None:
-    from shardtune.planning import estimate_memory
+    from shardtune.planning import PlanInputs, estimate_memory
     from shardtune.planning.estimate import SAVE_PHASE
     from tests.unit.test_plan import PUBLISHED, _shape_and_settings
 
@@ -178,9 +178,9 @@ def _saves() -> None:
     print("run's reserved peak with its phase")
     for pub in (p for p in PUBLISHED if p.settings.get("sharded_checkpoint")):
         shape, settings = _shape_and_settings(pub)
-        e = estimate_memory(shape, **settings)
-        r = save_replay(shape, e.settings)
-        save = estimate_memory(shape, **{**settings, "allocator_overhead": 0.0})  # the peak is the save: its bytes
+        e = estimate_memory(shape, PlanInputs(**settings))
+        r = save_replay(shape, e.inputs)
+        save = estimate_memory(shape, PlanInputs(**{**settings, "allocator_overhead": 0.0}))  # the save's bytes
         assert save.peak_phase == SAVE_PHASE, pub.name
         print(
             f"{pub.name:48} {r['allocated'] / GiB:6.2f} {r['reserved'] / GiB:6.2f} "

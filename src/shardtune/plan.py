@@ -35,10 +35,11 @@ from shardtune.planning.fit import (
     CHAT_NEW_TOKENS,
     frozen_base_choice,
     launch_from_settings,
+    plan_inputs,
     plan_shape,
-    run_kwargs,
     warn_if_too_small,  # noqa: F401 - docs/plan.md names shardtune.plan's
 )
+from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import load_model_config
 from shardtune.planning.recommend import longest_sequences, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
@@ -207,15 +208,15 @@ def make_plan(argv: list[str]) -> Plan:
     shape = plan_shape(config, model.chat_template_format)
     if train.router_aux_loss_coef is not None:  # --router_aux_loss_coef over the config's
         shape = dataclasses.replace(shape, router_aux_loss_coef=train.router_aux_loss_coef)
-    kwargs = run_kwargs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
+    inputs = plan_inputs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
     gpu_bytes = parse_bytes(plan.gpu_memory) if plan.gpu_memory else None
     run = RunConfig(model, data, train, _fsdp_settings(launch))
-    placement_note = _frozen_base_note(run, launch, gpu_bytes, shape, kwargs)
+    inputs, placement_note = _frozen_base_note(run, launch, gpu_bytes, shape, inputs)
     result = Plan(
         model.model_name_or_path,
         shape,
-        kwargs,
-        estimate_memory(shape, **kwargs),
+        inputs,
+        estimate_memory(shape, inputs),
         launch,
         as_json=bool(plan.json),
         run=run,
@@ -230,11 +231,11 @@ def make_plan(argv: list[str]) -> Plan:
     if gpu_bytes is not None:
         result.gpu_bytes = gpu_bytes
         if not result.estimate.fits(result.gpu_bytes):
-            result.recommendation = recommend(kwargs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
+            result.recommendation = recommend(inputs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
     if plan.longest_seq_len:
         if gpu_bytes is None:
             raise ConfigError(["--longest_seq_len needs --gpu_memory: the memory of one GPU to fit the sequence in."])
-        result.longest = longest_sequences(kwargs, gpu_bytes, launch.world_size, shape)
+        result.longest = longest_sequences(inputs, gpu_bytes, launch.world_size, shape)
     if plan.host_memory:
         result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
     if plan.trace:
@@ -251,23 +252,24 @@ def make_plan(argv: list[str]) -> Plan:
     return result
 
 
-def _frozen_base_note(run: RunConfig, launch: Launch, gpu_bytes: int | None, shape, kwargs: dict) -> str | None:
-    """What --frozen_base the run would take, as `shardtune train` decides it on a GPU of `gpu_bytes`; `kwargs`
-    become the replicated run's where auto replicates. Without --gpu_memory, auto is planned sharded and the note
-    gives the replicated figure beside it."""
+def _frozen_base_note(
+    run: RunConfig, launch: Launch, gpu_bytes: int | None, shape, inputs: PlanInputs
+) -> tuple[PlanInputs, str | None]:
+    """What --frozen_base the run would take, as `shardtune train` decides it on a GPU of `gpu_bytes`: the run's
+    inputs (the replicated run's where auto replicates) and the note that says so. Without --gpu_memory, auto is
+    planned sharded and the note gives the replicated figure beside it."""
     if run.model.frozen_base != "auto" or not run.model.use_peft_lora or launch.world_size == 1:
-        return None
+        return inputs, None
     placement, why = frozen_base_choice(run, launch, gpu_bytes)
     if placement == "replicated":
-        kwargs["replicate_base"] = True
-        return why
+        return dataclasses.replace(inputs, replicate_base=True), why
     if gpu_bytes is None and not launch.offload:
-        need = estimate_memory(shape, **{**kwargs, "replicate_base": True}).total
-        return (
+        need = estimate_memory(shape, dataclasses.replace(inputs, replicate_base=True)).total
+        return inputs, (
             f"--frozen_base auto: planned sharded; `shardtune train` replicates the frozen base on a GPU with room "
             f"for it ({need / GiB:.1f} GiB per GPU replicated, plus a margin: --gpu_memory decides it here)."
         )
-    return why
+    return inputs, why
 
 
 def _fsdp_settings(launch: Launch) -> FSDPSettings:
@@ -297,8 +299,8 @@ def run_trace(p: Plan) -> Any:
         world_size=p.launch.world_size,
         num_nodes=p.launch.num_nodes,
         device="cuda" if torch.cuda.is_available() else "cpu",
-        loss_chunk_tokens=p.kwargs["loss_chunk_tokens"],
-        replicate_base=p.kwargs["replicate_base"],
+        loss_chunk_tokens=p.inputs.loss_chunk_tokens,
+        replicate_base=p.inputs.replicate_base,
     )
     if p.launch.offload and result.device == "cpu":
         result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")

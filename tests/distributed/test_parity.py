@@ -60,12 +60,12 @@ def _assert_planner_matches(out, model_dir, **kwargs):
     from transformers import AutoConfig
 
     from shardtune.plan import plan_shape
-    from shardtune.planning import model_state_bytes_per_rank
+    from shardtune.planning import PlanInputs, model_state_bytes_per_rank
 
     held = _held_bytes(out)
     shape = plan_shape(AutoConfig.from_pretrained(model_dir), "chatml")
     for rank, got in enumerate(held):
-        est = model_state_bytes_per_rank(shape, world_size=len(held), bf16=False, rank=rank, **kwargs)
+        est = model_state_bytes_per_rank(shape, PlanInputs(world_size=len(held), bf16=False, **kwargs), rank=rank)
         assert (est["frozen"], est["trainable"]) == (got["frozen"], got["trainable"]), (rank, est, got)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from bench.plan_loo import fit, leave_one_out, relative_errors, with_constant
-from shardtune.planning import estimate_memory
+from shardtune.planning import PlanInputs, estimate_memory
 from shardtune.planning.allocator import CachingAllocator, block_size, replay, segment_size
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_PHASE
 from tests.unit.test_plan import PUBLISHED, _estimate_gib, _midpoint, _shape_and_settings
@@ -153,7 +153,7 @@ def test_leave_one_out_over_the_published_rows():
         # is the peak at both ends of the grid (the guide's QLoRA run with offload)
         shape, settings = _shape_and_settings(pub)
         save_at_both = all(
-            estimate_memory(shape, **{**settings, "allocator_overhead": grid[k]}).peak_phase == SAVE_PHASE
+            estimate_memory(shape, PlanInputs(**{**settings, "allocator_overhead": grid[k]})).peak_phase == SAVE_PHASE
             for k in (0, -2)
         )
         assert (row[0] == row[-2]) == (pub.metric == "allocated" or save_at_both), pub.name

@@ -20,7 +20,7 @@ from shardtune.data.sources import ACCEPTED
 from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.hub import is_hub_id
 from shardtune.parallel import STRATEGIES, ParallelDims
-from shardtune.planning import ModelShape, estimate_memory
+from shardtune.planning import ModelShape, PlanInputs, estimate_memory
 from shardtune.planning.known_configs import known_config
 
 HUB_ARGS = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]  # hub ids: no files needed
@@ -49,7 +49,7 @@ def test_every_strategy_is_read_by_the_yaml_the_environment_the_mesh_and_the_pla
         assert fsdp_settings_from_yaml(path).sharding_strategy == name
         dims = ParallelDims.build(world_size=4, local_world_size=2, rank=3, sharding_strategy=name)
         assert dims.dp_size == 4 and dims.dp_rank == 3  # every strategy is data parallel over all ranks
-        estimate = estimate_memory(shape, world_size=4, num_nodes=2, sharding_strategy=name)
+        estimate = estimate_memory(shape, PlanInputs(world_size=4, num_nodes=2, sharding_strategy=name))
         assert estimate.total > 0
 
 
@@ -64,7 +64,7 @@ def test_an_unknown_strategy_is_refused_by_each_reader_naming_the_same_set(tmp_p
         ParallelDims.build(world_size=2, local_world_size=2, rank=0, sharding_strategy="ZERO3")
     shape = ModelShape.from_config(known_config("meta-llama/Meta-Llama-3-8B"))
     with pytest.raises(ValueError, match="ZERO3"):
-        estimate_memory(shape, world_size=2, sharding_strategy="ZERO3")
+        estimate_memory(shape, PlanInputs(world_size=2, sharding_strategy="ZERO3"))
 
 
 # ---------------------------------------------------------------- precision

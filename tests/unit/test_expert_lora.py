@@ -125,7 +125,7 @@ def test_planner_counts_the_expert_and_router_lora_training_adds(model_type):
     params = targets.plan_parameters(model, "routers", experts=True).names
     lora = LoraConfig(r=4, target_modules=targets.plan_all_linear(model).paths, target_parameters=params)
     trained = sum(p.numel() for n, p in get_peft_model(model, lora).named_parameters() if "lora_" in n)
-    planned = resolve_lora_targets(shape, "all-linear,@experts,@routers")
+    planned = resolve_lora_targets(shape, "all-linear", ("experts", "routers"))
     assert lora_param_count(shape, 4, planned) == trained
     assert lora_param_count(shape, 4, resolve_lora_targets(shape, "all-linear")) < trained
     assert expert_lora_saved_bytes(shape, 2, planned) == 2 * experts

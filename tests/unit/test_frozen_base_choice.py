@@ -1,8 +1,10 @@
 """--frozen_base: which placement a run takes and why (planning.fit.frozen_base_choice), what the planner plans for
-each (estimate_memory(replicate_base=...)), the flags refused with it, and the one cast the replicated base gets
+each (PlanInputs(replicate_base=...)), the flags refused with it, and the one cast the replicated base gets
 (distributed.fsdp.frozen_parameters)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ from torch import nn
 
 from shardtune.config import ConfigError, load_run_config
 from shardtune.distributed.fsdp import frozen_parameters
-from shardtune.planning import estimate_memory, model_state_bytes_per_rank
-from shardtune.planning.fit import AUTO_REPLICATE_MARGIN, frozen_base_choice, plan_shape, run_kwargs
+from shardtune.planning import PlanInputs, estimate_memory, model_state_bytes_per_rank
+from shardtune.planning.fit import AUTO_REPLICATE_MARGIN, frozen_base_choice, plan_inputs, plan_shape
 from shardtune.planning.known_configs import KNOWN_CONFIGS
 from shardtune.planning.model import load_model_config
 from shardtune.planning.report import Launch
@@ -32,8 +34,8 @@ LORA = ("--use_peft_lora", "True", "--lora_r", "8", "--lora_target_modules", "al
 
 def _need(cfg, world: int) -> int:
     shape = plan_shape(load_model_config(MODEL, False), cfg.model.chat_template_format)
-    kwargs = {**run_kwargs(cfg.model, cfg.data, cfg.train, Launch(world_size=world)), "replicate_base": True}
-    return estimate_memory(shape, **kwargs).total
+    inputs = replace(plan_inputs(cfg.model, cfg.data, cfg.train, Launch(world_size=world)), replicate_base=True)
+    return estimate_memory(shape, inputs).total
 
 
 def test_auto_replicates_where_the_plan_fits_with_its_margin(tmp_path):
@@ -76,17 +78,17 @@ def test_the_planner_holds_the_whole_base_and_gathers_only_the_adapters():
     """Per rank, the replicated plan holds the world-size-1 frozen bytes and the sharded plan's trainable ones; its
     all-gather buffers are the adapters' alone (a block's LoRA matrices in bf16, well under 1% of the base's)."""
     config = KNOWN_CONFIGS[MODEL]
-    one = model_state_bytes_per_rank(config, world_size=1)
-    four = model_state_bytes_per_rank(config, world_size=4)
-    sharded = estimate_memory(config, world_size=4, seq_len=2048, batch_size=2)
-    replicated = estimate_memory(config, world_size=4, seq_len=2048, batch_size=2, replicate_base=True)
+    one = model_state_bytes_per_rank(config, PlanInputs(world_size=1))
+    four = model_state_bytes_per_rank(config, PlanInputs(world_size=4))
+    sharded = estimate_memory(config, PlanInputs(world_size=4, seq_len=2048, batch_size=2))
+    replicated = estimate_memory(config, PlanInputs(world_size=4, seq_len=2048, batch_size=2, replicate_base=True))
     assert replicated.device["frozen base weights"] == one["frozen"]
     assert sharded.device["frozen base weights"] == four["frozen"]
     assert replicated.device["trainable weights"] == sharded.device["trainable weights"] == four["trainable"]
     gathered = replicated.device["FSDP all-gather buffers"]
     assert 0 < gathered < 0.01 * sharded.device["FSDP all-gather buffers"]
     with pytest.raises(ValueError, match="replicate_base"):
-        estimate_memory(config, world_size=4, offload=True, replicate_base=True)
+        estimate_memory(config, PlanInputs(world_size=4, offload=True, replicate_base=True))
 
 
 def test_frozen_parameters_are_cast_once_to_the_compute_dtype():

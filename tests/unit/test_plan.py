@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import pytest
 import torch
@@ -22,6 +22,7 @@ from shardtune.plan import (
 )
 from shardtune.planning import (
     ModelShape,
+    PlanInputs,
     base_param_count,
     estimate_memory,
     lora_param_count,
@@ -29,7 +30,8 @@ from shardtune.planning import (
 )
 from shardtune.planning.activations import layer_saved_bytes_per_token
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_COPIES_ROW, SAVE_PHASE
-from shardtune.planning.fit import warn_if_too_small
+from shardtune.planning.fit import plan_inputs, warn_if_too_small
+from shardtune.planning.inputs import RUN_FIELDS, as_json
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.model import quant_constant_bytes, resolve_lora_targets, shard_rows
 from shardtune.planning.recommend import recommend
@@ -166,7 +168,9 @@ def test_8bit_optimizer_state_per_rank_equals_bitsandbytes_on_local_shards(tiny_
             for k, v in s.items()
             if torch.is_tensor(v) and v.dim() > 0 and not k.startswith("qmap")
         )
-        est = model_state_bytes_per_rank(shape, world_size=world, use_peft_lora=False, optim="adamw_8bit", rank=rank)
+        est = model_state_bytes_per_rank(
+            shape, PlanInputs(world_size=world, use_peft_lora=False, optim="adamw_8bit"), rank=rank
+        )
         assert est["optimizer"] == real, (world, rank)
 
 
@@ -185,12 +189,13 @@ def test_model_state_per_rank_equals_dim0_chunks_of_real_parameters(tiny_dir):
                 chunks = torch.chunk(p.detach(), world, dim=0)
                 local = chunks[rank] if rank < len(chunks) else p.new_empty(0)
                 real["trainable" if p.requires_grad else "frozen"] += local.numel() * local.element_size()
-            est = model_state_bytes_per_rank(shape, world_size=world, lora_r=3, rank=rank)
+            est = model_state_bytes_per_rank(shape, PlanInputs(world_size=world, lora_r=3), rank=rank)
             assert (est["frozen"], est["trainable"]) == (real["frozen"], real["trainable"]), (world, rank)
             assert est["optimizer"] == 2 * est["trainable"] and est["gradients"] == est["trainable"]
-        padded = model_state_bytes_per_rank(shape, world_size=world, lora_r=3)
+        padded = model_state_bytes_per_rank(shape, PlanInputs(world_size=world, lora_r=3))
         assert padded["frozen"] >= max(
-            model_state_bytes_per_rank(shape, world_size=world, lora_r=3, rank=r)["frozen"] for r in range(world)
+            model_state_bytes_per_rank(shape, PlanInputs(world_size=world, lora_r=3), rank=r)["frozen"]
+            for r in range(world)
         )
 
 
@@ -259,7 +264,7 @@ def test_model_state_per_rank_equals_fully_shard(tiny_dir):
     held = _spawn_two(_fully_shard_worker, tiny_dir)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_dir))
     for rank in range(2):
-        est = model_state_bytes_per_rank(shape, world_size=2, lora_r=3, rank=rank)
+        est = model_state_bytes_per_rank(shape, PlanInputs(world_size=2, lora_r=3), rank=rank)
         assert (est["frozen"], est["trainable"]) == (held[rank]["frozen"], held[rank]["trainable"])
     assert held[0]["trainable"] != held[1]["trainable"]  # r=3 rows split 2 + 1: the real chunks, not padding
 
@@ -309,7 +314,7 @@ def test_sharded_state_dict_copies_equal_fsdp1(tiny_dir):
     held = _spawn_two(_sharded_state_dict_worker, tiny_dir)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(tiny_dir))
     for rank in range(2):
-        est = model_state_bytes_per_rank(shape, world_size=2, lora_r=3, rank=rank)
+        est = model_state_bytes_per_rank(shape, PlanInputs(world_size=2, lora_r=3), rank=rank)
         assert (held[rank]["frozen"], held[rank]["trainable"]) == (est["frozen"], est["trainable"])
         assert held[rank]["not sharded"] == 0
 
@@ -330,7 +335,7 @@ def test_4bit_packed_tensors_and_constants_equal_bitsandbytes(tiny_dir):
     shape = ModelShape.from_config(model.config)
     frozen = sum(p.numel() * p.element_size() for p in model.parameters())
     est = model_state_bytes_per_rank(
-        shape, world_size=1, use_4bit=True, nested_quant=True, lora_target_modules="q_proj"
+        shape, PlanInputs(world_size=1, use_4bit=True, nested_quant=True, lora_target_modules="q_proj")
     )
     assert est["frozen"] == frozen
     seen, constants = set(), 0
@@ -437,42 +442,42 @@ def test_layer_activations_equal_saved_tensors(attn, lora, targets, dropout):
 
 def test_sharding_strategies_divide_model_state():
     shape = ModelShape.from_config(known_config("meta-llama/Llama-2-70b-hf"))
-    one = model_state_bytes_per_rank(shape, world_size=1)
-    full8 = model_state_bytes_per_rank(shape, world_size=8)
-    hybrid = model_state_bytes_per_rank(shape, world_size=16, num_nodes=2, sharding_strategy="HYBRID_SHARD")
-    no_shard = model_state_bytes_per_rank(shape, world_size=8, sharding_strategy="NO_SHARD")
+    one = model_state_bytes_per_rank(shape, PlanInputs(world_size=1))
+    full8 = model_state_bytes_per_rank(shape, PlanInputs(world_size=8))
+    hybrid = model_state_bytes_per_rank(shape, PlanInputs(world_size=16, num_nodes=2, sharding_strategy="HYBRID_SHARD"))
+    no_shard = model_state_bytes_per_rank(shape, PlanInputs(world_size=8, sharding_strategy="NO_SHARD"))
     assert hybrid == full8 and no_shard == one
     assert one["frozen"] == 2 * base_param_count(shape)  # bf16
     # Every 70B tensor's dim 0 divides by 8 except the 32000-row embeddings... which also do: no padding.
     assert full8["frozen"] * 8 == one["frozen"]
     assert shard_rows(5, 4) == 2 and [shard_rows(5, 4, r) for r in range(4)] == [2, 2, 1, 0]
     with pytest.raises(ValueError, match="multiple"):
-        model_state_bytes_per_rank(shape, world_size=6, num_nodes=4)
+        model_state_bytes_per_rank(shape, PlanInputs(world_size=6, num_nodes=4))
 
 
 def test_estimate_rows_add_up_and_respond_to_settings():
     shape = ModelShape.from_config(known_config("meta-llama/Meta-Llama-3-8B"))
-    base = estimate_memory(shape, world_size=2, batch_size=4, seq_len=4096)
+    base = estimate_memory(shape, PlanInputs(world_size=2, batch_size=4, seq_len=4096))
     assert base.total == sum(base.device.values())
     assert base.reserved - base.allocated == base.device["allocator overhead"]
-    no_gc = estimate_memory(shape, world_size=2, batch_size=4, seq_len=4096, gradient_checkpointing=False)
+    no_gc = estimate_memory(shape, PlanInputs(world_size=2, batch_size=4, seq_len=4096, gradient_checkpointing=False))
     assert no_gc.device["activations"] > 4 * base.device["activations"]
     eager = base.activations_by_attention["eager"]["no checkpointing"]
     assert eager > base.activations_by_attention["sdpa"]["no checkpointing"]
-    offload = estimate_memory(shape, world_size=2, batch_size=4, seq_len=4096, offload=True)
+    offload = estimate_memory(shape, PlanInputs(world_size=2, batch_size=4, seq_len=4096, offload=True))
     assert offload.device["frozen base weights"] == 0 and offload.host["offloaded parameters"] == 2 * (
         base.device["frozen base weights"] + base.device["trainable weights"]
     )
-    full = estimate_memory(shape, world_size=2, use_peft_lora=False)
+    full = estimate_memory(shape, PlanInputs(world_size=2, use_peft_lora=False))
     params = base_param_count(shape)
     # fp32 master weights; not a float tolerance: a shard's rows round up to whole rows per rank (≤ 1 row of each
     # of the model's tensors, under 1e-3 of its bytes at this size).
     assert full.device["trainable weights"] == pytest.approx(4 * params / 2, rel=1e-3)
     assert full.device["optimizer state"] == 2 * full.device["trainable weights"]
-    adam8 = estimate_memory(shape, world_size=2, optim="adamw_8bit")
+    adam8 = estimate_memory(shape, PlanInputs(world_size=2, optim="adamw_8bit"))
     ratio = adam8.device["optimizer state"] / base.device["optimizer state"]
     assert 2 / 8 < ratio < 2.1 / 8  # two uint8 states (+ fp32 absmax per 256) instead of two fp32 states
-    qlora = estimate_memory(shape, world_size=2, use_4bit=True)
+    qlora = estimate_memory(shape, PlanInputs(world_size=2, use_4bit=True))
     linear = shape.num_layers * sum(i * o for i, o in shape.linear_dims().values())
     # nf4: half a byte per linear weight; embeddings, head and norms stay bf16; halved over 2 ranks.
     assert qlora.device["frozen base weights"] == (linear // 2 + 2 * (params - linear)) // 2
@@ -616,7 +621,7 @@ def _shape_and_settings(pub: Published) -> tuple[ModelShape, dict]:
 
 def _estimate_gib(pub: Published) -> float:
     shape, settings = _shape_and_settings(pub)
-    return getattr(estimate_memory(shape, **settings), pub.metric) / GiB
+    return getattr(estimate_memory(shape, PlanInputs(**settings)), pub.metric) / GiB
 
 
 def _midpoint(measured: float | tuple[float, float]) -> float:
@@ -654,7 +659,7 @@ def test_guide_qlora_offload_peaks_in_the_save():
     """With offload the guide's peak is its epoch-end SHARDED_STATE_DICT checkpoint, not the training step: the
     step alone is far under the figure (15.6 GiB of 19.6)."""
     shape, settings = _shape_and_settings(GUIDE_QLORA_OFFLOAD)
-    est = estimate_memory(shape, **settings)
+    est = estimate_memory(shape, PlanInputs(**settings))
     assert est.peak_phase == SAVE_PHASE
     step_only = replace(GUIDE_QLORA_OFFLOAD, settings={**GUIDE_QLORA_OFFLOAD.settings, "sharded_checkpoint": False})
     assert _estimate_gib(step_only) < 19.6 * 0.85
@@ -668,15 +673,15 @@ def test_checkpoint_save_has_no_fragmentation():
     for pub in (p for p in PUBLISHED if p.settings.get("sharded_checkpoint")):
         shape, settings = _shape_and_settings(pub)
         # with no fragmentation anywhere the save is the peak of all three runs: its rows are its live bytes
-        save = estimate_memory(shape, **{**settings, "allocator_overhead": 0.0})
+        save = estimate_memory(shape, PlanInputs(**{**settings, "allocator_overhead": 0.0}))
         assert save.peak_phase == SAVE_PHASE and save.device["allocator overhead"] == 0
         assert save.reserved == save.allocated
         if "QLoRA" in pub.name:  # the save stays the peak, and reserves the same, up to the shipped constant
             for f in (ALLOCATOR_OVERHEAD / 2, ALLOCATOR_OVERHEAD):
-                at_f = estimate_memory(shape, **{**settings, "allocator_overhead": f})
+                at_f = estimate_memory(shape, PlanInputs(**{**settings, "allocator_overhead": f}))
                 assert at_f.peak_phase == SAVE_PHASE and at_f.reserved == at_f.allocated == save.reserved
         else:  # the LoRA run: its save (69.3 GiB live) is within the step's 78.4 GiB reserved
-            est = estimate_memory(shape, **settings)
+            est = estimate_memory(shape, PlanInputs(**settings))
             assert est.peak_phase != SAVE_PHASE and est.reserved > save.reserved
 
 
@@ -684,9 +689,9 @@ def test_checkpoint_save_rows():
     """The save holds the resident state, the constants, the root unsharded and a copy of every shard."""
     shape = ModelShape.from_config(known_config(L70)).with_vocab(32008)
     kw = {**_GUIDE, **_Q, "world_size": 2, "batch_size": 2}
-    state = model_state_bytes_per_rank(shape, world_size=2, **_Q)
+    state = model_state_bytes_per_rank(shape, PlanInputs(world_size=2, **_Q))
     for offload in (True, False):
-        est = estimate_memory(shape, offload=offload, **kw)
+        est = estimate_memory(shape, PlanInputs(offload=offload, **kw))
         assert est.peak_phase == SAVE_PHASE and est.device["allocator overhead"] == 0 and est.reserved == est.allocated
         assert est.device[SAVE_COPIES_ROW] == state["frozen"] + state["trainable"]
         root = (2 * shape.vocab_size + 1) * shape.hidden_size * 2  # embeddings, head, final norm in bf16
@@ -697,9 +702,9 @@ def test_checkpoint_save_rows():
         )
         assert est.device["gradients"] == est.device["activations"] == 0  # zero_grad ran; the step is over
         assert est.device["quantization constants"] == state["quant_constants"]
-    lora = estimate_memory(known_config(L70), world_size=8, batch_size=8, base_dtype="float32", **_GUIDE)
+    lora = estimate_memory(known_config(L70), PlanInputs(world_size=8, batch_size=8, base_dtype="float32", **_GUIDE))
     assert lora.peak_phase != SAVE_PHASE and lora.device[SAVE_COPIES_ROW] == 0  # the step needs more
-    assert SAVE_COPIES_ROW not in estimate_memory(shape, world_size=2, **_Q).device
+    assert SAVE_COPIES_ROW not in estimate_memory(shape, PlanInputs(world_size=2, **_Q)).device
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------
@@ -761,6 +766,26 @@ def test_main_json_keys_and_values(guide_yamls, capsys):
     assert set(data["activations_by_attention"]) == {"sdpa", "flash_attention_2", "eager"}
 
 
+def test_a_run_sets_the_fields_json_prints_under_run():
+    """planning.fit.plan_inputs, the one place a run becomes PlanInputs, sets the fields `--json` prints under
+    "run" (RUN_FIELDS, in that order) and lora_target_parameters, which "run" writes inside lora_target_modules
+    after an "@" each; every other field keeps shardtune's default."""
+    from shardtune.planning.report import Launch
+
+    model = ModelArguments(
+        model_name_or_path="x", use_peft_lora=True, lora_target_parameters="routers", lora_target_experts=True
+    )
+    train = TrainArguments(per_device_train_batch_size=3, gradient_accumulation_steps=2, objective="dpo")
+    inputs = plan_inputs(model, DataArguments(max_length=4096), train, Launch(world_size=4), "eager", 256)
+    changed = {f.name for f in fields(PlanInputs) if getattr(inputs, f.name) != f.default}
+    assert changed - set(RUN_FIELDS) == {"lora_target_parameters"}
+    assert inputs.lora_target_parameters == ("routers", "experts")
+    run = as_json(inputs, RUN_FIELDS)
+    assert list(run) == list(RUN_FIELDS)
+    assert run["lora_target_modules"] == model.lora_target_modules + ",@routers,@experts"
+    assert (run["world_size"], run["batch_size"], run["rows_per_example"], run["loss_chunk_tokens"]) == (4, 3, 2, 256)
+
+
 def _llama7_kwargs(**overrides) -> dict:
     kwargs = {"world_size": 2, "batch_size": 8, "seq_len": 2048, "gradient_checkpointing": True, "lora_r": 16}
     return {**kwargs, **overrides}
@@ -769,10 +794,10 @@ def _llama7_kwargs(**overrides) -> dict:
 def test_recommends_batch_reduction_when_only_that_fits(tmp_path, capsys):
     shape = ModelShape.from_config(known_config(L7))
     # with accumulation, every gradient shard exists from a later micro-batch's start: the same accumulation
-    at8 = estimate_memory(shape, **_llama7_kwargs(grad_accum=4)).total
-    at4 = estimate_memory(shape, **_llama7_kwargs(batch_size=4, grad_accum=8)).total
+    at8 = estimate_memory(shape, PlanInputs(**_llama7_kwargs(grad_accum=4))).total
+    at4 = estimate_memory(shape, PlanInputs(**_llama7_kwargs(batch_size=4, grad_accum=8))).total
     budget = (at8 + at4) // 2
-    rec = recommend(_llama7_kwargs(grad_accum=4), budget, accumulation=4, model=shape)
+    rec = recommend(PlanInputs(**_llama7_kwargs(grad_accum=4)), budget, accumulation=4, model=shape)
     assert rec.fits and rec.flags == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}
     assert rec.estimate.total == at4
     argv = [
@@ -805,9 +830,9 @@ def test_recommends_batch_reduction_when_only_that_fits(tmp_path, capsys):
 def test_recommends_checkpointing_at_batch_one():
     shape = ModelShape.from_config(known_config(L7))
     kwargs = _llama7_kwargs(batch_size=1, gradient_checkpointing=False, seq_len=8192)
-    without = estimate_memory(shape, **kwargs).total
-    with_gc = estimate_memory(shape, **{**kwargs, "gradient_checkpointing": True}).total
-    rec = recommend(kwargs, (without + with_gc) // 2, model=shape)
+    without = estimate_memory(shape, PlanInputs(**kwargs)).total
+    with_gc = estimate_memory(shape, PlanInputs(**{**kwargs, "gradient_checkpointing": True})).total
+    rec = recommend(PlanInputs(**kwargs), (without + with_gc) // 2, model=shape)
     assert rec.fits and rec.flags == {"gradient_checkpointing": True} and rec.tried == 1
 
 

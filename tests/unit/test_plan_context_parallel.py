@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -72,10 +73,10 @@ def test_the_longest_sequence_that_fits_grows_with_cp(capsys):
     lengths = [p.longest[cp] for cp in (1, 2, 4, 8)]
     assert all(b > a for a, b in itertools.pairwise(lengths)) and lengths[0] > 0
     for cp, n in p.longest.items():  # the longest fits, one more step of 2·cp·64 positions does not
-        at = {**p.kwargs, "context_parallel": cp}
-        assert estimate_memory(p.shape, **{**at, "seq_len": n}).total <= p.gpu_bytes
-        assert estimate_memory(p.shape, **{**at, "seq_len": n + 2 * cp * 64}).total > p.gpu_bytes
-    assert longest_sequences(p.kwargs, p.gpu_bytes, 8, p.shape) == p.longest
+        at = replace(p.inputs, context_parallel=cp)
+        assert estimate_memory(p.shape, replace(at, seq_len=n)).total <= p.gpu_bytes
+        assert estimate_memory(p.shape, replace(at, seq_len=n + 2 * cp * 64)).total > p.gpu_bytes
+    assert longest_sequences(p.inputs, p.gpu_bytes, 8, p.shape) == p.longest
 
 
 @pytest.mark.parametrize(

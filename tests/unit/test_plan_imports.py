@@ -17,8 +17,8 @@ def test_train_and_plan_read_the_same_planner_inputs():
     assert "shardtune.planning.fit" in GRAPH["shardtune.recipe.checks"]
     assert "shardtune.planning.fit" in GRAPH["shardtune.plan"]
     # docs/plan.md names shardtune.plan.warn_if_too_small: the same function, not a copy.
-    assert (plan.warn_if_too_small, plan.run_kwargs, plan.plan_shape) == (
+    assert (plan.warn_if_too_small, plan.plan_inputs, plan.plan_shape) == (
         fit.warn_if_too_small,
-        fit.run_kwargs,
+        fit.plan_inputs,
         fit.plan_shape,
     )

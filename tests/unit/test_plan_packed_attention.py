@@ -11,16 +11,18 @@ the trace and the family's own forward) is shown to miss them: the negative cont
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from shardtune import families, fastpath, modeling
 from shardtune.planning import ModelShape, estimate_memory
 from shardtune.planning import activations as act
-from shardtune.planning.fit import plan_shape, run_kwargs, trains_per_document
+from shardtune.planning.fit import plan_inputs, plan_shape, trains_per_document
 from shardtune.planning.model import resolve_lora_targets
 from shardtune.planning.recorder import AllocationRecorder
-from shardtune.planning.report import traced_run_kwargs
+from shardtune.planning.report import traced_run_inputs
 
 VOCAB, LORA_R = 301, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -204,12 +206,12 @@ def test_the_run_and_the_trace_decide_it_too():
     from shardtune.planning.report import Launch
 
     model, data = ModelArguments(model_name_or_path="x"), DataArguments(packing=True, max_length=8192)
-    assert run_kwargs(model, data, TrainArguments(), Launch(world_size=1))["per_document_attention"]
-    kwargs = run_kwargs(model, data, TrainArguments(torch_compile=True), Launch(world_size=1))
-    assert not kwargs["per_document_attention"]
-    kwargs = run_kwargs(model, data, TrainArguments(), Launch(world_size=1))
-    traced = traced_run_kwargs(kwargs, "cuda")
+    assert plan_inputs(model, data, TrainArguments(), Launch(world_size=1)).per_document_attention
+    inputs = plan_inputs(model, data, TrainArguments(torch_compile=True), Launch(world_size=1))
+    assert not inputs.per_document_attention
+    inputs = plan_inputs(model, data, TrainArguments(), Launch(world_size=1))
+    traced = traced_run_inputs(inputs, "cuda")
     shape = plan_shape(_config())
-    row_wide = estimate_memory(shape, **{**kwargs, "per_document_attention": False}).device["activations"]
-    assert estimate_memory(shape, **traced).device["activations"] == row_wide
-    assert estimate_memory(shape, **kwargs).device["activations"] != row_wide
+    row_wide = estimate_memory(shape, replace(inputs, per_document_attention=False)).device["activations"]
+    assert estimate_memory(shape, traced).device["activations"] == row_wide
+    assert estimate_memory(shape, inputs).device["activations"] != row_wide

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.planning.estimate import estimate_memory
+from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.known_configs import known_config
 
 ROW = {
@@ -26,7 +27,10 @@ ROW = {
 def test_one_process_without_fsdp_plans_no_fsdp_buffers(use_4bit):
     cfg = known_config("meta-llama/Llama-3.1-8B")
     kw = {**ROW, "use_4bit": use_4bit, "nested_quant": use_4bit}
-    fsdp, plain = estimate_memory(cfg, **kw).device, estimate_memory(cfg, fsdp=False, **kw).device
+    fsdp, plain = (
+        estimate_memory(cfg, PlanInputs(**kw)).device,
+        estimate_memory(cfg, PlanInputs(fsdp=False, **kw)).device,
+    )
     # FSDP gathers a block and the root in bf16 (GiBs); without it only the adapters' bf16 copies remain: half the
     # bytes of their fp32 masters (the "trainable weights" row).
     assert fsdp["FSDP all-gather buffers"] > 2**31
@@ -41,4 +45,4 @@ def test_without_fsdp_is_one_process_without_offload():
     cfg = known_config("meta-llama/Llama-3.1-8B")
     for bad in ({"world_size": 2}, {"offload": True}):
         with pytest.raises(ValueError, match="fsdp=False plans one process without offload"):
-            estimate_memory(cfg, **{**ROW, **bad}, fsdp=False)
+            estimate_memory(cfg, PlanInputs(**{**ROW, **bad}, fsdp=False))

@@ -10,7 +10,6 @@ terms; the CLI test traces one 80-block config end to end only for the table, no
 
 from __future__ import annotations
 
-import inspect
 import json
 import shlex
 import socket
@@ -84,9 +83,8 @@ def traced(tmp_path_factory) -> dict:
 
 def _assert_state_equals_planner(p) -> dict:
     """Rank 0's traced parameter shards (frozen, trainable) and optimizer states equal the planner's count for the
-    same run settings (the keywords model_state_bytes_per_rank takes, read off the plan's estimate keywords)."""
-    names = inspect.signature(model_state_bytes_per_rank).parameters
-    est = model_state_bytes_per_rank(p.shape, rank=0, **{k: v for k, v in p.kwargs.items() if k in names})
+    same run's inputs."""
+    est = model_state_bytes_per_rank(p.shape, p.inputs, rank=0)
     held = p.trace.state
     assert (held["frozen"], held["trainable"], held["optimizer"]) == (est["frozen"], est["trainable"], est["optimizer"])
     return est
@@ -115,7 +113,7 @@ def _left_out(p) -> int:
     """What the estimate leaves out of the activations, derived from the code: the loss's target selection (a
     bool mask over the tokens and the selected int64 labels, 9 bytes per token) and 0-dim tensors (the loss, its
     chunks' partial sums, the token count, the gradient norm: fewer than 16, each at most one 512-byte block)."""
-    tokens = p.kwargs["batch_size"] * p.kwargs["rows_per_example"] * p.kwargs["seq_len"]
+    tokens = p.inputs.batch_size * p.inputs.rows_per_example * p.inputs.seq_len
     return 9 * tokens + 16 * 512
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from shardtune import optimizers
 from shardtune.config import DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments, validate
-from shardtune.planning import estimate_memory
+from shardtune.planning import PlanInputs, estimate_memory
 
 LLAMA_7B = {
     "model_type": "llama",
@@ -67,8 +67,8 @@ def test_the_trainer_builds_it_and_it_steps(sgd):
 
 def test_the_planner_counts_its_state(sgd):
     common = {"world_size": 8, "use_peft_lora": False, "bf16": True, "batch_size": 1, "seq_len": 512}
-    adamw = estimate_memory(LLAMA_7B, optim="adamw_torch", **common)
-    plain = estimate_memory(LLAMA_7B, optim="sgd_plain", **common)
+    adamw = estimate_memory(LLAMA_7B, PlanInputs(optim="adamw_torch", **common))
+    plain = estimate_memory(LLAMA_7B, PlanInputs(optim="sgd_plain", **common))
     assert plain.device["optimizer state"] == 0
     # AdamW's two fp32 states of every (fp32 master) parameter, sharded over 8 ranks. Llama's parameters: the
     # embeddings and the head (V x h each), per block q/k/v/o (h x h), gate/up/down (h x I) and two norms (h), and

@@ -1,6 +1,7 @@
 """Memory planning for shardtune runs: estimates from config.json alone (see docs/plan.md)."""
 
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import (
     ModelShape,
     base_param_count,
@@ -13,6 +14,7 @@ from shardtune.planning.state import model_state_bytes_per_rank
 __all__ = [
     "MemoryEstimate",
     "ModelShape",
+    "PlanInputs",
     "base_param_count",
     "estimate_memory",
     "load_model_config",

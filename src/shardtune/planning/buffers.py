@@ -9,19 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from shardtune import parallel
+from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import ModelShape, Tensor, sharded_bytes
 from shardtune.planning.state import compute_dtype_bytes, state_per_rank
 
 
-def state_and_buffers(shape: ModelShape, tensors: list[Tensor], settings: dict[str, Any], shard: int, strategy: str):
+def state_and_buffers(shape: ModelShape, tensors: list[Tensor], inputs: PlanInputs, shard: int, strategy: str):
     """The model state one rank holds and FSDP's buffers (StepParts' pieces), for where the frozen base lives:
     sharded with the rest, or whole on every rank (replicate_base); and for one process without FSDP (fsdp)."""
-    s = settings
-    rep = s["replicate_base"]
-    state = state_per_rank(shape, tensors, shard, s["optim"], None, frozen_shard=1 if rep else shard)
-    managed = _fsdp_managed(tensors, rep, s["offload"] or not s["use_peft_lora"])
-    a = compute_dtype_bytes(s["bf16"], s["fp16"])
-    buffers = _buffers(s["fsdp"], shape, managed, a, shard, strategy, s["prefetch"], s["offload"], s["world_size"])
+    s = inputs
+    rep = s.replicate_base
+    state = state_per_rank(shape, tensors, shard, s.optim, None, frozen_shard=1 if rep else shard)
+    managed = _fsdp_managed(tensors, rep, s.offload or not s.use_peft_lora)
+    a = compute_dtype_bytes(s.bf16, s.fp16)
+    buffers = _buffers(s.fsdp, shape, managed, a, shard, strategy, s.prefetch, s.offload, s.world_size)
     return state, buffers
 
 

@@ -9,13 +9,14 @@ fine-tuning keeps fp32 master weights and all-gathers them in the compute dtype.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
 import shardtune.planning.activations as act
 from shardtune.planning.buffers import state_and_buffers
+from shardtune.planning.inputs import DEFAULTS, PlanInputs, as_json
 from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
 from shardtune.planning.phases import (
     FORWARD,
@@ -27,8 +28,6 @@ from shardtune.planning.phases import (
     temporaries,
 )
 from shardtune.planning.state import (
-    TENSOR_FLAGS,
-    GiB,
     as_shape,
     compute_dtype_bytes,
     host_bytes,
@@ -37,12 +36,6 @@ from shardtune.planning.state import (
     shard_group_size,
 )
 
-# nvidia-smi counts the CUDA context (driver, lazily loaded kernels) and NCCL's buffers besides PyTorch's
-# allocations. Calibrated on public GPU measurements, none of them a figure docs/plan.md compares with: 1.06 GB
-# outside PyTorch on each of 8 H100s once NCCL is set up (NVIDIA/nccl#1685); on 4 A100s, 544-688 MB per NCCL
-# communicator (NVIDIA/nccl#964) beside a bare context of 426 MiB (torch 2.10, CUDA 13; unslothai/unsloth-zoo#1053),
-# 0.94-1.07 GiB in all.
-CUDA_CONTEXT_BYTES = int(1.0 * GiB)
 # The caching allocator's fragmentation beyond the streams' high-water marks (_allocator_terms), as a fraction of
 # what the step allocates and frees (the other streams' largest sum less the resident state), without and with
 # expandable segments. Calibrated, not derived: the largest residual of the nine calibration runs of
@@ -81,7 +74,7 @@ class MemoryEstimate:
     activations_by_attention: dict[str, dict[str, int]]
     peak_phase: str
     logits_peak: int
-    settings: dict[str, Any]
+    inputs: PlanInputs  # what the estimate was computed for
     notes: list[str] = field(default_factory=list)
     # Allocated bytes at each of the step's phases (planning.phases), of which `device` is the largest.
     phase_bytes: dict[str, int] = field(default_factory=dict)
@@ -128,11 +121,11 @@ class MemoryEstimate:
             "activations_by_attention": self.activations_by_attention,
             "peak_phase": self.peak_phase,
             "logits_peak_bytes": self.logits_peak,
-            "settings": dict(self.settings),
+            "settings": as_json(self.inputs),
             "notes": list(self.notes),
             "phase_bytes": dict(self.phase_bytes),
             "temporaries_bytes": self.temporaries,
-            "allocator": {"expandable_segments": self.settings.get("expandable_segments"), **self.allocator_terms},
+            "allocator": {"expandable_segments": self.inputs.expandable_segments, **self.allocator_terms},
         }
 
 
@@ -303,86 +296,35 @@ def _dynamic(
     return _Dynamic(stored, working, peak, kept, forward, loss_forward, final_norm, block, mask_build)
 
 
-def estimate_memory(
-    model: ModelShape | Mapping | Any,
-    *,
-    world_size: int = 1,
-    num_nodes: int = 1,
-    sharding_strategy: str = "FULL_SHARD",
-    offload: bool = False,
-    bf16: bool = True,
-    fp16: bool = False,
-    use_4bit: bool = False,
-    use_8bit: bool = False,
-    nested_quant: bool = False,
-    quant_storage_dtype: str = "bfloat16",
-    use_peft_lora: bool = True,
-    lora_r: int = 8,
-    lora_target_modules: str | Sequence[str] = "all-linear",
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    modules_to_save: Sequence[str] = (),
-    batch_size: int = 1,
-    rows_per_example: int = 1,
-    seq_len: int = 2048,
-    gradient_checkpointing: bool = True,
-    attn_implementation: str = "sdpa",
-    packing: bool = False,
-    optim: str = "adamw_torch",
-    grad_accum: int = 1,
-    loss_impl: str = "chunked",
-    loss_chunk_tokens: int = 1024,
-    base_dtype: str | None = None,
-    adapter_dtype: str = "float32",
-    prefetch: bool = True,
-    sharded_checkpoint: bool = False,
-    dropout_mask_bytes: int = act.CUDA_DROPOUT_MASK_BYTES,
-    dropout_scratch_bytes: int = 0,
-    cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
-    allocator_overhead: float | None = None,
-    gather_stream_cache: bool = True,
-    expandable_segments: bool = True,
-    fsdp: bool = True,
-    replicate_base: bool = False,
-    context_parallel: int = 1,
-    per_document_attention: bool = True,
-) -> MemoryEstimate:
-    """Peak memory of one training step on each GPU, by category, and host RAM per machine.
-
-    The defaults describe shardtune itself. base_dtype, adapter_dtype, loss_impl, prefetch and sharded_checkpoint
-    describe other trainers (e.g. a base held in fp32 with bf16 autocast; the HF Trainer saving FSDP1 checkpoints
-    with SHARDED_STATE_DICT, which copies every parameter's shard on the GPU; FSDP1, whose all-gathers use one
-    stream in forward and backward: gather_stream_cache=False), which the published comparisons use.
-    fsdp=False: one process without fully_shard (a single-device trainer; fsdp.without_fsdp): _plain_buffers.
-    replicate_base: LoRA's frozen base left out of FSDP (`--frozen_base replicated`, fsdp.frozen_parameters):
-    every rank holds all of it, in the compute dtype, and FSDP gathers and reduces the trainable tensors only.
-    context_parallel: each row split over this many of the ranks (_dynamic_kwargs). per_document_attention: SDPA
-    per document where the family allows it (_dynamic_kwargs); False: over whole rows (torch.compile, the trace)."""
-    settings = {k: v for k, v in locals().items() if k != "model"}
+def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFAULTS) -> MemoryEstimate:
+    """Peak memory of one training step on each GPU, by category, and host RAM per machine, for the run `inputs`
+    describe (planning.inputs.PlanInputs; planning.fit.plan_inputs builds it from a run's flags). fsdp=False:
+    _plain_buffers; context_parallel and per_document_attention: _dynamic_kwargs."""
+    s = inputs
     shape = as_shape(model)
-    if (use_4bit or use_8bit) and not use_peft_lora:
+    if (s.use_4bit or s.use_8bit) and not s.use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
-    shard = shard_group_size(world_size, num_nodes, strategy := sharding_strategy.upper())
-    tensors = run_tensors(shape, **{k: settings[k] for k in TENSOR_FLAGS})
-    state, buffers = state_and_buffers(shape, tensors, settings, shard, strategy)
-    dyn_kwargs = _dynamic_kwargs(shape, settings)
-    dynamic = _dynamic(shape, gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
-                       **dyn_kwargs)  # fmt: skip
-    parts = _step_parts(shape, settings, state, dynamic, buffers)
+    shard = shard_group_size(s.world_size, s.num_nodes, strategy := s.sharding_strategy.upper())
+    tensors = run_tensors(shape, s)
+    state, buffers = state_and_buffers(shape, tensors, s, shard, strategy)
+    dyn_kwargs = _dynamic_kwargs(shape, s)
+    dynamic = _dynamic(shape, gradient_checkpointing=s.gradient_checkpointing,
+                       attn_implementation=s.attn_implementation, **dyn_kwargs)  # fmt: skip
+    parts = _step_parts(shape, s, state, dynamic, buffers)
     by_phase = _with_mask_build(step_phases(parts), parts, dynamic.mask_build)
     device = dict(by_phase[phase := peak_phase(by_phase)])
-    fragmentation = _fragmentation(allocator_overhead, expandable_segments)
-    terms = _allocator_terms(parts, by_phase, fragmentation, gather_stream_cache and fsdp)
+    fragmentation = _fragmentation(s.allocator_overhead, s.expandable_segments)
+    terms = _allocator_terms(parts, by_phase, fragmentation, s.gather_stream_cache and s.fsdp)
     device["allocator overhead"] = terms["reserved"] - sum(device.values())
-    if sharded_checkpoint:
+    if s.sharded_checkpoint:
         device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
-    device["CUDA context"] = cuda_context_bytes
+    device["CUDA context"] = s.cuda_context_bytes
     table = _activations_table(shape, dyn_kwargs)
-    host = host_bytes(state, tensors, shape, world_size // num_nodes, offload)
-    notes = _notes(use_4bit, offload, loss_impl, sharded_checkpoint, bool(shape.num_experts))
+    host = host_bytes(state, tensors, shape, s.world_size // s.num_nodes, s.offload)
+    notes = _notes(s.use_4bit, s.offload, s.loss_impl, s.sharded_checkpoint, bool(shape.num_experts))
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, settings, notes, phase_bytes, temps, terms)
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, s, notes, phase_bytes, temps, terms)
 
 
 MASK_BUILD = "attention mask build"
@@ -446,44 +388,45 @@ def _allocator_terms(parts: StepParts, by_phase: dict, fragmentation: float, gat
     }
 
 
-def _dynamic_kwargs(shape: ModelShape, settings: dict[str, Any]) -> dict[str, Any]:
-    """_dynamic's arguments for the run's settings, less the two the activations table varies. With context
+def _dynamic_kwargs(shape: ModelShape, s: PlanInputs) -> dict[str, Any]:
+    """_dynamic's arguments for the run's inputs, less the two the activations table varies. With context
     parallelism a rank holds 1/cp of every row's activations and logits (seq_len), plus, per block, the row's
     (row_len) gathered keys and values; FSDP still shards over all world_size ranks."""
-    s = settings
-    cp = s["context_parallel"]
+    cp = s.context_parallel
     return {
-        "a": compute_dtype_bytes(s["bf16"], s["fp16"]),
-        "batch_size": s["batch_size"] * s["rows_per_example"],  # the rows of one micro-batch: a preference pair is two
+        "a": compute_dtype_bytes(s.bf16, s.fp16),
+        "batch_size": s.batch_size * s.rows_per_example,  # the rows of one micro-batch: a preference pair is two
         # A rank's part of each row: rows are padded to a multiple of 2·cp (the zigzag split's chunks).
-        "seq_len": -(-s["seq_len"] // (2 * cp)) * 2 if cp > 1 else s["seq_len"],
-        "row_len": s["seq_len"],
-        "packing": s["packing"],
-        # decided once: by the family (planning.fit.plan_shape) and by the run (planning.fit.run_kwargs)
-        "per_document_attention": shape.per_document_attention and s["per_document_attention"],
-        "lora_targets": resolve_lora_targets(shape, s["lora_target_modules"]) if s["use_peft_lora"] else (),
-        "lora_r": s["lora_r"],
-        "lora_dropout": s["lora_dropout"],
-        "full_finetune": not s["use_peft_lora"],
-        "use_dora": s["use_dora"],
-        "quantized": s["use_4bit"] or s["use_8bit"],
-        "loss_impl": s["loss_impl"],
-        "loss_chunk_tokens": s["loss_chunk_tokens"],
-        "dropout_mask_bytes": s["dropout_mask_bytes"],
-        "dropout_scratch_bytes": s["dropout_scratch_bytes"],
+        "seq_len": -(-s.seq_len // (2 * cp)) * 2 if cp > 1 else s.seq_len,
+        "row_len": s.seq_len,
+        "packing": s.packing,
+        # decided once: by the family (planning.fit.plan_shape) and by the run (planning.fit.plan_inputs)
+        "per_document_attention": shape.per_document_attention and s.per_document_attention,
+        "lora_targets": (
+            resolve_lora_targets(shape, s.lora_target_modules, s.lora_target_parameters) if s.use_peft_lora else ()
+        ),
+        "lora_r": s.lora_r,
+        "lora_dropout": s.lora_dropout,
+        "full_finetune": not s.use_peft_lora,
+        "use_dora": s.use_dora,
+        "quantized": s.use_4bit or s.use_8bit,
+        "loss_impl": s.loss_impl,
+        "loss_chunk_tokens": s.loss_chunk_tokens,
+        "dropout_mask_bytes": s.dropout_mask_bytes,
+        "dropout_scratch_bytes": s.dropout_scratch_bytes,
     }
 
 
 def _step_parts(
-    shape: ModelShape, settings: dict[str, Any], state: dict[str, int], dynamic: _Dynamic, buffers: dict[str, Any]
+    shape: ModelShape, s: PlanInputs, state: dict[str, int], dynamic: _Dynamic, buffers: dict[str, Any]
 ) -> StepParts:
-    s = settings
-    a = compute_dtype_bytes(s["bf16"], s["fp16"])
+    a = compute_dtype_bytes(s.bf16, s.fp16)
+    rows = s.batch_size * s.rows_per_example * s.seq_len
     return StepParts(
         state=state,
-        on_gpu=0 if s["offload"] else 1,
-        quant_constants=quant_constants(shape, s["use_4bit"], s["use_8bit"], s["nested_quant"]),
-        grad_accum=s["grad_accum"],
+        on_gpu=0 if s.offload else 1,
+        quant_constants=quant_constants(shape, s.use_4bit, s.use_8bit, s.nested_quant),
+        grad_accum=s.grad_accum,
         forward_activations=dynamic.forward,
         stored=dynamic.stored,
         layer_stored=dynamic.stored - dynamic.final_norm,
@@ -491,13 +434,10 @@ def _step_parts(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=s["batch_size"]
-        * s["rows_per_example"]
-        * s["seq_len"]
-        * act.forward_working_bytes_per_token(shape, a, looped=s["use_4bit"]),
+        forward_working=rows * act.forward_working_bytes_per_token(shape, a, looped=s.use_4bit),
         num_blocks=shape.num_layers,
         block_stored=dynamic.block,
-        batch_inputs=act.BATCH_TENSORS * 8 * s["batch_size"] * s["rows_per_example"] * s["seq_len"],
+        batch_inputs=act.BATCH_TENSORS * 8 * rows,
         **buffers,
     )
 

@@ -1,5 +1,5 @@
 """Whether a training run fits its GPU: a `shardtune train` run's flags and launch as the planner's inputs
-(`run_kwargs`, `plan_shape`, `launch_from_env`), read by `shardtune plan` too, and `warn_if_too_small`, which
+(`plan_inputs`, `plan_shape`, `launch_from_env`), read by `shardtune plan` too, and `warn_if_too_small`, which
 `shardtune train` prints before loading when the estimate exceeds the GPU it found.
 """
 
@@ -15,7 +15,8 @@ from shardtune.fsdp_settings import fsdp_settings_from_env, single_process_fsdp_
 from shardtune.loss import rows_per_example
 from shardtune.parallel import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
-from shardtune.planning.model import PARAMETER_MARK, ModelShape, load_model_config
+from shardtune.planning.inputs import PlanInputs
+from shardtune.planning.model import ModelShape, load_model_config
 from shardtune.planning.recommend import recommend
 from shardtune.planning.report import Launch, recommendation_lines
 from shardtune.planning.state import GiB
@@ -90,23 +91,25 @@ def trains_per_document(config: Any) -> bool:
     return verdict.layout(True).path == "fast"
 
 
-def lora_targets(model) -> str:
-    """The planner's LoRA targets: --lora_target_modules, then the parameters (planning.model.PARAMETER_MARK)."""
+def lora_target_parameters(model: ModelArguments) -> tuple[str, ...]:
+    """The parameters LoRA adapts besides --lora_target_modules: --lora_target_parameters, and "experts" with
+    --lora_target_experts."""
     words = [w.strip() for w in (model.lora_target_parameters or "").split(",") if w.strip()]
     if model.lora_target_experts and "experts" not in words:
         words.append("experts")
-    return ",".join([model.lora_target_modules, *(PARAMETER_MARK + w for w in words)])
+    return tuple(words)
 
 
-def run_kwargs(
+def plan_inputs(
     model: ModelArguments,
     data: DataArguments,
     train: TrainArguments,
     launch: Launch,
     attn_implementation: str | None = None,
     loss_chunk_tokens: int = 1024,
-) -> dict[str, Any]:
-    """estimate_memory's keyword arguments for a run's flags and launch settings."""
+) -> PlanInputs:
+    """The planner's inputs for a run's flags and launch settings: the one place a run becomes PlanInputs (the
+    fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults)."""
     precision = resolve_precision(
         bf16=train.bf16, fp16=train.fp16, mixed_precision=launch.mixed_precision, peft=model.use_peft_lora
     )
@@ -114,46 +117,47 @@ def run_kwargs(
     # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
     # compute dtype.
     storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
-    return {
-        "world_size": launch.world_size,
-        "num_nodes": launch.num_nodes,
-        "sharding_strategy": launch.sharding_strategy,
-        "expandable_segments": launch.expandable_segments,
-        "offload": launch.offload,
-        "bf16": precision.bf16,
-        "fp16": precision.fp16,
-        "use_4bit": model.use_4bit_quantization,
-        "use_8bit": model.use_8bit_quantization,
-        "nested_quant": model.use_nested_quant,
-        "quant_storage_dtype": storage,
-        "use_peft_lora": model.use_peft_lora,
-        "lora_r": model.lora_r,
-        "lora_target_modules": lora_targets(model),
+    return PlanInputs(
+        world_size=launch.world_size,
+        num_nodes=launch.num_nodes,
+        sharding_strategy=launch.sharding_strategy,
+        expandable_segments=launch.expandable_segments,
+        offload=launch.offload,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        use_4bit=model.use_4bit_quantization,
+        use_8bit=model.use_8bit_quantization,
+        nested_quant=model.use_nested_quant,
+        quant_storage_dtype=storage,
+        use_peft_lora=model.use_peft_lora,
+        lora_r=model.lora_r,
+        lora_target_modules=model.lora_target_modules,
+        lora_target_parameters=lora_target_parameters(model),
         # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
-        "lora_dropout": 0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
-        "use_dora": model.use_dora,
-        "modules_to_save": tuple(_split(model.modules_to_save)),
-        "batch_size": train.per_device_train_batch_size,
-        "rows_per_example": rows_per_example(train.objective),
-        "seq_len": data.max_length,
-        "gradient_checkpointing": train.gradient_checkpointing or launch.activation_checkpointing,
-        "attn_implementation": attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
-        "packing": data.packing,
-        "optim": train.optim,
-        "grad_accum": train.gradient_accumulation_steps,
-        "loss_chunk_tokens": loss_chunk_tokens,
-        "replicate_base": replicates_base(model, launch.world_size, launch.offload),
-        "context_parallel": train.context_parallel_size,
+        lora_dropout=0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
+        use_dora=model.use_dora,
+        modules_to_save=tuple(_split(model.modules_to_save)),
+        batch_size=train.per_device_train_batch_size,
+        rows_per_example=rows_per_example(train.objective),
+        seq_len=data.max_length,
+        gradient_checkpointing=train.gradient_checkpointing or launch.activation_checkpointing,
+        attn_implementation=attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
+        packing=data.packing,
+        optim=train.optim,
+        grad_accum=train.gradient_accumulation_steps,
+        loss_chunk_tokens=loss_chunk_tokens,
+        replicate_base=replicates_base(model, launch.world_size, launch.offload),
+        context_parallel=train.context_parallel_size,
         # compiled blocks take transformers' masked attention (modeling.CausalLMForTraining, per_document_attention)
-        "per_document_attention": not train.torch_compile,
-        "fsdp": launch.world_size > 1
+        per_document_attention=not train.torch_compile,
+        fsdp=launch.world_size > 1
         or single_process_fsdp_reason(
             launch.single_process,
             offload=launch.offload,
             full_mixed_precision=not model.use_peft_lora and precision.param_dtype is not None,
         )
         is not None,
-    }
+    )
 
 
 def replicates_base(model: ModelArguments, world_size: int, offload: bool) -> bool:
@@ -219,8 +223,8 @@ def _replicated_need(cfg: RunConfig, launch: Launch) -> int | None:
         )
     except ConfigError:
         return None
-    kwargs = {**run_kwargs(cfg.model, cfg.data, cfg.train, launch), "replicate_base": True}
-    return estimate_memory(shape, **kwargs).total
+    inputs = replace(plan_inputs(cfg.model, cfg.data, cfg.train, launch), replicate_base=True)
+    return estimate_memory(shape, inputs).total
 
 
 def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:
@@ -232,11 +236,11 @@ def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None
         )
     except ConfigError:
         return None  # loading the model will report it
-    kwargs = run_kwargs(cfg.model, cfg.data, cfg.train, launch)
-    est = estimate_memory(shape, **kwargs)
+    inputs = plan_inputs(cfg.model, cfg.data, cfg.train, launch)
+    est = estimate_memory(shape, inputs)
     if est.fits(gpu_bytes):
         return None
-    rec = recommend(kwargs, gpu_bytes, cfg.train.gradient_accumulation_steps, model=shape)
+    rec = recommend(inputs, gpu_bytes, cfg.train.gradient_accumulation_steps, model=shape)
     lines = [
         (
             f"This run needs about {est.total / GiB:.1f} GiB per GPU (estimate of `shardtune plan`), more than "

@@ -302,11 +302,10 @@ class AllLinear(tuple):
 # after the linear layers': each fused expert tensor holds one LoRA per expert, A (r·E, in) and B (out, r·E).
 EXPERT_LORA = ("experts.gate_up_proj", "experts.down_proj")
 ROUTER_LORA = "router"
-PARAMETER_MARK = "@"  # "@experts", "@routers" or "@<parameter name>" in the planner's target list (planning.fit)
 
 
 def _parameter_targets(words: Sequence[str], shape: ModelShape) -> tuple[str, ...]:
-    """Planner names of the parameter targets ("@experts" -> both expert tensors; a name by its ending)."""
+    """Planner names of the parameter targets ("experts" -> both expert tensors; a name by its ending)."""
     out: list[str] = []
     for word in words:
         if word in ("experts", "routers"):
@@ -318,15 +317,17 @@ def _parameter_targets(words: Sequence[str], shape: ModelShape) -> tuple[str, ..
     return tuple(out)
 
 
-def resolve_lora_targets(shape: ModelShape, target_modules: str | Sequence[str]) -> tuple[str, ...]:
-    """The linear layers LoRA wraps, as Llama-style names (q_proj ... down_proj, lm_head). all-linear: AllLinear of
-    those names; its LoRA parameters are counted on the model's own layers where the class builds here
-    (shardtune.targets by module path: routers, experts' fused tensors and the head excluded), and assume the
-    Llama names otherwise. Explicit names are matched against the Llama names."""
+def resolve_lora_targets(
+    shape: ModelShape, target_modules: str | Sequence[str], target_parameters: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """The linear layers LoRA wraps, as Llama-style names (q_proj ... down_proj, lm_head), then the parameters it
+    adapts (`target_parameters`: "experts", "routers" or a parameter's name or ending; PlanInputs'
+    lora_target_parameters). all-linear: AllLinear of those names; its LoRA parameters are counted on the model's
+    own layers where the class builds here (shardtune.targets by module path: routers, experts' fused tensors and
+    the head excluded), and assume the Llama names otherwise. Explicit names are matched against the Llama names."""
     names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
-    words = [n[len(PARAMETER_MARK) :] for n in names if n.startswith(PARAMETER_MARK)]
-    names = [n for n in names if n and not n.startswith(PARAMETER_MARK)]
-    params = _parameter_targets(words, shape)
+    names = [n for n in names if n]
+    params = _parameter_targets(target_parameters, shape)
     if names == ["all-linear"]:
         return AllLinear(shape.block_linears() + params)
     known = shape.block_linears() + ROOT_LINEARS

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.inputs import PlanInputs
 
 MAX_GPUS = 4096
 
@@ -32,7 +33,11 @@ class Recommendation:
         }
 
 
-def _halvings(batch: int, accumulation: int) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+# Each candidate: (what it changes, the flags that make the change, the PlanInputs fields it changes).
+Candidate = tuple[str, dict[str, Any], dict[str, Any]]
+
+
+def _halvings(batch: int, accumulation: int) -> Iterator[Candidate]:
     """Halve the per-device batch and double gradient accumulation, keeping the global batch."""
     b, g = batch, accumulation
     while b > 1:
@@ -44,30 +49,30 @@ def _halvings(batch: int, accumulation: int) -> Iterator[tuple[str, dict[str, An
         )
 
 
-def _stage(label: str, flags: dict[str, Any], kwargs: dict[str, Any], batch: int, accumulation: int):
+def _stage(label: str, flags: dict[str, Any], change: dict[str, Any], batch: int, accumulation: int):
     """One change, alone and then with each batch halving on top."""
-    yield label, dict(flags), dict(kwargs)
-    for desc, bflags, bkw in _halvings(batch, accumulation):
-        yield f"{label}, {desc}", {**flags, **bflags}, {**kwargs, **bkw}
+    yield label, dict(flags), dict(change)
+    for desc, bflags, bchange in _halvings(batch, accumulation):
+        yield f"{label}, {desc}", {**flags, **bflags}, {**change, **bchange}
 
 
-def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
     """Changes in order of size: smaller batches, gradient checkpointing, CPU offload, 4-bit, then more GPUs."""
-    batch = kwargs.get("batch_size", 1)
+    batch = inputs.batch_size
     yield from _halvings(batch, accumulation)
     change: dict[str, Any] = {}
     flags: dict[str, Any] = {}
-    if not kwargs.get("gradient_checkpointing"):
+    if not inputs.gradient_checkpointing:
         change, flags = {"gradient_checkpointing": True}, {"gradient_checkpointing": True}
         yield from _stage("gradient checkpointing", flags, change, batch, accumulation)
-    yield from _context_parallel(kwargs, change, flags, accumulation)
-    if not kwargs.get("offload"):
+    yield from _context_parallel(inputs, change, flags, accumulation)
+    if not inputs.offload:
         change, flags = {**change, "offload": True}, {**flags, "fsdp_offload_params": True}
         yield from _stage(_describe(flags), flags, change, batch, accumulation)
-    if not kwargs.get("use_4bit"):
+    if not inputs.use_4bit:
         quant = {"use_4bit": True, "use_peft_lora": True, "use_8bit": False}
         qflags = {"use_4bit_quantization": True, "bnb_4bit_quant_storage_dtype": "bfloat16"}
-        if not kwargs.get("use_peft_lora"):
+        if not inputs.use_peft_lora:
             qflags["use_peft_lora"] = True
         no_offload = {k: v for k, v in change.items() if k != "offload"}
         no_offload_flags = {k: v for k, v in flags.items() if k != "fsdp_offload_params"}
@@ -76,8 +81,8 @@ def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str,
             ({**change, **quant}, {**flags, **qflags}),
         ):
             yield from _stage(_describe(f), f, c, batch, accumulation)
-    world = kwargs.get("world_size", 1)
-    nodes = kwargs.get("num_nodes", 1)
+    world = inputs.world_size
+    nodes = inputs.num_nodes
     more = 1 << world.bit_length() if world & (world - 1) == 0 else 1 << (world - 1).bit_length()
     while more <= MAX_GPUS:
         if more % nodes == 0:
@@ -85,13 +90,13 @@ def candidates(kwargs: dict[str, Any], accumulation: int) -> Iterator[tuple[str,
         more *= 2
 
 
-def _context_parallel(kwargs: dict[str, Any], change: dict, flags: dict, accumulation: int):
+def _context_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulation: int):
     """Each row split over more of the same GPUs (shardtune.context_parallel), the global batch kept by
     accumulating as many more micro-batches: the step computes the same gradient, a rank holds 1/cp of each row."""
-    world, cp = kwargs.get("world_size", 1), kwargs.get("context_parallel", 1)
+    world, cp = inputs.world_size, inputs.context_parallel
     more = cp * 2
     while more <= world:
-        if world % more == 0 and kwargs.get("rows_per_example", 1) == 1:  # SFT only
+        if world % more == 0 and inputs.rows_per_example == 1:  # SFT only
             g = accumulation * more // cp
             c = {**change, "context_parallel": more, "grad_accum": g}
             f = {**flags, "context_parallel_size": more, "gradient_accumulation_steps": g}
@@ -99,22 +104,22 @@ def _context_parallel(kwargs: dict[str, Any], change: dict, flags: dict, accumul
         more *= 2
 
 
-def longest_sequences(kwargs: dict[str, Any], gpu_bytes: int, world_size: int, model: Any, *,
+def longest_sequences(inputs: PlanInputs, gpu_bytes: int, world_size: int, model: Any, *,
                       estimator: Callable[..., MemoryEstimate] = estimate_memory) -> dict[int, int]:  # fmt: skip
     """{cp degree: the longest max_seq_len (a multiple of 2·cp·64) whose estimate fits gpu_bytes}, for the run's
     cp and every power-of-two degree dividing world_size (SFT); 0 where not even the shortest fits."""
-    degrees = sorted({kwargs.get("context_parallel", 1), *(d for d in _powers(world_size) if world_size % d == 0)})
-    if kwargs.get("rows_per_example", 1) != 1:
-        degrees = [kwargs.get("context_parallel", 1)]
-    return {cp: _longest(kwargs, gpu_bytes, model, cp, estimator) for cp in degrees}
+    degrees = sorted({inputs.context_parallel, *(d for d in _powers(world_size) if world_size % d == 0)})
+    if inputs.rows_per_example != 1:
+        degrees = [inputs.context_parallel]
+    return {cp: _longest(inputs, gpu_bytes, model, cp, estimator) for cp in degrees}
 
 
-def _longest(kwargs: dict[str, Any], gpu_bytes: int, model: Any, cp: int, estimator) -> int:
+def _longest(inputs: PlanInputs, gpu_bytes: int, model: Any, cp: int, estimator) -> int:
     """Doubling, then bisection, over multiples of 2·cp·64 positions (up to 2^16 of them)."""
     step = 2 * cp * 64
 
     def fits(n: int) -> bool:
-        return estimator(model, **{**kwargs, "seq_len": n * step, "context_parallel": cp}).total <= gpu_bytes
+        return estimator(model, replace(inputs, seq_len=n * step, context_parallel=cp)).total <= gpu_bytes
 
     lo, hi = 0, 1
     while fits(hi) and hi < 1 << 16:
@@ -144,7 +149,7 @@ def _describe(flags: dict[str, Any]) -> str:
 
 
 def recommend(
-    kwargs: dict[str, Any],
+    inputs: PlanInputs,
     gpu_bytes: int,
     accumulation: int = 1,
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
@@ -153,15 +158,15 @@ def recommend(
     """The first candidate change whose estimate fits `gpu_bytes`, or the closest one (fits=False) if none does."""
     best: Recommendation | None = None
     tried = 0
-    for description, flags, change in candidates(kwargs, accumulation):
+    for description, flags, change in candidates(inputs, accumulation):
         tried += 1
-        est = estimator(model, **{**kwargs, **change})
+        est = estimator(model, replace(inputs, **change))
         if est.total <= gpu_bytes:
             return Recommendation(description, flags, est, True, tried)
         if best is None or est.total < best.estimate.total:
             best = Recommendation(description, flags, est, False, tried)
     if best is None:  # nothing to change (e.g. batch 1, everything on): report the run as it is
-        est = estimator(model, **kwargs)
+        est = estimator(model, inputs)
         return Recommendation("no change left to try", {}, est, est.total <= gpu_bytes, tried)
     best.tried = tried
     return best

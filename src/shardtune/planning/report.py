@@ -4,11 +4,12 @@ the table and JSON it prints, and the traced step set beside the estimate, by ph
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shardtune.config import RunConfig
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
 from shardtune.planning.model import (
     EXPERT_LORA,
     ROUTER_LORA,
@@ -42,7 +43,7 @@ class Plan:
 
     name: str
     shape: ModelShape
-    kwargs: dict[str, Any]
+    inputs: PlanInputs  # the run's (planning.fit.plan_inputs)
     estimate: MemoryEstimate
     launch: Launch
     gpu_bytes: int | None = None
@@ -55,19 +56,18 @@ class Plan:
     longest: dict[int, int] | None = None  # --longest_seq_len: {cp degree: longest max_seq_len that fits}
 
     def to_dict(self) -> dict[str, Any]:
+        i = self.inputs
         targets = (
-            resolve_lora_targets(self.shape, self.kwargs["lora_target_modules"]) if self.kwargs["use_peft_lora"] else ()
+            resolve_lora_targets(self.shape, i.lora_target_modules, i.lora_target_parameters) if i.use_peft_lora else ()
         )
         out = {
             "model": {
                 "name": self.name,
                 **asdict(self.shape),
                 "parameters": base_param_count(self.shape),
-                "lora_parameters": lora_param_count(
-                    self.shape, self.kwargs["lora_r"], targets, self.kwargs["use_dora"]
-                ),
+                "lora_parameters": lora_param_count(self.shape, i.lora_r, targets, i.use_dora),
             },
-            "run": _jsonable(self.kwargs),
+            "run": as_json(i, RUN_FIELDS),
             **self.estimate.to_dict(),
             "gpu_memory_bytes": self.gpu_bytes,
             "fits": None if self.gpu_bytes is None else self.estimate.fits(self.gpu_bytes),
@@ -76,15 +76,10 @@ class Plan:
             "recommendation": self.recommendation.to_dict() if self.recommendation else None,
             "longest_seq_len": {str(k): v for k, v in self.longest.items()} if self.longest else None,
         }
-        out["settings"] = _jsonable(out["settings"])
         return out
 
 
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-
-
-def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+def traced_run_inputs(inputs: PlanInputs, device: str) -> PlanInputs:
     """The estimate's settings for what the trace runs: transformers' SDPA over whole rows with the 4-D packed-row
     mask, not shardtune's per-document attention (fake tensors give no positions to cut rows by: the trace turns
     per_document_attention off) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
@@ -93,12 +88,11 @@ def traced_run_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP. With
     context parallelism the trace splits real host rows (planning.trace): one document per row, per document."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
-    out = {**kwargs, "attn_implementation": "sdpa", "packing": True, "per_document_attention": False, "fsdp": True}
-    if kwargs.get("context_parallel", 1) > 1:  # the split does read positions: rows of one document each, no mask
-        out.update(packing=False, per_document_attention=True)
+    out = replace(inputs, attn_implementation="sdpa", packing=True, per_document_attention=False, fsdp=True)
+    if inputs.context_parallel > 1:  # the split does read positions: rows of one document each, no mask
+        out = replace(out, packing=False, per_document_attention=True)
     if device == "cpu":
-        out["offload"] = False
-        out["dropout_scratch_bytes"] = CPU_DROPOUT_SCRATCH_BYTES
+        out = replace(out, offload=False, dropout_scratch_bytes=CPU_DROPOUT_SCRATCH_BYTES)
     return out
 
 
@@ -117,8 +111,8 @@ TRACE_PHASES = {
 
 
 def traced_estimate(p: Plan, **overrides: Any) -> MemoryEstimate:
-    """The estimate for the settings the trace ran (traced_run_kwargs), which the trace is compared with."""
-    return estimate_memory(p.shape, **{**traced_run_kwargs(p.kwargs, p.trace.device), **overrides})
+    """The estimate for the settings the trace ran (traced_run_inputs), which the trace is compared with."""
+    return estimate_memory(p.shape, replace(traced_run_inputs(p.inputs, p.trace.device), **overrides))
 
 
 def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
@@ -175,7 +169,7 @@ def format_trace(p: Plan) -> str:
 def _allocator_line(e: MemoryEstimate) -> str:
     """What the allocator overhead row is made of, and the allocator setting it assumes."""
     t = e.allocator_terms
-    setting = "expandable segments" if e.settings.get("expandable_segments") else "default segments"
+    setting = "expandable segments" if e.inputs.expandable_segments else "default segments"
     parts = [f"fragmentation {t.get('fragmentation', 0) / GiB:.2f}"]
     if t.get("forward all-gather cache"):
         parts.insert(0, f"all-gather stream cache {t['forward all-gather cache'] / GiB:.2f}")
@@ -193,7 +187,7 @@ def _replay_lines(p: Plan) -> list[str]:
     est = traced_estimate(p)
     terms = est.allocator_terms
     gather = t.gather_stream
-    replayed = t.replay_expandable if est.settings.get("expandable_segments") else t.replay
+    replayed = t.replay_expandable if est.inputs.expandable_segments else t.replay
     rows = [
         ("max_memory_allocated", replayed.allocated, est.allocated),
         ("max_memory_reserved", replayed.reserved, est.reserved),
@@ -204,7 +198,7 @@ def _replay_lines(p: Plan) -> list[str]:
     lines = ["", "CUDA caching allocator, replayed  traced GiB   estimate GiB"]
     for name, traced, estimate in rows:
         lines.append(f"  {name:<32}{_gib(traced)}     {_gib(estimate) if estimate is not None else '':>8}")
-    setting = "expandable segments" if est.settings.get("expandable_segments") else "the default allocator"
+    setting = "expandable segments" if est.inputs.expandable_segments else "the default allocator"
     dynamic = terms.get("other streams", 0) - terms.get("resident", 0)
     fraction = terms["fragmentation"] / dynamic if dynamic > 0 else 0.0
     lines.append(
@@ -240,20 +234,19 @@ def _gib(n: int) -> str:
 
 
 def _describe_run(p: Plan) -> list[str]:
-    k, s = p.kwargs, p.shape
-    if k["use_peft_lora"]:
-        targets = resolve_lora_targets(s, k["lora_target_modules"])
-        n = lora_param_count(s, k["lora_r"], targets, k["use_dora"])
-        base = "4-bit" if k["use_4bit"] else "8-bit" if k["use_8bit"] else "frozen"
+    k, s = p.inputs, p.shape
+    if k.use_peft_lora:
+        targets = resolve_lora_targets(s, k.lora_target_modules, k.lora_target_parameters)
+        n = lora_param_count(s, k.lora_r, targets, k.use_dora)
+        base = "4-bit" if k.use_4bit else "8-bit" if k.use_8bit else "frozen"
         params = [t for t in targets if t in (*EXPERT_LORA, ROUTER_LORA)]
         on = f"{len(targets) - len(params)} linears" + (f" and {' and '.join(params)}" if params else "")
         method = (
-            f"{'DoRA' if k['use_dora'] else 'LoRA'} r={k['lora_r']} on {on} per block "
-            f"({n / 1e6:.1f}M trainable), {base} base"
+            f"{'DoRA' if k.use_dora else 'LoRA'} r={k.lora_r} on {on} per block ({n / 1e6:.1f}M trainable), {base} base"
         )
     else:
         method = "full fine-tuning"
-    dtype = "bf16" if k["bf16"] else "fp16" if k["fp16"] else "fp32"
+    dtype = "bf16" if k.bf16 else "fp16" if k.fp16 else "fp32"
     return [
         (
             f"shardtune plan: {p.name} ({s.model_type}, {base_param_count(s) / 1e9:.2f}B parameters, "
@@ -261,25 +254,25 @@ def _describe_run(p: Plan) -> list[str]:
         ),
         f"  {method}",
         (
-            f"  {k['world_size']} GPU(s) on {k['num_nodes']} machine(s), {_sharding(k)}"
-            f"{', CPU offload' if k['offload'] else ''}, {dtype}, batch {k['batch_size']} x {k['seq_len']} tokens, "
-            f"{'gradient checkpointing' if k['gradient_checkpointing'] else 'no checkpointing'}, "
-            f"{k['attn_implementation']}" + _context_parallel_text(k)
+            f"  {k.world_size} GPU(s) on {k.num_nodes} machine(s), {_sharding(k)}"
+            f"{', CPU offload' if k.offload else ''}, {dtype}, batch {k.batch_size} x {k.seq_len} tokens, "
+            f"{'gradient checkpointing' if k.gradient_checkpointing else 'no checkpointing'}, "
+            f"{k.attn_implementation}" + _context_parallel_text(k)
         ),
     ]
 
 
-def _context_parallel_text(k: dict[str, Any]) -> str:
-    cp = k.get("context_parallel", 1)
+def _context_parallel_text(k: PlanInputs) -> str:
+    cp = k.context_parallel
     if cp == 1:
         return ""
-    return f", context parallel {cp} (each row over {cp} GPUs, {k['world_size'] // cp} batches per step)"
+    return f", context parallel {cp} (each row over {cp} GPUs, {k.world_size // cp} batches per step)"
 
 
-def _sharding(k: dict[str, Any]) -> str:
-    if not k.get("fsdp", True):
+def _sharding(k: PlanInputs) -> str:
+    if not k.fsdp:
         return "no FSDP (one process: the adapters' bf16 copies fill the all-gather row)"
-    return k["sharding_strategy"] + (", frozen base replicated" if k.get("replicate_base") else "")
+    return k.sharding_strategy + (", frozen base replicated" if k.replicate_base else "")
 
 
 def format_plan(p: Plan) -> str:
@@ -330,7 +323,7 @@ def _verdict(p: Plan) -> list[str]:
             out.append(f"Does not fit: {e.total / GiB:.2f} GiB needed per GPU, {p.gpu_bytes / GiB:.2f} GiB available.")
             out += recommendation_lines(p.recommendation)
     if p.longest:
-        cp = p.kwargs.get("context_parallel", 1)
+        cp = p.inputs.context_parallel
         parts = [f"cp {d}: {n:,}" + (" (this run)" if d == cp else "") for d, n in sorted(p.longest.items())]
         out.append(f"Longest --max_seq_len that fits on {p.launch.world_size} GPU(s): " + "; ".join(parts) + ".")
     if p.host_bytes is not None:

@@ -8,10 +8,11 @@ shardtune.dtypes: the planner counts what the run builds from the same tables.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from shardtune import dtypes, optimizers, parallel
+from shardtune.planning.inputs import DEFAULTS, PlanInputs
 from shardtune.planning.model import (
     ModelShape,
     Tensor,
@@ -66,54 +67,24 @@ def dtype_bytes(name: str, what: str) -> int:
     return dtypes.DTYPE_BYTES[canonical]
 
 
-# The settings that decide which parameter tensors a run holds and in which dtypes.
-TENSOR_FLAGS = (
-    "bf16",
-    "fp16",
-    "use_4bit",
-    "use_8bit",
-    "quant_storage_dtype",
-    "use_peft_lora",
-    "lora_r",
-    "lora_target_modules",
-    "use_dora",
-    "modules_to_save",
-    "base_dtype",
-    "adapter_dtype",
-)
-
-
-def run_tensors(
-    shape: ModelShape,
-    *,
-    bf16: bool,
-    fp16: bool,
-    use_4bit: bool,
-    use_8bit: bool,
-    quant_storage_dtype: str,
-    use_peft_lora: bool,
-    lora_r: int,
-    lora_target_modules: str | Sequence[str],
-    use_dora: bool,
-    modules_to_save: Sequence[str],
-    base_dtype: str | None,
-    adapter_dtype: str,
-) -> list[Tensor]:
-    """The run's parameter tensors (planning.model.model_tensors) for its flags (the TENSOR_FLAGS)."""
-    a = compute_dtype_bytes(bf16, fp16)
-    targets = resolve_lora_targets(shape, lora_target_modules) if use_peft_lora else ()
+def run_tensors(shape: ModelShape, inputs: PlanInputs) -> list[Tensor]:
+    """The run's parameter tensors (planning.model.model_tensors) for its inputs: the compute and stored dtypes,
+    quantization, LoRA's targets and rank, DoRA and modules_to_save."""
+    s = inputs
+    a = compute_dtype_bytes(s.bf16, s.fp16)
+    targets = resolve_lora_targets(shape, s.lora_target_modules, s.lora_target_parameters) if s.use_peft_lora else ()
     return model_tensors(
         shape,
-        base_bytes=dtype_bytes(base_dtype, "base_dtype") if base_dtype else a,
-        trainable_bytes=dtype_bytes(adapter_dtype, "adapter_dtype") if use_peft_lora else 4,
-        use_4bit=use_4bit,
-        use_8bit=use_8bit,
-        quant_storage_bytes=dtype_bytes(quant_storage_dtype, "quant_storage_dtype"),
-        full_finetune=not use_peft_lora,
-        lora_r=lora_r,
+        base_bytes=dtype_bytes(s.base_dtype, "base_dtype") if s.base_dtype else a,
+        trainable_bytes=dtype_bytes(s.adapter_dtype, "adapter_dtype") if s.use_peft_lora else 4,
+        use_4bit=s.use_4bit,
+        use_8bit=s.use_8bit,
+        quant_storage_bytes=dtype_bytes(s.quant_storage_dtype, "quant_storage_dtype"),
+        full_finetune=not s.use_peft_lora,
+        lora_r=s.lora_r,
         lora_targets=targets,
-        use_dora=use_dora,
-        modules_to_save=modules_to_save,
+        use_dora=s.use_dora,
+        modules_to_save=s.modules_to_save,
     )
 
 
@@ -150,44 +121,23 @@ def state_per_rank(
 
 
 def model_state_bytes_per_rank(
-    model: ModelShape | Mapping | Any,
-    *,
-    world_size: int = 1,
-    num_nodes: int = 1,
-    sharding_strategy: str = "FULL_SHARD",
-    bf16: bool = True,
-    fp16: bool = False,
-    use_4bit: bool = False,
-    use_8bit: bool = False,
-    nested_quant: bool = False,
-    quant_storage_dtype: str = "bfloat16",
-    use_peft_lora: bool = True,
-    lora_r: int = 8,
-    lora_target_modules: str | Sequence[str] = "all-linear",
-    use_dora: bool = False,
-    modules_to_save: Sequence[str] = (),
-    optim: str = "adamw_torch",
-    base_dtype: str | None = None,
-    adapter_dtype: str = "float32",
-    rank: int | None = None,
-    replicate_base: bool = False,
+    model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFAULTS, rank: int | None = None
 ) -> dict[str, int]:
-    """Bytes of model state one rank holds after `fully_shard`: frozen and trainable parameters, gradients and
-    optimizer states (each tensor split on dim 0 with torch.chunk; the frozen ones whole with replicate_base), plus
-    the replicated quantization constants.
+    """Bytes of model state one rank holds after `fully_shard`, for the run `inputs` describe: frozen and trainable
+    parameters, gradients and optimizer states (each tensor split on dim 0 with torch.chunk; the frozen ones whole
+    with replicate_base), plus the replicated quantization constants.
 
     rank=None gives the padded shard every rank allocates; a rank number gives that rank's real chunk, i.e.
     what `param.to_local()` holds there.
     """
-    flags = locals()
+    s = inputs
     shape = as_shape(model)
-    shard = shard_group_size(world_size, num_nodes, sharding_strategy)
-    tensors = run_tensors(shape, **{k: flags[k] for k in TENSOR_FLAGS})
-    frozen_shard = 1 if replicate_base else shard
-    out = state_per_rank(shape, tensors, shard, optim, None if rank is None else rank % shard, frozen_shard)
-    out["quant_constants"] = quant_constants(
-        shape, use_4bit and use_peft_lora, use_8bit and use_peft_lora, nested_quant
-    )
+    shard = shard_group_size(s.world_size, s.num_nodes, s.sharding_strategy)
+    tensors = run_tensors(shape, s)
+    frozen_shard = 1 if s.replicate_base else shard
+    out = state_per_rank(shape, tensors, shard, s.optim, None if rank is None else rank % shard, frozen_shard)
+    lora = s.use_peft_lora
+    out["quant_constants"] = quant_constants(shape, s.use_4bit and lora, s.use_8bit and lora, s.nested_quant)
     out["total"] = sum(out.values())
     return out
 
