@@ -34,7 +34,7 @@ from shardtune.planning.fit import plan_inputs, warn_if_too_small
 from shardtune.planning.inputs import RUN_FIELDS, as_json
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.model import quant_constant_bytes, resolve_lora_targets, shard_rows
-from shardtune.planning.recommend import recommend
+from shardtune.planning.recommend import candidates, recommend
 
 GiB = 1024**3
 TINY = {
@@ -834,6 +834,32 @@ def test_recommends_checkpointing_at_batch_one():
     with_gc = estimate_memory(shape, PlanInputs(**{**kwargs, "gradient_checkpointing": True})).total
     rec = recommend(PlanInputs(**kwargs), (without + with_gc) // 2, model=shape)
     assert rec.fits and rec.flags == {"gradient_checkpointing": True} and rec.tried == 1
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        {"replicate_base": True, "world_size": 8},  # offload cannot keep a replicated base: it shards it
+        {"replicate_base": True, "world_size": 8, "gradient_checkpointing": False, "batch_size": 4},
+        {"use_peft_lora": False, "world_size": 2},
+        {"context_parallel": 2, "world_size": 4},
+    ],
+)
+def test_every_recommended_change_is_a_run_the_planner_accepts(run):
+    """recommend tries each candidate change on the run; one the estimate refuses (a replicated frozen base with
+    CPU offload, which validation refuses too) made `shardtune plan` exit 2 instead of recommending."""
+    shape = ModelShape.from_config(known_config(L70))
+    inputs = PlanInputs(**{**_llama7_kwargs(), **run})
+    tried = list(candidates(inputs, 1))
+    assert tried
+    for description, flags, change in tried:
+        estimate_memory(shape, replace(inputs, **change))  # raises on a refused combination
+        if change.get("offload") and inputs.replicate_base:
+            assert change["replicate_base"] is False and flags["frozen_base"] == "sharded", description
+    rec = recommend(inputs, 20 * 2**30, model=shape)
+    assert rec.estimate.total > 0
+    if inputs.replicate_base:  # the first change tried: the same training with its base sharded
+        assert tried[0][1:] == ({"frozen_base": "sharded"}, {"replicate_base": False})
 
 
 def test_says_when_nothing_fits(capsys):

@@ -57,8 +57,11 @@ def _stage(label: str, flags: dict[str, Any], change: dict[str, Any], batch: int
 
 
 def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
-    """Changes in order of size: smaller batches, gradient checkpointing, CPU offload, 4-bit, then more GPUs."""
+    """Changes in order of size: a replicated frozen base sharded, smaller batches, gradient checkpointing, CPU
+    offload, 4-bit, then more GPUs."""
     batch = inputs.batch_size
+    if inputs.replicate_base:  # --frozen_base replicated only saves all-gathers: the same training, sharded
+        yield "the frozen base sharded", {"frozen_base": "sharded"}, {"replicate_base": False}
     yield from _halvings(batch, accumulation)
     change: dict[str, Any] = {}
     flags: dict[str, Any] = {}
@@ -68,14 +71,16 @@ def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
     yield from _context_parallel(inputs, change, flags, accumulation)
     if not inputs.offload:
         change, flags = {**change, "offload": True}, {**flags, "fsdp_offload_params": True}
+        if inputs.replicate_base:  # offload keeps the frozen base's shards in host RAM: it cannot stay replicated
+            change, flags = {**change, "replicate_base": False}, {**flags, "frozen_base": "sharded"}
         yield from _stage(_describe(flags), flags, change, batch, accumulation)
     if not inputs.use_4bit:
         quant = {"use_4bit": True, "use_peft_lora": True, "use_8bit": False}
         qflags = {"use_4bit_quantization": True, "bnb_4bit_quant_storage_dtype": "bfloat16"}
         if not inputs.use_peft_lora:
             qflags["use_peft_lora"] = True
-        no_offload = {k: v for k, v in change.items() if k != "offload"}
-        no_offload_flags = {k: v for k, v in flags.items() if k != "fsdp_offload_params"}
+        no_offload = {k: v for k, v in change.items() if k not in ("offload", "replicate_base")}
+        no_offload_flags = {k: v for k, v in flags.items() if k not in ("fsdp_offload_params", "frozen_base")}
         for c, f in (
             ({**no_offload, **quant}, {**no_offload_flags, **qflags}),
             ({**change, **quant}, {**flags, **qflags}),
@@ -142,6 +147,7 @@ def _describe(flags: dict[str, Any]) -> str:
     names = {
         "gradient_checkpointing": "gradient checkpointing",
         "fsdp_offload_params": "CPU offload",
+        "frozen_base": "the frozen base sharded",
         "use_4bit_quantization": "4-bit base (QLoRA)",
         "use_peft_lora": "LoRA",
     }
