@@ -658,7 +658,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "cp_prefix_query_grad_dropped",
-        "gradient",
+        "masking",
         "On CPU, a document begun before its queries (a context-parallel crossing part) returns only the causal "
         "block's share of the query gradient (the keys before the queries contribute none)",
         Edit("fastpath.py", "return dq_a + dq_b, dk_a,", "return dq_b, dk_a,"),

@@ -86,7 +86,17 @@ def run_mutant(m: Mutant, timeout: int, each: bool = False) -> dict:
         if imp.returncode != 0:
             return _row(m, "broken", t0, note=_last_line(imp.stderr))
         junit = tmp / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *([] if each else ["-x"]), "-q", "-p", "_shardtune_mutant_guard"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            *([] if each else ["-x"]),
+            "-q",
+            "-m",
+            "",
+            "-p",
+            "_shardtune_mutant_guard",
+        ]
         cmd += ["--junitxml", str(junit)]
         proc = _run_group([*cmd, *m.tests], env, timeout)
         if proc is None:

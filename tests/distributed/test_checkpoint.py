@@ -188,6 +188,8 @@ def test_resume_across_world_sizes_and_state_dict_types(tiny_assets, tmp_path):
         assert_same_tensors(two, other, CLOSE)
 
 
+# bench: the per-rank optimizer state of adamw_8bit, 57 s; exact resume of DCP state stays in this file (`python -m pytest tests -m bench`; docs/testing.md)
+@pytest.mark.bench
 def test_adamw_8bit_state_resumes_exactly_and_refuses_another_world_size(tiny_assets, tmp_path):
     """Full fine-tuning with bitsandbytes' AdamW8bit under FSDP2: its per-shard state saves and resumes."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"

@@ -91,6 +91,8 @@ def _packed_mib(log: str) -> tuple[float, list[float]]:
     return total, [float(v) for v in line.split("held per rank: [")[1].split("]")[0].split(",")]
 
 
+# bench: a replicated 4-bit base in emulated bf16, 45 s; the replicated base's parity, resume and control stay in this file (`python -m pytest tests -m bench`; docs/testing.md)
+@pytest.mark.bench
 def test_qlora_bf16_replicated_trains_as_sharded(tiny_assets, tmp_path):
     """QLoRA in bf16 (the guide's 2-GPU setting): with the base replicated, every rank holds all the packed 4-bit
     weights and their quantization states, and trains as with them sharded."""

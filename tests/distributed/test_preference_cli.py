@@ -157,7 +157,9 @@ def test_full_fine_tuning_precomputes_the_reference_once(runs, tiny_assets, tmp_
 CP = {"context_parallel_size": 2}
 
 
-@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+# dpo: bench (23 s; `python -m pytest tests -m bench`; docs/testing.md): orpo sums the same per-row log-probs over the
+# cp ranks, and KTO's cp run (test_kto_cli.py) its own rows' split.
+@pytest.mark.parametrize("objective", [pytest.param("dpo", marks=pytest.mark.bench), "orpo"])
 def test_context_parallel_preference_runs_give_the_numbers_of_one_process(runs, tiny_assets, tmp_path, objective):
     """cp=2 on 2 ranks (one data-parallel rank holding the 4 pairs of each micro-batch, 2 micro-batches per step)
     against 1 process: every row's log-prob is the sum of the two ranks' position terms (an all-reduce whose

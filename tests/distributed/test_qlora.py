@@ -192,6 +192,8 @@ def test_qlora_fp32_two_ranks_match_one_process_and_reload(tiny_assets, tmp_path
     assert _reload_eval_loss(tiny_assets, tmp_path, two, "nf4", "float32") == pytest.approx(final, rel=EVAL_FP32)
 
 
+# bench: QDoRA in emulated bf16, 45 s; QLoRA fp32 (this file) and DoRA (test_adapters.py) stay (`python -m pytest tests -m bench`; docs/testing.md)
+@pytest.mark.bench
 def test_qdora_bf16_two_ranks_match_one_process_and_reload(tiny_assets, tmp_path):
     extra = ["--bf16", "True", "--use_dora", "True", "--bnb_4bit_quant_type", "fp4",
              "--bnb_4bit_quant_storage_dtype", "bfloat16", "--bnb_4bit_compute_dtype", "bfloat16"]  # fmt: skip

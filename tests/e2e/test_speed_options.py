@@ -3,6 +3,7 @@ the default run, and the same trained adapter, elementwise."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import run_cli, train_args, train_records
@@ -36,6 +37,8 @@ def _losses(out):
     return torch.tensor(losses)
 
 
+# bench: a checkpointing variant, 20 s; gradient checkpointing itself runs in most parity tests (`python -m pytest tests -m bench`; docs/testing.md)
+@pytest.mark.bench
 def test_checkpointing_every_second_block_trains_the_same(tiny_assets, tmp_path):
     """With dropout on: the recomputed blocks draw the same dropout masks as the blocks that keep activations."""
     drop = ["--lora_dropout", "0.1"]
@@ -46,6 +49,8 @@ def test_checkpointing_every_second_block_trains_the_same(tiny_assets, tmp_path)
     _same_training(tmp_path / "every", tmp_path / "second")
 
 
+# bench: torch.compile's compilation, 20 s (`python -m pytest tests -m bench`; docs/testing.md)
+@pytest.mark.bench
 def test_torch_compile_with_fsdp2_and_checkpointing_trains_the_same(tiny_assets, tmp_path):
     """Compiled blocks run transformers' masked SDPA; eager ones the per-document attention: same numbers."""
     nodrop = ["--lora_dropout", "0.0"]
