@@ -62,8 +62,8 @@ def _use_peft_dora_forward(model) -> None:
 
 def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
     from shardtune import adapters
-    from shardtune.distributed.setup import build_sharded_model
     from shardtune.log import setup_logging
+    from shardtune.parallel.setup import build_sharded_model
 
     setup_logging("warning")
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def _step(model, optimizer, batch) -> None:
 
 def measure(args) -> dict:
     """Median seconds per optimizer step for every (variant, dropout); runs on every rank, returns on all."""
-    from shardtune.distributed.mesh import init_distributed
+    from shardtune.parallel.mesh import init_distributed
 
     info = init_distributed()
     g = torch.Generator().manual_seed(info.rank)

@@ -208,7 +208,7 @@ def install(counter: Counter) -> None:
 
 def record_units(units: list) -> None:
     """Wrap shard_model (as setup.py calls it) to note each FSDP unit's frozen and trainable parameter counts."""
-    from shardtune.distributed import setup
+    from shardtune.parallel import setup
 
     original = setup.shard_model
 

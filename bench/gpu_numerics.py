@@ -201,7 +201,7 @@ def check_attention(ctx: dict) -> dict:
 
 
 def check_context_parallel(ctx: dict) -> dict:
-    """The context-parallel attention's math on the device (shardtune.context_parallel and fastpath): cp ranks
+    """The context-parallel attention's math on the device (shardtune.parallel.split and fastpath): cp ranks
     simulated in one process (each rank's all-gather is the whole row's keys), on a packed row of 8192 positions
     whose documents cross chunk and rank edges, in bf16 with GQA; every rank's output against SDPA over the whole
     row with the per-document causal mask, element by element, with SDPA per part and, where flash_attn is
@@ -210,16 +210,16 @@ def check_context_parallel(ctx: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardtune import context_parallel
-    from shardtune.distributed.context_parallel import local_shard
     from shardtune.fastpath import _context_parallel_attention
+    from shardtune.parallel import split
+    from shardtune.parallel.context_parallel import local_shard
 
     device, length = ctx["device"], 8192
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(200, 3000, (16,), generator=g).tolist()
     pos = torch.cat([torch.arange(n) for n in sizes])[:length][None]
     q, k, v = (torch.randn(1, h, length, 64, generator=g).to(device, torch.bfloat16) for h in (16, 4, 4))
-    docs = context_parallel.document_ids(pos)[0].to(device)
+    docs = split.document_ids(pos)[0].to(device)
     allowed = (docs[:, None] == docs[None, :]) & torch.ones(length, length, dtype=torch.bool, device=device).tril()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
     batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos.to(device), "labels": torch.zeros_like(pos)}
@@ -230,10 +230,10 @@ def check_context_parallel(ctx: dict) -> dict:
     def ranks(size: int, leak: bool, varlen: bool) -> list:
         outs = []
         for r in range(size):
-            local, rows, _ = context_parallel.split(batch, size=size, rank=r, pad_id=0)
+            local, rows, _ = split.split(batch, size=size, rank=r, pad_id=0)
             if leak:
                 rows = tuple(tuple(replace(p, key_start=0) if p.key_start else p for p in parts) for parts in rows)
-            mine = context_parallel.zigzag(length, size, r).to(device)
+            mine = split.zigzag(length, size, r).to(device)
             k_r, v_r = k[:, :, mine], v[:, :, mine]
             shard = local_shard(rows, local["position_ids"], lambda x, k_r=k_r: k if x is k_r else v, size=size,
                                 varlen=varlen)  # fmt: skip
@@ -272,8 +272,8 @@ def check_qlora(ctx: dict) -> dict:
 
     from shardtune import modeling, quant
     from shardtune.builder import ModelSpec
-    from shardtune.distributed.mesh import init_distributed
-    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.parallel.mesh import init_distributed
+    from shardtune.parallel.setup import build_sharded_model
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))  # fmt: skip

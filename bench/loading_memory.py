@@ -77,9 +77,9 @@ def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
     """One rank: shardtune's model setup, then this rank's peak RSS (rank 0 writes every rank's)."""
     from shardtune import modeling
     from shardtune.builder import ModelSpec
-    from shardtune.distributed.mesh import all_gather_objects, init_distributed, shutdown
-    from shardtune.distributed.setup import build_sharded_model
     from shardtune.log import setup_logging
+    from shardtune.parallel.mesh import all_gather_objects, init_distributed, shutdown
+    from shardtune.parallel.setup import build_sharded_model
 
     setup_logging("warning")
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Long rows on 2 CPU ranks: peak memory per rank and tokens/s with cp=1 (each rank its own row) against cp=2 (each
-row split over both ranks, shardtune.context_parallel), at 8K, 16K and 32K positions per row, side by side.
+row split over both ranks, shardtune.parallel.split), at 8K, 16K and 32K positions per row, side by side.
 
 Each case is `shardtune train` as a user runs it (torchrun, 2 ranks, FSDP2, LoRA, packed chat rows, gradient
 checkpointing, 3 steps of one row per data-parallel rank), on a Llama-shaped model of 4 blocks (hidden 256, 8

@@ -126,7 +126,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "sharding",
         "with cpu_ram_efficient_loading, the ranks that receive their shards from rank 0 leave them zero",
         Edit(
-            "distributed/loading.py",
+            "parallel/loading.py",
             "    dist.scatter(out, pieces, src=node.src, group=node.group)\n",
             "    dist.scatter(out, pieces, src=node.src, group=node.group)\n    if not sender:\n        out.zero_()\n",
         ),
@@ -138,7 +138,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "on 2 or more ranks, gathering the full model for saving keeps rank 0's shard of each matrix only (the "
         "other ranks' rows zero)",
         Edit(
-            "distributed/gather.py",
+            "parallel/gather.py",
             "    return {(k.removeprefix(prefix)): v for k, v in sd.items()}",
             "    for v in sd.values():\n"
             "        if v.ndim == 2 and dist.get_world_size() > 1:\n"
@@ -270,7 +270,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "the saved adapter tensors hold rank 0's shard only (the other ranks' rows zero)",
         Edit(
-            "distributed/gather.py",
+            "parallel/gather.py",
             "        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()",
             "        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()\n"
             "        if isinstance(p, DTensor) and dist.get_world_size() > 1:\n"
@@ -353,7 +353,7 @@ MUTANTS: tuple[Mutant, ...] = (
         # Not just the set_state_dict call: DCP loads in place into the optimizer's own state tensors, so leaving
         # out only that call is an equivalent mutant. The optimizer is left out of what is loaded.
         Edit(
-            "distributed/checkpoint.py",
+            "parallel/checkpoint.py",
             "    state = _template(model, optimizer)\n    try:\n        dcp.load(",
             "    state, optimizer = _template(model, None), None\n    try:\n        dcp.load(",
         ),
@@ -364,7 +364,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resume",
         "resuming a FULL_STATE_DICT checkpoint restores the weights but not the optimizer state",
         Edit(
-            "distributed/checkpoint.py",
+            "parallel/checkpoint.py",
             "    _apply(model, optimizer, _from_full(template, full))",
             "    _apply(model, None, {'model': _from_full(template, full)['model']})",
         ),
@@ -375,7 +375,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resume",
         "resuming does not restore the learning-rate scheduler (the schedule restarts at step 0)",
         Edit(
-            "distributed/checkpoint.py",
+            "parallel/checkpoint.py",
             '    scheduler.load_state_dict(_read(path / "scheduler.pt"))',
             '    _read(path / "scheduler.pt")',
         ),
@@ -386,7 +386,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resume",
         "the resumed loop state starts the epoch's data from its first micro-batch again",
         Edit(
-            "distributed/checkpoint.py",
+            "parallel/checkpoint.py",
             '    loop["batch_in_epoch"] = samples // per_micro',
             '    loop["batch_in_epoch"] = 0',
         ),
@@ -405,7 +405,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resume",
         "resuming does not restore the ranks' RNG states (dropout masks and shuffles differ from an uninterrupted run)",
         Edit(
-            "distributed/checkpoint.py",
+            "parallel/checkpoint.py",
             '    _set_rng_state(_read(path / f"rng_rank{rank % saved_world}.pt"))',
             '    _read(path / f"rng_rank{rank % saved_world}.pt")',
         ),
@@ -546,7 +546,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "sharding",
         "With the frozen base replicated, rank 0 keeps its weights and the other ranks' copies are never sent (zeros)",
         Edit(
-            "distributed/loading.py",
+            "parallel/loading.py",
             "        dist.broadcast(buf, src=node.src, group=node.group)\n        param.copy_(buf)\n",
             "        param.copy_(buf) if sender else param.zero_()\n",
         ),
@@ -556,9 +556,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "replicated_base_uncast",
         "sharding",
         "With the frozen base replicated, weights stored in another dtype are left in it (FSDP would cast them)",
-        Edit(
-            "distributed/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"
-        ),
+        Edit("parallel/fsdp.py", "                    p.data = p.data.to(param_dtype)\n", "                    pass\n"),
         ["tests/unit/test_frozen_base_choice.py::test_frozen_parameters_are_cast_once_to_the_compute_dtype"],
     ),
     _m(
@@ -599,7 +597,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism, the part of a document begun in an earlier chunk attends the row's keys from the "
         "row's start, earlier documents included",
         Edit(
-            "context_parallel.py",
+            "parallel/split.py",
             "parts.append(Part(offset, offset + n, key_start=starts[d], key_end=s + n))",
             "parts.append(Part(offset, offset + n, key_start=0, key_end=s + n))",
         ),
@@ -614,7 +612,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "The zigzag split gives rank i chunk i twice instead of chunks i and 2·cp-1-i (half of every row never "
         "trains, the other half twice)",
         Edit(
-            "context_parallel.py",
+            "parallel/split.py",
             "first, second = rank * chunk, (2 * size - 1 - rank) * chunk",
             "first, second = rank * chunk, rank * chunk",
         ),
@@ -638,7 +636,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism, the per-row log-probs' sum over the cp ranks passes its gradient back unsummed "
         "(each rank's share of the loss then gives 1/cp of its gradient)",
         Edit(
-            "distributed/context_parallel.py",
+            "parallel/context_parallel.py",
             "        grad = grad.contiguous().clone()\n        dist.all_reduce(grad, group=ctx.group)\n        return grad, None",
             "        return grad, None",
         ),
@@ -650,7 +648,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism on flash-attention varlen, a crossing part's keys start one position late (the "
         "document's first key never attended)",
         Edit(
-            "context_parallel.py",
+            "parallel/split.py",
             "keys.append(torch.arange(start + p.key_start, start + p.key_end))",
             "keys.append(torch.arange(start + p.key_start + 1, start + p.key_end))",
         ),

@@ -29,7 +29,7 @@ def main(jobs_file: str, results_file: str) -> int:
             results[job["name"]] = train_main(job["argv"][1:] if job["argv"][0] == "train" else job["argv"])
         except Exception:  # noqa: BLE001 - recorded for the test to report, then the next family runs
             results[job["name"]] = traceback.format_exc()[-3000:]
-            from shardtune.distributed.mesh import shutdown
+            from shardtune.parallel.mesh import shutdown
 
             shutdown()
     if os.environ.get("RANK", "0") == "0":

@@ -21,7 +21,7 @@ from shardtune.fsdp_settings import (
     reshard_setting,
     strategy_name,
 )
-from shardtune.parallel import STRATEGIES
+from shardtune.parallel.dims import STRATEGIES
 from shardtune.precision import MIXED_PRECISION
 
 _BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")

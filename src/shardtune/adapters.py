@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.distributed.fsdp import is_fsdp
+from shardtune.parallel.fsdp import is_fsdp
 
 
 def peft_model_of(model: nn.Module):

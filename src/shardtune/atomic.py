@@ -1,5 +1,5 @@
 """Writing folders so that a crash or a full disk never leaves a half-written output: the one home of the atomic
-writers used by checkpoints (shardtune.distributed.checkpoint), the final export (shardtune.export) and merges
+writers used by checkpoints (shardtune.parallel.checkpoint), the final export (shardtune.export) and merges
 (shardtune.merge).
 
 The pattern: write into a hidden sibling `.<name>.tmp-<pid>@<host>`, fsync every file and the folder, then rename

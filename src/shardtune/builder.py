@@ -1,7 +1,7 @@
 """The model builder: `ModelSpec` (what it is given), `model_spec` (the one place that reads it off a run's
 configuration) and `build_training_module` (load or skeleton, resize, adapter, fast paths, 4-bit preparation,
 activation checkpointing: steps 2-4 of docs/architecture.md's setup order). Nothing here knows about ranks:
-`shardtune.distributed.setup.build_sharded_model(spec, info)` decides which ranks read weights, then shards.
+`shardtune.parallel.setup.build_sharded_model(spec, info)` decides which ranks read weights, then shards.
 `shardtune train` and `shardtune plan --trace` both get their spec from `model_spec`, so the traced step is the
 trained one.
 """
@@ -56,14 +56,14 @@ class ModelSpec:
     transformer_cls_to_wrap: str | None = None
     reshard_after_forward: bool | None = None
     # LoRA/DoRA/QLoRA on several ranks: the frozen base "sharded" by FSDP (gathered for every block's forward and
-    # backward) or "replicated", whole on every rank (shardtune.distributed.placement decides --frozen_base auto).
+    # backward) or "replicated", whole on every rank (recipe.checks.frozen_base_placement decides --frozen_base auto).
     frozen_base: str = "sharded"
     torch_compile: bool = False
     loss_chunk_size: int = 1024
     router_aux_loss_coef: float | None = None  # None: the config's (shardtune.router_aux)
     # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
     packing: bool = False
-    # Ranks each row's positions are split over (shardtune.context_parallel); the fast path's attention only.
+    # Ranks each row's positions are split over (shardtune.parallel.split); the fast path's attention only.
     context_parallel: int = 1
     # With context parallelism: its attention as one flash-attention varlen call (CUDA, flash_attn installed),
     # or SDPA per part (modeling.context_parallel_attention).

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from shardtune import context_parallel
+from shardtune.parallel import split
 
 ATTENTION = "shardtune_sdpa"
 DOCUMENTS_KWARG = "shardtune_documents"
@@ -277,7 +277,7 @@ def packed_sdpa_attention(
     (`shardtune_documents`, from CausalLMForTraining) and nothing else shapes the mask; transformers' SDPA with
     its mask otherwise (generation with a cache, sliding windows, padding masks, torch.compile)."""
     documents: Documents | None = kwargs.pop(DOCUMENTS_KWARG, None)
-    if isinstance(documents, context_parallel.CPShard):
+    if isinstance(documents, split.CPShard):
         if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
             raise ValueError("context parallelism does not support sliding-window attention yet")
         return _context_parallel_attention(query, key, value, documents, dropout, scaling), None
@@ -312,8 +312,8 @@ def packed_sdpa_attention(
     return torch.cat(rows, dim=0), None
 
 
-def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropout: float, scaling: float | None):
-    """This rank's queries [B, H, L_local, d] -> [B, L_local, H, d] (shardtune.context_parallel): per row, each
+def _context_parallel_attention(q, k, v, shard: split.CPShard, dropout: float, scaling: float | None):
+    """This rank's queries [B, H, L_local, d] -> [B, L_local, H, d] (shardtune.parallel.split): per row, each
     local part's documents among its own positions (span attention, as without context parallelism), and a
     document that began in an earlier chunk against the gathered row's keys from its start (lower-right causal)."""
     # Every rank gathers in every layer, and every rank's output depends on the gathered keys and values, with or
@@ -341,9 +341,9 @@ def _context_parallel_attention(q, k, v, shard: context_parallel.CPShard, dropou
     return out if used else out + sum(t[:, :, :0].sum() for t in gathered)  # empty: adds 0, keeps them in the graph
 
 
-def _varlen_attention(q, k, v, gathered, layout: context_parallel.Varlen, dropout: float, scaling: float | None):
+def _varlen_attention(q, k, v, gathered, layout: split.Varlen, dropout: float, scaling: float | None):
     """_context_parallel_attention as one flash-attention varlen call: the queries flattened, each segment's keys
-    picked from the local and the gathered keys (context_parallel.Varlen). Flash takes GQA's fewer key heads as
+    picked from the local and the gathered keys (split.Varlen). Flash takes GQA's fewer key heads as
     they are and aligns a segment with more keys than queries at the bottom right, as _lower_right does."""
     b, heads, n, d = q.shape
 

@@ -241,7 +241,7 @@ class KTOObjective(PreferenceObjective):
         return {"examples": int(valid.sum()), "desirable": desirable, "micro_batches": 1}
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
-        from shardtune.distributed.mesh import all_reduce_sum
+        from shardtune.parallel.mesh import all_reduce_sum
 
         ref = self._reference(model, batch)  # [2B]: completions, then KL rows
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}

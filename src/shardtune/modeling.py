@@ -1,6 +1,6 @@
 """Tokenizer, base model, quantization config and PEFT adapter; and the training module with a chunked loss.
 
-Nothing here imports torch.distributed: sharding lives in shardtune.distributed.
+Nothing here imports torch.distributed: sharding lives in shardtune.parallel.
 """
 
 from __future__ import annotations

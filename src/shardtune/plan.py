@@ -29,7 +29,7 @@ from shardtune.config import (
     validate,
 )
 from shardtune.fsdp_settings import SINGLE_PROCESS_ENV, context_parallel_size, single_process_setting
-from shardtune.parallel import STRATEGIES, STRATEGY_BY_NUMBER
+from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
     CHAT_NEW_TOKENS,

@@ -16,7 +16,7 @@ rebuilds the `Params4bit` from `module.quant_state` when the weight has lost it
 (`fix_4bit_weight_quant_state_from_module`, written for FSDP), so the all-gathered weight finds its state on
 every forward; PEFT's DoRA dequantizes that same rebuilt `Params4bit`.
 
-Nothing here imports torch.distributed: broadcasting the states lives in shardtune.distributed.loading.
+Nothing here imports torch.distributed: broadcasting the states lives in shardtune.parallel.loading.
 """
 
 from __future__ import annotations

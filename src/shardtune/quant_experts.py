@@ -9,7 +9,7 @@ Here, while the checkpoint is read:
 - the E packed matrices are one (E, packed) parameter of the storage dtype (`Experts4bit.weight`): FSDP2 shards it
   over experts and all-gathers it with its decoder block like a Linear4bit's packed weight;
 - the E quantization states are stacked into one `QuantState` (absmax (E, blocks), ...) that every rank holds,
-  replicated like a Linear4bit's, so shardtune.quant and shardtune.distributed.loading treat both alike
+  replicated like a Linear4bit's, so shardtune.quant and shardtune.parallel.loading treat both alike
   (`shardtune.quant.packed_modules`).
 
 The experts' forward (`forward_4bit`) is transformers' eager loop over the experts a micro-batch routes tokens to,

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardtune.distributed.context_parallel import local_part
-from shardtune.distributed.mesh import all_gather_objects
 from shardtune.log import print0
+from shardtune.parallel.context_parallel import local_part
+from shardtune.parallel.mesh import all_gather_objects
 
 FORMAT = 1
 

@@ -93,7 +93,7 @@ def _train(cfg: RunConfig) -> int:
         error(f"error: {e}")
         return EXIT_CONFIG
     except RuntimeError as e:
-        from shardtune.distributed.mesh import is_peer_failure
+        from shardtune.parallel.mesh import is_peer_failure
 
         if not is_peer_failure(e):
             raise
@@ -110,7 +110,7 @@ def _train(cfg: RunConfig) -> int:
         )
         return EXIT_FAILED
     finally:
-        from shardtune.distributed.mesh import shutdown
+        from shardtune.parallel.mesh import shutdown
         from shardtune.run_dir import release_output_dir
 
         release_output_dir(cfg.train.output_dir)  # rank 0's lock on the folder; a no-op on the other ranks
@@ -153,7 +153,7 @@ def _seed_everything(seed: int) -> None:
 
 def run(cfg: RunConfig) -> int:
     from shardtune.cpu import bf16_check
-    from shardtune.distributed.mesh import init_distributed
+    from shardtune.parallel.mesh import init_distributed
 
     STOP.at("starting the processes")
     info = init_distributed(
@@ -221,7 +221,7 @@ class _Built:
 def _build(cfg: RunConfig, info) -> _Built:
     """Data first (a bad dataset fails before the model loads), then the model, optimizer, objective and state."""
     from shardtune.builder import model_spec
-    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.parallel.setup import build_sharded_model
 
     t = cfg.train
     _seed_everything(t.seed)
@@ -350,9 +350,9 @@ def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int
 
 
 def _logger(cfg: RunConfig, info, model, total: int, trackers: list):
-    from shardtune.distributed.fsdp import local_state_bytes
-    from shardtune.distributed.mesh import all_gather_objects
     from shardtune.metrics import RunLogger
+    from shardtune.parallel.fsdp import local_state_bytes
+    from shardtune.parallel.mesh import all_gather_objects
 
     # What each rank really holds for weights: recorded for `shardtune plan` to be checked against.
     run_info = {
@@ -367,7 +367,7 @@ def _logger(cfg: RunConfig, info, model, total: int, trackers: list):
 
 
 def _interrupted(cfg: RunConfig, logger, step: int, total: int) -> int:
-    from shardtune.distributed import checkpoint
+    from shardtune.parallel import checkpoint
 
     last = checkpoint.list_checkpoints(cfg.train.output_dir)[-1]
     print0(

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
-from shardtune.distributed.context_parallel import local_part
-from shardtune.distributed.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.log import print0, warn0
 from shardtune.loss import Objective
+from shardtune.parallel.context_parallel import local_part
+from shardtune.parallel.mesh import DistInfo, all_gather_objects, all_reduce_sum
 
 # A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
 STREAMING_STEPS_PER_EPOCH = 2**62

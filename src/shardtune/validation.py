@@ -49,7 +49,7 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
 
 
 def _context_parallel_problems(cfg: RunConfig) -> list[str]:
-    """What context parallelism (shardtune.context_parallel) does not run yet, each with the fix. The model-side
+    """What context parallelism (shardtune.parallel.split) does not run yet, each with the fix. The model-side
     checks (its attention, the router loss) are the builder's (shardtune.builder.check_context_parallel)."""
     t, cp = cfg.train, cfg.train.context_parallel_size
     if cp == 1:

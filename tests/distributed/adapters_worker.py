@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from shardtune import adapters, modeling
 from shardtune.builder import ModelSpec
-from shardtune.distributed.fsdp import assert_sharded, shard_model
-from shardtune.distributed.mesh import init_distributed, shutdown
-from shardtune.distributed.setup import build_sharded_model
+from shardtune.parallel.fsdp import assert_sharded, shard_model
+from shardtune.parallel.mesh import init_distributed, shutdown
+from shardtune.parallel.setup import build_sharded_model
 
 VOCAB, SEQ = 600, 12
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune import context_parallel
-from shardtune.distributed.context_parallel import groups, shard_batch
 from shardtune.fastpath import _context_parallel_attention
+from shardtune.parallel import split
+from shardtune.parallel.context_parallel import groups, shard_batch
 
 
 def main(out: str, lengths: list[int]) -> None:
@@ -26,7 +26,7 @@ def main(out: str, lengths: list[int]) -> None:
     q, k, v = (torch.randn(1, h, length, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     grad_out = torch.randn(1, length, 4, 8, generator=g, dtype=torch.float64)
     # one process: per-document causal attention of the whole row
-    docs = context_parallel.document_ids(pos)[0]
+    docs = split.document_ids(pos)[0]
     allowed = (docs[:, None] == docs[None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(full[0], full[1], full[2], attn_mask=allowed, enable_gqa=True).transpose(1, 2)
@@ -34,7 +34,7 @@ def main(out: str, lengths: list[int]) -> None:
     # this rank
     batch = {"input_ids": torch.zeros_like(pos), "position_ids": pos, "labels": torch.zeros_like(pos)}
     _, shard = shard_batch(batch, group=group, size=size, rank=rank, pad_id=0)
-    mine = context_parallel.zigzag(length, size, rank)
+    mine = split.zigzag(length, size, rank)
     local = [t[:, :, mine].clone().requires_grad_(True) for t in (q, k, v)]
     got = _context_parallel_attention(*local, shard, 0.0, None)
     got.backward(grad_out[:, mine])

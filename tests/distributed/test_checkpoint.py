@@ -223,7 +223,7 @@ def test_resume_without_the_optimizer_state_fails_the_comparison(baseline, tiny_
     out = tmp_path / "run"
     _copy_checkpoint(baseline / "checkpoints" / "checkpoint-4", out)
     lost = Edit(
-        "distributed/checkpoint.py",
+        "parallel/checkpoint.py",
         "    torch_optim = None if shards is not None else optimizer\n",
         "    torch_optim = None\n",
     )

@@ -1,4 +1,4 @@
-"""Context parallelism (shardtune.context_parallel) from the command line: cp=2 on 2 ranks and dp=2 × cp=2 on 4
+"""Context parallelism (shardtune.parallel.split) from the command line: cp=2 on 2 ranks and dp=2 × cp=2 on 4
 ranks train as 1 process with the same global batch, on packed rows whose documents cross the chunk edges: per-step
 losses, grad_norm and every trained tensor (tests/families.py's matrix bounds), for LoRA, QLoRA (with gradient
 checkpointing), full fine-tuning, DoRA with assistant-only targets, a mixture of experts (Qwen3-MoE) with 4-bit
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardtune import context_parallel
+from shardtune.parallel import split
 from tests.conftest import train_records
 from tests.families import (
     LR,
@@ -131,8 +131,8 @@ def test_the_documents_cross_the_chunk_edges(runs):
     crossing = 0
     for r in rows:
         pos = torch.tensor([r["position_ids"]])
-        docs = context_parallel.document_ids(pos)[0]
-        length = context_parallel.padded_length(len(r["position_ids"]), 2)
+        docs = split.document_ids(pos)[0]
+        length = split.padded_length(len(r["position_ids"]), 2)
         edges = [length // 4 * i for i in (1, 2, 3)]
         crossing += sum(int(e < len(docs) and docs[e] == docs[e - 1]) for e in edges)
         assert int(docs.max()) > 1  # several documents per row
@@ -142,13 +142,13 @@ def test_the_documents_cross_the_chunk_edges(runs):
 # The part of a document that began in an earlier chunk attends the row from its start, earlier documents
 # included (the leak packed CP had in TRL).
 LEAK = Edit(
-    "context_parallel.py",
+    "parallel/split.py",
     "parts.append(Part(offset, offset + n, key_start=starts[d], key_end=s + n))",
     "parts.append(Part(offset, offset + n, key_start=0, key_end=s + n))",
 )
 # Labels shifted after the split: every rank's last position of a chunk loses its target.
 EDGE = Edit(
-    "context_parallel.py",
+    "parallel/split.py",
     "    local = {k: (v[:, mine] if k in POSITION_KEYS else v) for k, v in batch.items()}\n",
     "    local = {k: (v[:, mine] if k in POSITION_KEYS else v) for k, v in batch.items()}\n"
     "    local['labels'] = local['labels'].clone(); local['labels'][:, len(mine) // 2 - 1 :: len(mine) // 2] = -100\n",
@@ -170,27 +170,27 @@ def test_the_split_covers_every_position_once_and_attends_as_one_row():
     labels travel with their positions (padding has none). Each rank's attention (its local parts, and the parts
     of documents begun in earlier chunks against the row's keys) equals per-document causal attention of the whole
     row at its positions, for documents crossing chunk and rank edges, GQA included."""
-    from shardtune.distributed.context_parallel import local_shard
     from shardtune.fastpath import _context_parallel_attention
+    from shardtune.parallel.context_parallel import local_shard
 
     length, size = 24, 3
-    held = torch.cat([context_parallel.zigzag(length, size, r) for r in range(size)])
+    held = torch.cat([split.zigzag(length, size, r) for r in range(size)])
     assert sorted(held.tolist()) == list(range(length))
-    assert context_parallel.zigzag(length, size, 0).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert split.zigzag(length, size, 0).tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
     pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2]])
     batch = {"input_ids": torch.arange(25)[None], "position_ids": pos, "labels": torch.arange(25)[None]}
     padded = torch.cat([pos, torch.arange(5)[None]], dim=1)  # to 30 = a multiple of 2·3
-    docs = context_parallel.document_ids(padded)[0]
+    docs = split.document_ids(padded)[0]
     allowed = (docs[:, None] == docs[None, :]) & torch.ones(30, 30, dtype=torch.bool).tril()
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 30, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                           attn_mask=allowed).transpose(1, 2)  # fmt: skip
     for r in range(size):
-        local, rows, order = context_parallel.split(batch, size=size, rank=r, pad_id=0)
-        mine = context_parallel.zigzag(30, size, r)
+        local, rows, order = split.split(batch, size=size, rank=r, pad_id=0)
+        mine = split.zigzag(30, size, r)
         assert local["labels"][0].tolist() == [x if x < 25 else -100 for x in mine.tolist()]
-        gathered = torch.cat([context_parallel.zigzag(30, size, q) for q in range(size)])
+        gathered = torch.cat([split.zigzag(30, size, q) for q in range(size)])
         assert torch.equal(gathered[order], torch.arange(30))  # the gathered keys put back in row order
         assert sum(p.end - p.start for p in rows[0]) == len(mine)
         k_r, v_r = k[:, :, mine], v[:, :, mine]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.distributed import checkpoint
+from shardtune.parallel import checkpoint
 from tests.conftest import run_cli, train_records
 from tests.distributed.test_checkpoint import FSDP_ENV, _args, _wait
 

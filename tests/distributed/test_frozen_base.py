@@ -25,7 +25,7 @@ from tests.parity import assert_runs_match, train_steps
 # The adapters left out of FSDP too: each rank steps its own copy on its own rows, and the saved adapter is rank
 # 0's alone.
 TRAINABLE_IGNORED = Edit(
-    "distributed/fsdp.py",
+    "parallel/fsdp.py",
     "    frozen = {p for p in model.parameters() if not p.requires_grad}\n",
     "    frozen = set(model.parameters())\n",
 )

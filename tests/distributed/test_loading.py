@@ -74,9 +74,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from shardtune import quant, weights
-    from shardtune.distributed.mesh import init_distributed, shutdown
-    from shardtune.distributed.setup import build_sharded_model
     from shardtune.log import logger, setup_logging
+    from shardtune.parallel.mesh import init_distributed, shutdown
+    from shardtune.parallel.setup import build_sharded_model
 
     reads = []
     read = weights.iter_checkpoint
@@ -188,7 +188,7 @@ def test_rank0_hands_over_tied_weights_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from shardtune.demo import build_model
-    from shardtune.distributed.loading import take_full_tensors
+    from shardtune.parallel.loading import take_full_tensors
 
     build_model(tmp_path, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                 intermediate_size=128, tie_word_embeddings=True)  # fmt: skip

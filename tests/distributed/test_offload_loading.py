@@ -49,7 +49,7 @@ def _build(spec, info, received: list):
     """Build the model, recording the storage of every tensor a scatter or broadcast receives into."""
     import torch.distributed as dist
 
-    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.parallel.setup import build_sharded_model
 
     scatter, broadcast = dist.scatter, dist.broadcast
 
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     )  # fmt: skip
     torch.set_num_threads(1)
     from shardtune import quant
-    from shardtune.distributed.mesh import init_distributed, shutdown
+    from shardtune.parallel.mesh import init_distributed, shutdown
 
     info = init_distributed("FULL_SHARD")
     out = {}

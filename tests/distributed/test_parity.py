@@ -2,7 +2,7 @@
 per-step losses and gradient norms, the same trained weights (tests/parity.py). Planted bugs in the training
 step (a halved gradient, a per-rank token normaliser, a dropped gradient shard) make the same comparison fail.
 
-HYBRID_SHARD on one machine is FULL_SHARD (shardtune.parallel.ParallelDims.build); across two simulated nodes it
+HYBRID_SHARD on one machine is FULL_SHARD (shardtune.parallel.dims.ParallelDims.build); across two simulated nodes it
 is tests/distributed/test_multinode.py's. DoRA's 2-rank parity is tests/distributed/test_adapters.py's."""
 
 from __future__ import annotations

@@ -126,11 +126,11 @@ def test_full_finetune_bf16_without_fsdp_equals_fsdp(tiny_assets, tmp_path):
 # Planted bugs of the no-FSDP path: the bf16 copy cut off from its fp32 master (no gradient reaches the adapter),
 # and no bf16 copy at all (the adapters computed in fp32, as FSDP2's mixed precision would not).
 DROPPED_GRADIENT = Edit(
-    "distributed/fsdp.py",
+    "parallel/fsdp.py",
     "copies.setdefault(id(p), p.to(self.dtype))",
     "copies.setdefault(id(p), p.detach().to(self.dtype))",
 )
-NO_CAST = Edit("distributed/fsdp.py", "    if mp.param_dtype is not None:\n", "    if False:\n")
+NO_CAST = Edit("parallel/fsdp.py", "    if mp.param_dtype is not None:\n", "    if False:\n")
 
 
 @pytest.mark.parametrize("bug", [DROPPED_GRADIENT, NO_CAST], ids=["dropped_gradient", "no_cast"])

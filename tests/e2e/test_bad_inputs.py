@@ -41,7 +41,7 @@ def _main(argv: list[str], capsys) -> tuple[int, str]:
 
 @pytest.fixture
 def no_dist_env(monkeypatch):
-    """A single in-process run sets RANK etc. (shardtune.distributed.mesh); undo it after the test."""
+    """A single in-process run sets RANK etc. (shardtune.parallel.mesh); undo it after the test."""
     for k in DIST_ENV:
         monkeypatch.setenv(k, "x")
         monkeypatch.delenv(k)

@@ -14,7 +14,7 @@ import pytest
 
 from shardtune import cli
 from shardtune.data import sources
-from shardtune.distributed import checkpoint
+from shardtune.parallel import checkpoint
 from tests.conftest import train_args
 from tests.e2e.test_bad_inputs import _main, _model_copy, _snapshot, no_dist_env  # noqa: F401 - a fixture
 

@@ -196,7 +196,7 @@ def test_malformed_values_name_the_row_and_the_fix(value, want):
 )  # fmt: skip
 def test_cli_refuses_a_malformed_row_before_the_model_loads(assets, bad, want, tmp_path, capsys, monkeypatch):
     from shardtune import cli
-    from shardtune.distributed import setup
+    from shardtune.parallel import setup
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)  # a run in this process sets them; undone after the test

@@ -66,7 +66,7 @@ def _main(argv: list[str], capsys, monkeypatch) -> tuple[int, str]:
 
 def test_refused_before_anything_is_read_when_chatml_adds_tokens(assets, tmp_path, capsys, monkeypatch):
     from shardtune.data import prepare
-    from shardtune.distributed import setup
+    from shardtune.parallel import setup
 
     def never(*a, **k):
         raise AssertionError("the data was prepared or the model loaded")

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune import hooks, hub
-from shardtune.distributed import checkpoint
 from shardtune.optimizers import LocalShards, build_optimizer, optimizer_problems
+from shardtune.parallel import checkpoint
 from shardtune.trainer import (
     LoopSettings,
     LoopState,
@@ -32,8 +32,8 @@ def group():
     """A 1-rank gloo process group and mesh for this module (torn down after it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardtune.distributed.mesh import DistInfo
-    from shardtune.parallel import ParallelDims
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.mesh import DistInfo
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

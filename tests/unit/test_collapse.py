@@ -26,8 +26,8 @@ def group():
     """A 1-rank gloo process group (the loop gathers memory figures), torn down after the module."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardtune.distributed.mesh import DistInfo
-    from shardtune.parallel import ParallelDims
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.mesh import DistInfo
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

@@ -1,4 +1,4 @@
-"""Facts that have one home: the sharding strategies (shardtune.parallel), the run's precision (RunConfig.precision),
+"""Facts that have one home: the sharding strategies (shardtune.parallel.dims), the run's precision (RunConfig.precision),
 the optimizer names (shardtune.optimizers) and the hub-id rule (shardtune.hub.is_hub_id). Each test checks that
 every reader of the fact agrees with its home, so that a second, diverging copy fails here."""
 
@@ -19,7 +19,7 @@ from shardtune.config import ConfigError, load_run_config
 from shardtune.data.sources import ACCEPTED
 from shardtune.fsdp_settings import fsdp_settings_from_env
 from shardtune.hub import is_hub_id
-from shardtune.parallel import STRATEGIES, ParallelDims
+from shardtune.parallel.dims import STRATEGIES, ParallelDims
 from shardtune.planning import ModelShape, PlanInputs, estimate_memory
 from shardtune.planning.known_configs import known_config
 

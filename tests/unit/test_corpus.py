@@ -170,7 +170,7 @@ def test_streaming_names_a_missing_column(assets, tmp_path):
 def test_a_node_that_prepared_other_rows_stops_the_run(assets, monkeypatch):
     """Nodes without a shared file system each prepare their cache; train.py compares the digests over all ranks
     (the gather is replaced here by what a 4-rank run whose second node read an edited file would gather)."""
-    from shardtune.distributed import mesh
+    from shardtune.parallel import mesh
     from shardtune.recipe.data import _check_same_rows
 
     tok = tokenizer(assets)

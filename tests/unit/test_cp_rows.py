@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from shardtune import context_parallel
-from shardtune.distributed.context_parallel import local_shard
+from shardtune.parallel import split
+from shardtune.parallel.context_parallel import local_shard
 from shardtune.router_aux import sequence_mask
 
 
@@ -24,14 +24,14 @@ def test_a_ranks_real_tokens_are_the_whole_rows_real_tokens_at_its_positions():
     keep = torch.tensor([True, True])
     want = sequence_mask(batch["position_ids"], keep)
     assert want.sum(1).tolist() == [7, 4]
-    size, full = 2, context_parallel.padded_length(11, 2)
+    size, full = 2, split.padded_length(11, 2)
     got = torch.full((2, full), -1)
     for rank in range(size):
-        local, rows, _ = context_parallel.split(batch, size=size, rank=rank, pad_id=0)
-        mine = context_parallel.zigzag(full, size, rank)
+        local, rows, _ = split.split(batch, size=size, rank=rank, pad_id=0)
+        mine = split.zigzag(full, size, rank)
         got[:, mine] = sequence_mask(local["position_ids"], keep, mine)
         shard = local_shard(rows, local["position_ids"], None, size=size)
-        real = context_parallel.CPShard(shard.rows, None, row_index=mine, length=11).real()
+        real = split.CPShard(shard.rows, None, row_index=mine, length=11).real()
         assert real.tolist() == [[int(i < 11) for i in mine.tolist()]] * 2
     assert torch.equal(got[:, :11], want) and (got[:, 11:] == 0).all()
 
@@ -41,6 +41,6 @@ def test_without_the_row_positions_the_split_rows_lose_their_tokens():
     0..L_local-1) marks a different set of tokens."""
     batch = _rows()
     keep = torch.tensor([True, True])
-    local, _, _ = context_parallel.split(batch, size=2, rank=1, pad_id=0)
-    mine = context_parallel.zigzag(12, 2, 1)
+    local, _, _ = split.split(batch, size=2, rank=1, pad_id=0)
+    mine = split.zigzag(12, 2, 1)
     assert not torch.equal(sequence_mask(local["position_ids"], keep), sequence_mask(local["position_ids"], keep, mine))

@@ -1,4 +1,4 @@
-"""Context parallelism's attention as one flash-attention varlen call (shardtune.context_parallel.Varlen, the CUDA
+"""Context parallelism's attention as one flash-attention varlen call (shardtune.parallel.split.Varlen, the CUDA
 path): every rank's output equals per-document causal attention of the whole row, and its gradients equal the SDPA
 path's, with flash's kernel stood in for by its documented semantics (`reference_varlen`: per segment, causal
 aligned at the bottom right); a planted wrong key range fails. On CUDA with flash_attn installed the device check
@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shardtune import context_parallel, fastpath, modeling
-from shardtune.distributed.context_parallel import local_shard
+from shardtune import fastpath, modeling
+from shardtune.parallel import split
+from shardtune.parallel.context_parallel import local_shard
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
@@ -43,7 +44,7 @@ def _row_batch():
 
 
 def _whole_rows(q, k, v, pos):
-    docs = context_parallel.document_ids(pos)
+    docs = split.document_ids(pos)
     n = pos.shape[1]
     allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True).transpose(1, 2)
@@ -51,10 +52,10 @@ def _whole_rows(q, k, v, pos):
 
 def _rank(batch, size, rank, q, k, v, varlen: bool, leak: bool = False):
     """This rank's attention (one process holds every rank's keys: the all-gather of its k_r is the whole k)."""
-    local, rows, _ = context_parallel.split(batch, size=size, rank=rank, pad_id=0)
+    local, rows, _ = split.split(batch, size=size, rank=rank, pad_id=0)
     if leak:  # a crossing document attending the row from its start (keys of the documents before it)
         rows = tuple(tuple(replace(p, key_start=0) if p.key_start else p for p in parts) for parts in rows)
-    mine = context_parallel.zigzag(q.shape[2], size, rank)
+    mine = split.zigzag(q.shape[2], size, rank)
     q_r, k_r, v_r = (t[:, :, mine] for t in (q, k, v))
     shard = local_shard(rows, local["position_ids"], lambda x: k if x is k_r else v, size=size, varlen=varlen)
     return mine, fastpath._context_parallel_attention(q_r, k_r, v_r, shard, 0.0, None)
@@ -70,8 +71,8 @@ def test_every_rank_equals_the_whole_rows_and_the_sdpa_path(reference_flash, siz
     """fp64 (unit roundoff 1.1e-16), softmaxes over at most 36 keys: 1e-12 is ~10^4 roundoffs of O(1) outputs and
     gradients, while a wrong key range moves them by O(0.1) (the leak below)."""
     batch = _row_batch()
-    full = context_parallel.padded_length(batch["input_ids"].shape[1], size)
-    pos = context_parallel.split(batch, size=1, rank=0, pad_id=0)[0]["position_ids"]
+    full = split.padded_length(batch["input_ids"].shape[1], size)
+    pos = split.split(batch, size=1, rank=0, pad_id=0)[0]["position_ids"]
     pos = torch.cat([pos, torch.arange(full - pos.shape[1]).expand(2, -1)], dim=1)  # as split pads
     g = torch.Generator().manual_seed(size)
     q, k, v = (torch.randn(2, h, full, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
@@ -89,7 +90,7 @@ def test_every_rank_equals_the_whole_rows_and_the_sdpa_path(reference_flash, siz
 
 def test_a_wrong_key_range_fails(reference_flash):
     batch = _row_batch()
-    full = context_parallel.padded_length(batch["input_ids"].shape[1], 2)
+    full = split.padded_length(batch["input_ids"].shape[1], 2)
     pos = torch.cat([batch["position_ids"], torch.arange(full - batch["position_ids"].shape[1]).expand(2, -1)], 1)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, full, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
@@ -105,8 +106,8 @@ def test_the_layout_covers_every_query_once_and_keys_of_its_own_document():
     batch = _row_batch()
     size = 2
     for r in range(size):
-        local, rows, _ = context_parallel.split(batch, size=size, rank=r, pad_id=0)
-        lay = context_parallel.varlen(rows, local["position_ids"], local["position_ids"].shape[1] * size)
+        local, rows, _ = split.split(batch, size=size, rank=r, pad_id=0)
+        lay = split.varlen(rows, local["position_ids"], local["position_ids"].shape[1] * size)
         n_local = local["position_ids"].numel()
         assert lay.cu_q[-1] == n_local and lay.cu_q.dtype == torch.int32
         assert (lay.cu_k[1:] - lay.cu_k[:-1] >= lay.cu_q[1:] - lay.cu_q[:-1]).all()
@@ -129,11 +130,11 @@ def test_a_forward_on_some_rows_reads_their_own_layout(reference_flash):
     """KTO's KL rows run a forward of their own: the shard of those rows (CPShard.select_rows) attends them as
     the whole micro-batch's shard does."""
     batch = _row_batch()
-    local, rows, _ = context_parallel.split(batch, size=2, rank=1, pad_id=0)
-    full = context_parallel.padded_length(batch["input_ids"].shape[1], 2)
+    local, rows, _ = split.split(batch, size=2, rank=1, pad_id=0)
+    full = split.padded_length(batch["input_ids"].shape[1], 2)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, h, full, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
-    mine = context_parallel.zigzag(full, 2, 1)
+    mine = split.zigzag(full, 2, 1)
     q_r, k_r, v_r = (t[:, :, mine] for t in (q, k, v))
     shard = local_shard(rows, local["position_ids"], lambda x: k if x is k_r else v, size=2, varlen=True)
     both = fastpath._context_parallel_attention(q_r, k_r, v_r, shard, 0.0, None)

@@ -1,6 +1,6 @@
 """--frozen_base: which placement a run takes and why (planning.fit.frozen_base_choice), what the planner plans for
 each (PlanInputs(replicate_base=...)), the flags refused with it, and the one cast the replicated base gets
-(distributed.fsdp.frozen_parameters)."""
+(parallel.fsdp.frozen_parameters)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shardtune.config import ConfigError, load_run_config
-from shardtune.distributed.fsdp import frozen_parameters
+from shardtune.parallel.fsdp import frozen_parameters
 from shardtune.planning import PlanInputs, estimate_memory, model_state_bytes_per_rank
 from shardtune.planning.fit import AUTO_REPLICATE_MARGIN, frozen_base_choice, plan_inputs, plan_shape
 from shardtune.planning.known_configs import KNOWN_CONFIGS

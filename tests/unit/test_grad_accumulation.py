@@ -19,8 +19,8 @@ VOCAB, HIDDEN, SEQ = 32, 8, 6
 
 @pytest.fixture(scope="module")
 def info():
-    from shardtune.distributed.mesh import DistInfo
-    from shardtune.parallel import ParallelDims
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.mesh import DistInfo
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

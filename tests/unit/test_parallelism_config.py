@@ -215,7 +215,7 @@ def test_hybrid_shard_with_context_parallelism_keeps_a_batchs_cp_ranks_on_one_ma
     """2 machines of 4 processes, cp 2, HYBRID_SHARD: replicas across the machines, FSDP's shard group the 4
     ranks of a machine (2 data-parallel shards × cp 2), ranks 2k and 2k+1 sharing batch k; the mesh's rows are the
     machines, so the replicate coordinate is the machine and every batch index is taken once."""
-    from shardtune.parallel import ParallelDims
+    from shardtune.parallel.dims import ParallelDims
 
     dims = [ParallelDims.build(world_size=8, local_world_size=4, rank=r, sharding_strategy="HYBRID_SHARD", cp=2)
             for r in range(8)]  # fmt: skip

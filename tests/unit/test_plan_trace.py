@@ -201,10 +201,10 @@ def _free_port() -> int:
 def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
     """A real 1-rank shardtune build (gloo) of the tiny model, one real step, then the bytes it holds."""
     from shardtune.builder import model_spec
-    from shardtune.distributed.fsdp import local_state_bytes
-    from shardtune.distributed.mesh import init_distributed, shutdown
-    from shardtune.distributed.setup import build_sharded_model
     from shardtune.optimizers import build_optimizer
+    from shardtune.parallel.fsdp import local_state_bytes
+    from shardtune.parallel.mesh import init_distributed, shutdown
+    from shardtune.parallel.setup import build_sharded_model
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(_free_port())}.items():

@@ -9,14 +9,14 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.data import PreparedSplit
-from shardtune.distributed import checkpoint
+from shardtune.parallel import checkpoint
 from shardtune.trainer import LoopSettings, LoopState, train
 
 
 @pytest.fixture(scope="module")
 def info():
-    from shardtune.distributed.mesh import DistInfo
-    from shardtune.parallel import ParallelDims
+    from shardtune.parallel.dims import ParallelDims
+    from shardtune.parallel.mesh import DistInfo
 
     assert not dist.is_initialized()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

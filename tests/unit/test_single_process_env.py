@@ -7,7 +7,7 @@ import os
 
 import torch.distributed as dist
 
-from shardtune.distributed.mesh import init_distributed, shutdown
+from shardtune.parallel.mesh import init_distributed, shutdown
 
 VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -1,5 +1,5 @@
 """The code's shape, checked on its syntax trees (docs/architecture.md): an acyclic import graph with no upward
-imports, torch.distributed confined to shardtune.distributed, short functions and files, few parameters."""
+imports, torch.distributed confined to shardtune.parallel, short functions and files, few parameters."""
 
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ COMMANDS = (
 LEAVES = (
     "shardtune.dtypes",
     "shardtune.precision",
-    "shardtune.parallel",
+    "shardtune.parallel.dims",
     "shardtune.hooks",
     "shardtune.log",
     "shardtune.atomic",
 )
-LOWER_PACKAGES = ("shardtune.distributed", "shardtune.planning", "shardtune.data")
+LOWER_PACKAGES = ("shardtune.parallel", "shardtune.planning", "shardtune.data")
 
 
 def _modules() -> dict[str, Path]:
@@ -118,8 +118,8 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_is_read():
     """The checks below would pass on an empty graph: make sure the parser sees known edges."""
-    assert "shardtune.distributed.setup" in GRAPH["shardtune.train"]
-    assert "shardtune.builder" in GRAPH["shardtune.distributed.setup"]
+    assert "shardtune.parallel.setup" in GRAPH["shardtune.train"]
+    assert "shardtune.builder" in GRAPH["shardtune.parallel.setup"]
     assert "shardtune.recipe.state" in GRAPH["shardtune.recipe.checks"]
     assert len(MODULES) > 40
 
@@ -133,7 +133,7 @@ def test_a_cycle_would_be_found(monkeypatch):
     assert any("shardtune.dtypes" in c and "shardtune.train" in c for c in _cycles())
 
 
-def test_no_upward_imports():
+def _upward_imports() -> list[str]:
     wrong = []
     for name, targets in GRAPH.items():
         for target in targets:
@@ -143,21 +143,51 @@ def test_no_upward_imports():
                 wrong.append(f"{name} (a leaf) imports {target}")
             if _under(name, LOWER_PACKAGES) and _under(target, COMMANDS):
                 wrong.append(f"{name} imports {target}")
-    assert wrong == []
+    return wrong
 
 
-def test_only_shardtune_distributed_imports_torch_distributed():
+def test_no_upward_imports():
+    assert _upward_imports() == []
+
+
+def test_an_upward_import_would_be_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "shardtune.parallel.dims", GRAPH["shardtune.parallel.dims"] | {"shardtune.config"})
+    monkeypatch.setitem(GRAPH, "shardtune.parallel.mesh", GRAPH["shardtune.parallel.mesh"] | {"shardtune.train"})
+    assert set(_upward_imports()) >= {
+        "shardtune.parallel.dims (a leaf) imports shardtune.config",
+        "shardtune.parallel.mesh imports shardtune.train",
+    }
+
+
+def _torch_distributed_uses(name: str, source: str) -> list[str]:
+    wrong = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        wrong += [f"{name}: {n}" for n in names if n == "torch.distributed" or n.startswith("torch.distributed.")]
+        if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.distributed."):
+            wrong.append(f"{name}: {ast.unparse(node)}")
+    return wrong
+
+
+# The parallel package's facts, which configuration code reads: no torch.distributed there either.
+PARALLEL_FACTS = ("shardtune.parallel", "shardtune.parallel.dims", "shardtune.parallel.split")
+
+
+def test_only_shardtune_parallel_imports_torch_distributed():
     wrong = []
     for name, path in MODULES.items():
-        if _under(name, ("shardtune.distributed",)):
+        if _under(name, ("shardtune.parallel",)) and name not in PARALLEL_FACTS:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            wrong += [f"{name}: {n}" for n in names if n == "torch.distributed" or n.startswith("torch.distributed.")]
-            if isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.distributed."):
-                wrong.append(f"{name}: {ast.unparse(node)}")
+        wrong += _torch_distributed_uses(name, path.read_text())
     assert wrong == []
+
+
+def test_a_torch_distributed_use_would_be_found():
+    assert _torch_distributed_uses("m", "import torch.distributed as dist\n") == ["m: torch.distributed"]
+    assert _torch_distributed_uses("m", "from torch.distributed.tensor import DTensor\n")
+    assert _torch_distributed_uses("m", "import torch\nx = torch.distributed.get_rank()\n")
+    assert _torch_distributed_uses("m", "import torch\nx = torch.cuda.device_count()\n") == []
 
 
 @pytest.mark.parametrize("limit", [MAX_FUNCTION_LINES])

@@ -88,14 +88,14 @@ class _Mesh:
     ],
 )
 def test_a_ranks_shard_index_is_its_coordinate_on_the_shard_dimension(layout, names, expected):
-    from shardtune.distributed.loading import _shard_index
+    from shardtune.parallel.loading import _shard_index
 
     mesh = _Mesh(layout, names)
     assert [_shard_index(r, mesh) for r in range(4)] == expected
 
 
 def test_a_mesh_without_a_shard_dimension_is_refused():
-    from shardtune.distributed.loading import _shard_index
+    from shardtune.parallel.loading import _shard_index
 
     with pytest.raises(ValueError, match="no 'shard' dimension"):
         _shard_index(0, _Mesh([[0, 1], [2, 3]], ("dp", "tp")))

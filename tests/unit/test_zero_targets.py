@@ -45,8 +45,8 @@ def test_a_batch_without_targets_gives_a_zero_loss_that_backpropagates(tiny_asse
 def _worker(rank: int, world: int, path: str, port: int, queue) -> None:
     """Rank 0's batch has targets, rank 1's none; then a step where no rank has any."""
     from shardtune.builder import ModelSpec
-    from shardtune.distributed.mesh import init_distributed, shutdown
-    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.parallel.mesh import init_distributed, shutdown
+    from shardtune.parallel.setup import build_sharded_model
     from shardtune.trainer import train_step
 
     os.environ.update(

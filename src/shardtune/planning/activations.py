@@ -308,7 +308,7 @@ def expert_lora_4bit_saved_bytes_per_token(
 
 
 def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, row_len: int, compute_bytes: int) -> int:
-    """Per block, with context parallelism (shardtune.context_parallel) when a rank holds local_len of each row's
+    """Per block, with context parallelism (shardtune.parallel.split) when a rank holds local_len of each row's
     row_len positions: the row's all-gathered keys and values beyond the rank's own, which the attention of a
     document begun in an earlier chunk keeps for backward (slices of them). Zero without it. The attention itself
     runs per document, as without context parallelism: no row-wide mask."""

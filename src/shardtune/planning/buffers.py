@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardtune import parallel
+from shardtune.parallel import dims
 from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import ModelShape, Tensor, sharded_bytes
 from shardtune.planning.state import compute_dtype_bytes, state_per_rank
@@ -48,7 +48,7 @@ def _fsdp_buffers(
     """The FSDP pieces of StepParts: one block's and the root's unsharded parameters in the compute dtype
     (4-bit weights as stored), how many blocks are gathered at once, the host-to-GPU copies of offloaded shards,
     and a block's or the root's unsharded gradients plus their fp32 reduce-scatter input (`a + 4` bytes each)."""
-    s = parallel.strategy(strategy)
+    s = dims.strategy(strategy)
     keep_all = s.sharded and not s.reshard_after_forward  # ZeRO-2: every block stays gathered after forward
     # With one rank per shard group FSDP2 copies a prefetched block's shard at its wait, not at its issue, so
     # one block is gathered at a time in backward; otherwise the prefetched block's all-gather output exists.

@@ -9,11 +9,12 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from shardtune import cuda_allocator, dtypes, parallel
+from shardtune import cuda_allocator, dtypes
 from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
 from shardtune.fsdp_settings import fsdp_settings_from_env, single_process_fsdp_reason
 from shardtune.loss import rows_per_example
-from shardtune.parallel import ZERO2_OF
+from shardtune.parallel import dims
+from shardtune.parallel.dims import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import ModelShape, load_model_config
@@ -194,7 +195,7 @@ def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) ->
         return "replicated", "Frozen base replicated on every rank (--frozen_base replicated): never all-gathered."
     if launch.offload:
         return "sharded", "Frozen base sharded (--frozen_base auto): fsdp_offload_params keeps the shards in host RAM."
-    if not parallel.strategy(launch.sharding_strategy).sharded:
+    if not dims.strategy(launch.sharding_strategy).sharded:
         return "sharded", None  # NO_SHARD: FSDP replicates everything already
     if gpu_bytes is None:
         return "sharded", (

@@ -96,7 +96,7 @@ def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
 
 
 def _context_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulation: int):
-    """Each row split over more of the same GPUs (shardtune.context_parallel), the global batch kept by
+    """Each row split over more of the same GPUs (shardtune.parallel.split), the global batch kept by
     accumulating as many more micro-batches: the step computes the same gradient, a rank holds 1/cp of each row."""
     world, cp = inputs.world_size, inputs.context_parallel
     more = cp * 2

@@ -1,6 +1,6 @@
 """The allocation history of a traced step: every storage made or freed, in order, with the stream it was made on.
 
-FSDP2's memory tracker (shardtune.distributed.fake) reports what is alive at each moment; what the CUDA caching
+FSDP2's memory tracker (shardtune.parallel.fake) reports what is alive at each moment; what the CUDA caching
 allocator reserves also depends on the order in which storages come and go and on which stream makes them (its
 cached blocks serve only their own stream), so `AllocationRecorder` writes that history down for
 shardtune.planning.allocator to replay:
@@ -134,7 +134,7 @@ class AllocationRecorder(TorchDispatchMode):
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages under `t`: its own, or its inner tensors' for a wrapper subclass such as DTensor (whose
     local shard is what the device holds). The same walk as torch.distributed._tools.common_utils'
-    get_untyped_storages, which the tracker uses; written here because only shardtune.distributed imports
+    get_untyped_storages, which the tracker uses; written here because only shardtune.parallel imports
     torch.distributed (tests/unit/test_structure.py)."""
     if not is_traceable_wrapper_subclass(t):
         return [t.untyped_storage()]

@@ -126,7 +126,7 @@ def trace_comparison(p: Plan) -> dict[str, tuple[int, int]]:
 
 
 # The estimate's rows that make each category of the traced step peak (storages filed by what they are,
-# shardtune.distributed.fake). Activations and temporaries follow the tracker's split, by when a tensor is made:
+# shardtune.parallel.fake). Activations and temporaries follow the tracker's split, by when a tensor is made:
 # forward (and the inputs) or backward (a block's recomputation included); the estimate's rows of activations
 # and logits hold both, and MemoryEstimate.temporaries says how much of them its peak phase's backward makes.
 ESTIMATE_CATEGORIES = {

@@ -1,7 +1,7 @@
 """The model state one rank holds once FSDP2 has sharded it: frozen and trainable parameters, gradients, optimizer
 states, the replicated quantization constants, and the host copies (offload, model loading).
 
-Strategies come from shardtune.parallel, optimizer state bytes from shardtune.optimizers and dtype sizes from
+Strategies come from shardtune.parallel.dims, optimizer state bytes from shardtune.optimizers and dtype sizes from
 shardtune.dtypes: the planner counts what the run builds from the same tables.
 """
 
@@ -11,7 +11,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardtune import dtypes, optimizers, parallel
+from shardtune import dtypes, optimizers
+from shardtune.parallel import dims
 from shardtune.planning.inputs import DEFAULTS, PlanInputs
 from shardtune.planning.model import (
     ModelShape,
@@ -44,7 +45,7 @@ def compute_dtype_bytes(bf16: bool, fp16: bool) -> int:
 
 def shard_group_size(world_size: int, num_nodes: int, sharding_strategy: str) -> int:
     """Ranks one parameter is split over: all of them, those of one node (hybrid), or none (NO_SHARD)."""
-    s = parallel.strategy(sharding_strategy.upper())
+    s = dims.strategy(sharding_strategy.upper())
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(f"world size {world_size} must be a positive multiple of the number of machines {num_nodes}")
     if not s.sharded:

@@ -3,7 +3,7 @@
 Nothing is allocated and no weights are read: the model is built and sharded on meta by `build_sharded_model`
 (the same builder, adapter wrapping, 4-bit preparation, activation checkpointing and FSDP2 sharding as
 `shardtune train`, with `read_weights=False`) over a fake process group of the run's world size
-(shardtune.distributed.fake); its shards are then allocated under torch's FakeTensorMode, one step creates the
+(shardtune.parallel.fake); its shards are then allocated under torch's FakeTensorMode, one step creates the
 optimizer states, and a second step's forward (through the chunked loss), backward and gradient clipping run under
 FSDP2's memory tracker (torch.distributed._tools.fsdp2_mem_tracker, as in torchtitan's memory estimation), which
 records, storage by storage, rank 0's peaks by category. docs/plan.md ("Tracing the real step") lists what differs
@@ -51,7 +51,7 @@ class TraceResult:
     peaks: dict[str, dict[str, int]]  # {"step", "forward", "backward", "decoder-layer backward": {category: bytes}}
     state: dict[str, int]  # frozen / trainable parameter bytes, optimizer-state bytes, trainable tensors
     device: str
-    # The storages alive at the step's peak filed by what they are (shardtune.distributed.fake): an FSDP
+    # The storages alive at the step's peak filed by what they are (shardtune.parallel.fake): an FSDP
     # parameter's gathered copy is a parameter and its unsharded .grad a gradient whichever phase made them;
     # the quantization constants are parameters.
     step_by_identity: dict[str, int] = field(default_factory=dict)
@@ -142,8 +142,8 @@ def trace_step(
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks, with the frozen
     base replicated where `replicate_base` (the estimate's setting, `--frozen_base`)."""
     from shardtune.builder import model_spec
-    from shardtune.distributed.fake import fake_process_group, untracked_root
-    from shardtune.distributed.setup import build_sharded_model
+    from shardtune.parallel.fake import fake_process_group, untracked_root
+    from shardtune.parallel.setup import build_sharded_model
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -223,7 +223,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     (see _tracked_step), which a real run frees. Two steps: the first creates the optimizer states (one
     micro-batch), the second repeats a steady step (two micro-batches when the run accumulates: the second holds
     every gradient from its start, and later ones repeat it); both shape what the allocator keeps cached."""
-    from shardtune.distributed.loading import allocate_unread
+    from shardtune.parallel.loading import allocate_unread
     from shardtune.planning.allocator import replay
     from shardtune.planning.recorder import AllocationRecorder
 
@@ -280,7 +280,7 @@ def _stream_names(model, numbers: dict[object, int]) -> dict[int, str]:
 def _tracked_step(model, optimizer, batch, max_grad_norm: float, micro_batches: int) -> TraceResult:
     """One step's micro-batches under FSDP2's memory tracker: its peaks by category, and the state it leaves."""
     from shardtune import quant
-    from shardtune.distributed.fake import track_peak
+    from shardtune.parallel.fake import track_peak
 
     micro = [lambda: _forward_backward(model, batch)] * (micro_batches - 1)
     micro.append(lambda: (_forward_backward(model, batch), _clip(model, max_grad_norm)))
@@ -332,11 +332,11 @@ def _batch(batch_size: int, seq_len: int, info) -> dict[str, torch.Tensor]:
 
 
 def _context_parallel_part(model, batch: dict, info) -> dict:
-    """Rank 0's part of the micro-batch (shardtune.distributed.context_parallel.local_part), and the model's CPShard:
+    """Rank 0's part of the micro-batch (shardtune.parallel.context_parallel.local_part), and the model's CPShard:
     with rows of one document each, chunk 0 attends among its own positions and chunk 2·cp - 1 the whole row's
     gathered keys, the largest crossing part a row can have. The split runs on the host batch's real values; the
     part then enters the trace as fake tensors on the device."""
-    from shardtune.distributed.context_parallel import local_part
+    from shardtune.parallel.context_parallel import local_part
 
     with _real_tensors():
         local, model.cp_shard = local_part(batch, info, model)
@@ -369,7 +369,7 @@ def _optimizer_step(model, optimizer) -> None:
 
 
 def _state_bytes(model, optimizer) -> dict[str, int]:
-    from shardtune.distributed.fsdp import local_state_bytes
+    from shardtune.parallel.fsdp import local_state_bytes
 
     out = dict(local_state_bytes(model))
     out["trainable_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)

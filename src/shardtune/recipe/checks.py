@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from shardtune.config import RunConfig
-from shardtune.distributed import checkpoint
 from shardtune.log import print0, warn0
+from shardtune.parallel import checkpoint
 from shardtune.recipe.state import saved_record
 
 
@@ -15,8 +15,8 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
     the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
     from shardtune import hub, run_dir
-    from shardtune.distributed.mesh import broadcast_object
     from shardtune.fsdp_settings import fsdp1_only_notes
+    from shardtune.parallel.mesh import broadcast_object
 
     t = cfg.train
     repo_id, problem = None, None
@@ -95,7 +95,7 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
 def open_trackers_for_run(cfg: RunConfig, info) -> list:
     """The W&B/MLflow runs of --report_to, started on the main process before the data and model load, so that
     a tracker that cannot start stops every rank with its message (exit 2) and nothing has been spent."""
-    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.parallel.mesh import broadcast_object
     from shardtune.trackers import open_trackers, parse_report_to
 
     trackers, problem = [], None
@@ -116,7 +116,7 @@ def frozen_base_placement(cfg: RunConfig, info) -> str:
     """--frozen_base as this run applies it ("sharded" or "replicated"), decided on rank 0 from the plan and its
     GPU's memory (shardtune.planning.fit.frozen_base_choice) and sent to every rank, which must all place the base
     alike; the reason is logged once."""
-    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.parallel.mesh import broadcast_object
     from shardtune.planning.fit import frozen_base_choice, launch_from_env
 
     choice = None

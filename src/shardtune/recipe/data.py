@@ -17,7 +17,7 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
     """Rank 0 prepares the cache first; then each other node's local rank 0 reads it (a shared file system) or
     prepares its own (node-local disks); then the remaining ranks read their node's cache. Every rank then checks
     that it holds the same rows as rank 0."""
-    from shardtune.distributed.mesh import barrier
+    from shardtune.parallel.mesh import barrier
 
     d = cfg.data
     cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
@@ -81,7 +81,7 @@ def _disk_full_named(build, cache: str):
 def _check_same_rows(train, evals, dataset_name: str) -> None:
     """Nodes without a shared file system prepare their caches from their own copies of the data: compare the
     caches' content digests, so that a node with other files stops the run instead of training on other rows."""
-    from shardtune.distributed.mesh import all_gather_objects
+    from shardtune.parallel.mesh import all_gather_objects
 
     mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]  # None for a streamed split: not compared
     digests = all_gather_objects(mine)

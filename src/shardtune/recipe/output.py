@@ -19,8 +19,8 @@ def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path
 
     from shardtune import export
     from shardtune.atomic import DiskFullError
-    from shardtune.distributed.gather import gather_full, gather_trainable
-    from shardtune.distributed.mesh import broadcast_object
+    from shardtune.parallel.gather import gather_full, gather_trainable
+    from shardtune.parallel.mesh import broadcast_object
 
     out = Path(cfg.train.output_dir)
     inner = model.model
@@ -42,7 +42,7 @@ def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path
 
 
 def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
-    from shardtune.distributed.mesh import barrier
+    from shardtune.parallel.mesh import barrier
 
     out = write_weights(cfg, model, tokenizer, info, step)
     print0(f"{'Adapter' if cfg.model.use_peft_lora else 'Model'} written to {out}.")
@@ -66,7 +66,7 @@ def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
 
 
 def finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, objective) -> None:
-    from shardtune.distributed.mesh import all_gather_objects
+    from shardtune.parallel.mesh import all_gather_objects
     from shardtune.trainer import evaluate_split, peak_memory_gb
 
     final_eval = {}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from shardtune.config import RunConfig
-from shardtune.distributed import checkpoint
 from shardtune.log import print0, warn0
+from shardtune.parallel import checkpoint
 from shardtune.recipe.output import write_weights
 from shardtune.trainer import LoopState
 

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from shardtune.parallel import strategy
+from shardtune.parallel.dims import strategy
 
 
 def mixed_precision_policy(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy:

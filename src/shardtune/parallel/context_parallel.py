@@ -1,4 +1,4 @@
-"""The collectives of context parallelism (shardtune.context_parallel holds the split and the attention): the cp
+"""The collectives of context parallelism (shardtune.parallel.split holds the split and the attention): the cp
 process groups, the all-gather of a row's keys and values and the sum of per-row values over the cp ranks, each
 with its exact backward, and a rank's part of a micro-batch."""
 
@@ -10,9 +10,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from shardtune import context_parallel
-from shardtune.context_parallel import CPShard
 from shardtune.fastpath import packed_documents
+from shardtune.parallel import split
+from shardtune.parallel.split import CPShard
 
 
 def groups(world_size: int, size: int):
@@ -78,7 +78,7 @@ PAD_FOR_CP = 0
 
 def local_part(batch: dict, info, model) -> tuple[dict, CPShard | None]:
     """This rank's part of a micro-batch and its CPShard: all of it and None, or with context parallelism its
-    share of every row's positions (shardtune.context_parallel), its attention as the training module `model`
+    share of every row's positions (shardtune.parallel.split), its attention as the training module `model`
     runs it (`cp_varlen`). The module reads the shard for the micro-batch's forward and its recomputation in
     backward: the caller sets `model.cp_shard` before each micro-batch's forward (shardtune.trainer)."""
     if info.dims.cp == 1:
@@ -90,7 +90,7 @@ def local_part(batch: dict, info, model) -> tuple[dict, CPShard | None]:
 def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen: bool = False) -> tuple[dict, CPShard]:
     """This rank's part of a micro-batch and the CPShard its attention reads; `varlen`: as one flash-attention
     varlen call (CUDA) rather than SDPA per part."""
-    local, rows, order = context_parallel.split(batch, size=size, rank=rank, pad_id=pad_id)
+    local, rows, order = split.split(batch, size=size, rank=rank, pad_id=pad_id)
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         return _GatherPositions.apply(x, group, size, rank).index_select(2, order.to(x.device))
@@ -99,7 +99,7 @@ def shard_batch(batch: dict, *, group, size: int, rank: int, pad_id: int, varlen
         return _SumOverRanks.apply(x, group)
 
     shard = local_shard(rows, local["position_ids"], gather, size=size, varlen=varlen, sum_rows=sum_rows)
-    index = context_parallel.zigzag(context_parallel.padded_length(batch["input_ids"].shape[1], size), size, rank)
+    index = split.zigzag(split.padded_length(batch["input_ids"].shape[1], size), size, rank)
     tokens = functools.partial(_gather_tokens, group=group, size=size, rank=rank)
     return local, replace(shard, row_index=index.to(local["position_ids"].device),
                           length=batch["input_ids"].shape[1], gather_tokens=tokens)  # fmt: skip
@@ -116,7 +116,7 @@ def _gather_tokens(router_logits: tuple, mask: torch.Tensor, *, group, size: int
 
 
 def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: bool = False, sum_rows=None) -> CPShard:
-    """The CPShard of a rank's parts (context_parallel.split's `rows`) and its local position ids: each local
+    """The CPShard of a rank's parts (split.split's `rows`) and its local position ids: each local
     part's per-document spans (read from its own position ids), and with `varlen` the whole attention's varlen
     layout, both built on the host once per micro-batch and moved to the positions' device."""
     rows = tuple(
@@ -128,5 +128,5 @@ def local_shard(rows, positions: torch.Tensor, gather, *, size: int, varlen: boo
     host = positions.detach().cpu()
     if varlen:
         # every rank holds L / size of a row
-        layout = context_parallel.varlen(rows, host, host.shape[1] * size).to(positions.device)
+        layout = split.varlen(rows, host, host.shape[1] * size).to(positions.device)
     return CPShard(rows, gather, layout, sum_rows, host, size)

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from shardtune.distributed.context_parallel import groups as cp_groups
-from shardtune.distributed.mesh import DistInfo, build_mesh
-from shardtune.parallel import ParallelDims
+from shardtune.parallel.context_parallel import groups as cp_groups
+from shardtune.parallel.dims import ParallelDims
+from shardtune.parallel.mesh import DistInfo, build_mesh
 
 
 @contextlib.contextmanager

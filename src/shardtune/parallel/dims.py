@@ -2,7 +2,7 @@
 
 Everything that means "the data-parallel size" or "this rank's data-parallel index" reads `ParallelDims`, not the
 world size: the two differ with a context-parallel axis (and a tensor-parallel one, 1 today).
-Nothing here imports torch.distributed; shardtune.distributed.mesh builds the device mesh from these numbers.
+Nothing here imports torch.distributed; shardtune.parallel.mesh builds the device mesh from these numbers.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ParallelDims:
     Data parallelism has two axes: `dp_replicate` (full replicas: across machines with HYBRID_SHARD, every rank with
     NO_SHARD) and `dp_shard` (the FSDP shard group). Their product is the number of distinct batches per step.
     Context parallelism (`cp`) splits each of those batches' sequences over `cp` consecutive ranks
-    (shardtune.context_parallel), which FSDP shards the parameters over too, as torchtitan does: the shard group
+    (shardtune.parallel.split), which FSDP shards the parameters over too, as torchtitan does: the shard group
     is dp_shard × cp ranks, so adding cp also lowers the weights' memory per rank.
     """
 

@@ -139,7 +139,7 @@ def allocate_unread(model: nn.Module, device: torch.device) -> None:
 
 def _shard_dim(mesh) -> int:
     """The mesh dimension of the shard group (FSDP2 shards dim 0 of every parameter along it): the one named
-    "shard" (shardtune.parallel.ParallelDims.mesh_dim_names); other dimensions replicate (HYBRID_SHARD across
+    "shard" (shardtune.parallel.dims.ParallelDims.mesh_dim_names); other dimensions replicate (HYBRID_SHARD across
     nodes, NO_SHARD across all ranks). A mesh without names has a single dimension, which is the shard group."""
     names = mesh.mesh_dim_names
     if names is None and mesh.ndim == 1:

@@ -24,16 +24,16 @@ from torch import nn
 
 from shardtune import hooks, modeling, quant
 from shardtune.builder import ModelSpec, build_training_module
-from shardtune.distributed.fsdp import assert_sharded, shard_model, without_fsdp
-from shardtune.distributed.loading import (
+from shardtune.fsdp_settings import single_process_fsdp_reason
+from shardtune.log import print0
+from shardtune.parallel.fsdp import assert_sharded, shard_model, without_fsdp
+from shardtune.parallel.loading import (
     broadcast_quant_states,
     materialize_from_rank0,
     node_group,
     take_full_tensors,
 )
-from shardtune.distributed.mesh import DistInfo, all_gather_objects
-from shardtune.fsdp_settings import single_process_fsdp_reason
-from shardtune.log import print0
+from shardtune.parallel.mesh import DistInfo, all_gather_objects
 
 
 def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "fsdp") -> modeling.CausalLMForTraining:

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtune import atomic, hooks
-from shardtune.distributed.mesh import broadcast_object
 from shardtune.log import print0, warn0
+from shardtune.parallel.mesh import broadcast_object
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardtune.distributed import context_parallel
-from shardtune.parallel import ParallelDims
+from shardtune.parallel import context_parallel
+from shardtune.parallel.dims import ParallelDims
 
 
 @dataclass

@@ -11,7 +11,7 @@ The attention (shardtune.fastpath's, given a CPShard): the documents are read of
 before the split (a document starts where the position does not follow the previous one). Within a rank's chunk,
 the documents that begin in it attend among its own positions, per document as without context parallelism; the
 part of a document that began in an earlier chunk attends the row's keys from that document's start, all-gathered
-over the cp ranks (shardtune.distributed.context_parallel), causal aligned at the bottom right. So documents that
+over the cp ranks (shardtune.parallel.context_parallel), causal aligned at the bottom right. So documents that
 span two chunks, or two ranks, attend exactly as in one process, no document ever sees another, and no mask of
 the whole row is built. All-gathering K/V (rather than a ring of partial softmaxes) keeps any attention kernel usable
 with an exact backward: the gather's backward is a reduce-scatter of the K/V gradients. Its cost is the row's K/V
@@ -35,7 +35,7 @@ POSITION_KEYS = ("input_ids", "position_ids", "labels")
 class Part:
     """Consecutive local positions [start, end) of one rank's chunk of a row. With key_start None, documents that
     began within the chunk: the queries attend within these local positions only (`spans`: their per-document
-    spans, shardtune.fastpath.packed_documents of these positions, set by shardtune.distributed.context_parallel).
+    spans, shardtune.fastpath.packed_documents of these positions, set by shardtune.parallel.context_parallel).
     Otherwise the part of a document that began before the chunk, at row position key_start: the queries attend
     the gathered row's keys [key_start, key_end), causal aligned at the bottom right (the last query sees all)."""
 
@@ -49,7 +49,7 @@ class Part:
 @dataclass(frozen=True)
 class CPShard:
     """One rank's share of a micro-batch: its rows' parts in local order, and how it gets the rows' keys and
-    values (shardtune.distributed.context_parallel all-gathers them over the batch's cp ranks)."""
+    values (shardtune.parallel.context_parallel all-gathers them over the batch's cp ranks)."""
 
     rows: tuple[tuple[Part, ...], ...]
     gather: Callable[[torch.Tensor], torch.Tensor]  # [B, heads, L_local, d] -> [B, heads, L, d] in row order

@@ -1,1 +1,0 @@
-"""Everything that touches torch.distributed: process group, device mesh, FSDP2 sharding, loading, gathering."""
