@@ -98,7 +98,7 @@ RUNS = {
 
 def one(model: str, flags: str) -> dict:
     """Trace and replay one run (in its own process: a trace owns the process group)."""
-    from shardtune.plan import make_plan
+    from shardtune.commands.plan import make_plan
     from shardtune.planning.known_configs import known_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """The conformance sweep: for every causal-LM architecture the installed transformers registers
 (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), shardtune's training forward against the model's own, on a tiny random copy
-of the config class's defaults (shardtune.families.tiny_config, multipliers left at 1.0 set to 2.5 so that a
+of the config class's defaults (shardtune.models.families.tiny_config, multipliers left at 1.0 set to 2.5 so that a
 dropped one shows).
 
 Per family, with the attention shardtune trains it with:
@@ -8,7 +8,7 @@ Per family, with the attention shardtune trains it with:
   relative error <= families.RTOL), with which decoder and head transform;
 - packing: whether a packed row gives each document's logits alone, on the path shardtune trains with; where
   neither path keeps documents apart, `shardtune train --packing True` is refused before loading weights;
-- all-linear: the LoRA layers shardtune.targets picks, and that one forward runs with them attached.
+- all-linear: the LoRA layers shardtune.models.targets picks, and that one forward runs with them attached.
 A family that cannot be built on CPU from its defaults (extra packages, sub-models it needs inputs for) is listed
 as skipped with the reason. Each family runs in a forked process with a time limit.
 
@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch
 
-from shardtune import families, fastpath, targets
-from shardtune.modeling import CausalLMForTraining
+from shardtune.models import families, fastpath, targets
+from shardtune.models.modeling import CausalLMForTraining
 
 RESULTS = ROOT / "bench" / "results" / "conformance.json"
 README = ROOT / "README.md"

@@ -36,7 +36,7 @@ from shardtune.data import build_datasets, setup_tokenizer
 tok = AutoTokenizer.from_pretrained(args["tokenizer"])
 setup_tokenizer(tok, "chatml")
 t0 = time.time()
-from shardtune.config import DataArguments
+from shardtune.config.arguments import DataArguments
 data = DataArguments(dataset_name=args["data"], splits="train", max_length=1024, packing=True,
                      dataset_num_proc=args["num_proc"])
 train, _ = build_datasets(data, tokenizer=tok, seed=0, cache_dir=args["cache"], chat_template_format="chatml")
@@ -45,7 +45,7 @@ print(json.dumps({"seconds": time.time() - t0, **train.stats}))
 
 
 def write_conversations(path: Path, n: int, seed: int = 0) -> None:
-    from shardtune.demo import _conversation
+    from shardtune.commands.demo import _conversation
 
     rng = random.Random(seed)
     with open(path, "w") as f:
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--num_proc", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/data_scale")
     a = ap.parse_args()
-    from shardtune.demo import build_tokenizer
+    from shardtune.commands.demo import build_tokenizer
 
     work = Path(a.workdir)
     shutil.rmtree(work, ignore_errors=True)

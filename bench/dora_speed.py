@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def _spec(model_dir: str, *, use_dora: bool, dropout: float, rank: int, dora_dropout: str = "lora_path"):
-    from shardtune.builder import ModelSpec
+    from shardtune.models.builder import ModelSpec
 
     return ModelSpec(
         model_name_or_path=model_dir,
@@ -61,9 +61,9 @@ def _use_peft_dora_forward(model) -> None:
 
 
 def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
-    from shardtune import adapters
-    from shardtune.log import setup_logging
+    from shardtune.models import dora
     from shardtune.parallel.setup import build_sharded_model
+    from shardtune.runtime.log import setup_logging
 
     setup_logging("warning")
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
     if forward == "peft":
         _use_peft_dora_forward(model)
     elif forward is not None:
-        assert adapters.use_fast_dora(model) == 0  # already installed by build_sharded_model
+        assert dora.use_fast_dora(model) == 0  # already installed by build_sharded_model
     params = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
@@ -120,7 +120,7 @@ def _sync(device: torch.device) -> None:
 def _ensure_model(model_dir: Path) -> None:
     if (model_dir / "config.json").exists():
         return
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     build_model(model_dir, **MODEL)
 
@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     setup["load_average_1m"] = os.getloadavg()[0]  # other jobs on the machine slow every variant alike
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from shardtune.cpu import bench_line, bench_record
+    from shardtune.runtime.cpu import bench_line, bench_record
 
-    cpu = bench_record("float32")  # the CPU case these figures belong to (shardtune.cpu)
+    cpu = bench_record("float32")  # the CPU case these figures belong to (shardtune.runtime.cpu)
     print(bench_line(cpu))
     result = {"model": MODEL, "setup": setup, "device": device, "cpu": cpu, "rows": rows}
     out.write_text(json.dumps(result, indent=2) + "\n")

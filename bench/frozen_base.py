@@ -31,7 +31,7 @@ the whole (unsharded) tensor it produces or reduces: an all-gather's output, a r
 all-reduce's or broadcast's tensor. On a ring of N ranks each rank sends and receives (N - 1) / N of that (an
 all-reduce twice that), so on 2 ranks the wire traffic per rank is half the counted bytes (all-reduce: equal).
 
-Counting only the training steps: the counters are snapshotted each time `shardtune.trainer.train_step` is
+Counting only the training steps: the counters are snapshotted each time `shardtune.training.trainer.train_step` is
 entered, so step k's bytes are what was counted from its entry to the next step's entry: its forward and
 backward, the gradient-norm all-reduce, the optimizer step, its log record and the stop check. The last step is
 left out (its interval runs into the final save), so a run of S steps gives S - 1 complete steps.
@@ -248,8 +248,8 @@ def cpu_clock(children: bool) -> tuple[float, float, float]:
 
 def rank_main(result: str, argv: list[str]) -> int:
     """One rank: count collectives, snapshot them at each train_step entry, train, write the counts."""
-    from shardtune import trainer
     from shardtune.cli import main as cli_main
+    from shardtune.training import trainer
 
     counter, snapshots, clocks, units = Counter(), [], [], []
     install(counter)
@@ -276,7 +276,7 @@ def rank_main(result: str, argv: list[str]) -> int:
 
 
 def _assets(root: Path) -> dict[str, Path]:
-    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
 
     tok = build_tokenizer(root / "model", vocab_size=600)
     build_model(root / "model", vocab_size=len(tok), **MODEL)

@@ -73,7 +73,8 @@ def _children_cpu_s() -> float:
 
 def check_main(name: str, ctx_path: str) -> int:
     """Inside the check's process: run it and write {status, reason | results} next to the context file."""
-    from shardtune import cli, cuda_allocator
+    from shardtune import cli
+    from shardtune.config import cuda_allocator
 
     cli.prepare_process()  # before any CUDA work: the allocator setting of shardtune's commands (shardtune.cli)
     ctx = json.loads(Path(ctx_path).read_text())
@@ -180,7 +181,7 @@ def _context(a: argparse.Namespace, workdir: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from shardtune.modeling import load_tokenizer
+    from shardtune.models.modeling import load_tokenizer
 
     size = SIZES["tiny" if a.tiny else "1b"]
     assets = build_assets(workdir, size)
@@ -315,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu_check: {'; '.join(problems)} (pyproject.toml); carry the wheels docs/gpu.md lists.", file=sys.stderr
         )
         return 2
-    from shardtune import cli, cuda_allocator
+    from shardtune import cli
+    from shardtune.config import cuda_allocator
 
     cli.prepare_process()  # the setting the checks' processes inherit, before this one measures the matmul peak
     import torch

@@ -101,7 +101,7 @@ SIZES = {
 
 def build_assets(workdir: Path, size: Size) -> dict[str, str]:
     """Tokenizer, random bf16 model and chat data, built locally once per size."""
-    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
 
     model, data = workdir / f"model-{size.hidden}x{size.layers}", workdir / f"data-{size.n_train}"
     if not (model / "config.json").exists():
@@ -122,8 +122,8 @@ def build_assets(workdir: Path, size: Size) -> dict[str, str]:
 
 def _yaml(ctx: dict, world: int, path: str | None = None) -> dict:
     """The accelerate config of a run: the given file (num_processes set to `world`) or the guide's LoRA one."""
-    from shardtune.accelerate_config import read_accelerate_yaml
-    from shardtune.demo import DEMO_FSDP_YAML
+    from shardtune.commands.demo import DEMO_FSDP_YAML
+    from shardtune.config.accelerate import read_accelerate_yaml
 
     cfg = read_accelerate_yaml(REPO / path) if path else {**DEMO_FSDP_YAML}
     return {**cfg, "num_processes": world, "use_cpu": ctx["device"] == "cpu", "mixed_precision": "bf16"}
@@ -147,7 +147,7 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
           expect_ok: bool = True, deterministic: bool = False, **flags) -> subprocess.CompletedProcess:  # fmt: skip
     """Run `shardtune train` with the FSDP settings of `yaml` as accelerate would: one rank in this process (it has
     imported everything already), 2 ranks under torchrun, a run that is to be killed in a process of its own."""
-    from shardtune.accelerate_config import accelerate_env
+    from shardtune.config.accelerate import accelerate_env
 
     cfg = _yaml(ctx, world, yaml)
     if "per_device_train_batch_size" not in flags:
@@ -171,7 +171,7 @@ def train(ctx: dict, out: Path, *, world: int = 1, yaml: str | None = None, env:
 
 def _train_here(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """`shardtune train` in this process, with `env` added for the run (a fresh 1-rank group each time)."""
-    from shardtune.train import main as train_main
+    from shardtune.commands.train import main as train_main
 
     saved = dict(os.environ)
     os.environ.update(env)
@@ -350,8 +350,10 @@ def check_memory_vs_plan(ctx: dict) -> dict:
 
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
-    from shardtune import cli, cuda_allocator, trainer
-    from shardtune.accelerate_config import accelerate_env
+    from shardtune import cli
+    from shardtune.config import cuda_allocator
+    from shardtune.config.accelerate import accelerate_env
+    from shardtune.training import trainer
 
     out = Path(ctx["workdir"]) / "memory_vs_plan"
     shutil.rmtree(out, ignore_errors=True)  # a second run on the same machine starts afresh
@@ -390,7 +392,7 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     replay = _replayed(argv[1:])
     return {
         # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
-        # setting this process ran with (shardtune.cuda_allocator): the replay's rules against the real allocator
+        # setting this process ran with (shardtune.config.cuda_allocator): the replay's rules against the real allocator
         "replayed_gib": {k: v / gib for k, v in replay.items() if k != "reserved_by_stream"},
         "replayed_reserved_by_stream_gib": {k: v / gib for k, v in replay["reserved_by_stream"].items()},
         "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],

@@ -3,7 +3,7 @@ each with a planted error that the same comparison must report.
 
 Both run on the numerics model: the check's model (its widths, heads and vocabulary) cut to NUMERICS_LAYERS
 decoder layers, every weight drawn again at unit gain (a linear layer's std 1/sqrt(fan_in), embeddings std 1;
-seeded). At shardtune.demo's init (std 0.02) the decoder barely moves the logits: zeroing every decoder weight
+seeded). At shardtune.commands.demo's init (std 0.02) the decoder barely moves the logits: zeroing every decoder weight
 changed the 1B model's loss by 2.9e-3 and a cross-document leak by 6.6e-4, both inside any bf16 tolerance. At unit
 gain each layer changes its input by its own size, and the same changes move logits by about their RMS (measured
 on the CPU at the 1B widths, 2 layers, 2 rows of 2048 tokens: a leak 3.9x, a zeroed decoder 4.4x the logits' RMS;
@@ -107,7 +107,7 @@ def leaking_documents():
     every token also attends to the documents before it in its row."""
     import torch
 
-    from shardtune import fastpath
+    from shardtune.models import fastpath
 
     real, family_mask = fastpath.packed_documents, fastpath._family_mask
     fastpath.packed_documents = lambda pos, *a, **kw: real(torch.arange(pos.shape[1], device=pos.device).expand_as(pos))
@@ -166,7 +166,7 @@ def check_attention(ctx: dict) -> dict:
     planted control, per-document SDPA with a cross-document leak, must fail the same comparison."""
     import torch
 
-    from shardtune import fastpath, modeling
+    from shardtune.models import fastpath, modeling
 
     device = ctx["device"]
     batch = packed_batch(ctx, device)
@@ -210,7 +210,7 @@ def check_context_parallel(ctx: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardtune.fastpath import _context_parallel_attention
+    from shardtune.models.fastpath import _context_parallel_attention
     from shardtune.parallel import split
     from shardtune.parallel.context_parallel import local_shard
 
@@ -270,8 +270,8 @@ def check_qlora(ctx: dict) -> dict:
     bnb_or_skip()
     import torch
 
-    from shardtune import modeling, quant
-    from shardtune.builder import ModelSpec
+    from shardtune.models import modeling, quant
+    from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import init_distributed
     from shardtune.parallel.setup import build_sharded_model
 
@@ -309,7 +309,7 @@ def _dequantized(model) -> dict:
     import bitsandbytes as bnb
     import torch
 
-    from shardtune import quant
+    from shardtune.models import quant
 
     out = {}
     for name, layer in quant.linear4bit_modules(model):

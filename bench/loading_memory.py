@@ -75,11 +75,11 @@ def build_checkpoint(folder: Path, shape: dict) -> int:
 
 def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
     """One rank: shardtune's model setup, then this rank's peak RSS (rank 0 writes every rank's)."""
-    from shardtune import modeling
-    from shardtune.builder import ModelSpec
-    from shardtune.log import setup_logging
+    from shardtune.models import modeling
+    from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import all_gather_objects, init_distributed, shutdown
     from shardtune.parallel.setup import build_sharded_model
+    from shardtune.runtime.log import setup_logging
 
     setup_logging("warning")
     torch.set_num_threads(1)
@@ -159,14 +159,14 @@ def main() -> None:
         print(
             f"{name}: peaks {[p / 2**30 for p in peaks]} GiB, overhead {[o / 2**30 for o in overhead]}, {copies:.2f}×"
         )
-    from shardtune.cpu import bench_line, bench_record
+    from shardtune.runtime.cpu import bench_line, bench_record
 
     result = {
         "model_bytes": model_bytes,
         "model": {**BIG, **HEADS, "dtype": "bfloat16"},
         "build_seconds": build_seconds,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
-        "cpu": bench_record("bfloat16"),  # the CPU case these figures belong to (shardtune.cpu)
+        "cpu": bench_record("bfloat16"),  # the CPU case these figures belong to (shardtune.runtime.cpu)
         "runs": rows,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

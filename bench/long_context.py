@@ -76,7 +76,7 @@ def train(work: Path, length: int, cp: int) -> dict:
 
 
 def planned(work: Path, length: int, cp: int) -> float:
-    from shardtune.plan import make_plan
+    from shardtune.commands.plan import make_plan
 
     plan = make_plan(["--model_name_or_path", str(work / "model"), "--num_processes", "2", "--max_seq_len",
                       str(length), "--per_device_train_batch_size", "1", "--gradient_checkpointing", "True",
@@ -95,7 +95,7 @@ def main() -> None:
     if args.table:
         print_table(json.loads(RESULTS.read_text()))
         return
-    from shardtune.demo import build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 
     work = Path(args.workdir)
     t0 = time.time()

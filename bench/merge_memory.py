@@ -31,7 +31,7 @@ CHILD = r"""
 import json, sys, time
 args = json.loads(sys.argv[1])
 import torch
-from shardtune.merge import merge_adapter
+from shardtune.merge.fold import merge_adapter
 t0 = time.time()
 if args["mode"] == "shardtune":
     merge_adapter(args["base"], args["adapter"], args["out"], dtype=args["dtype"], max_shard_size="5GB")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: {r['peak_rss'] / 2**20:.0f} MiB in {r['seconds']:.1f} s", flush=True)
 
     gib = 2**30
-    from shardtune.cpu import bench_line, bench_record
+    from shardtune.runtime.cpu import bench_line, bench_record
 
     result = {
         "model_bytes": sum(shard_sizes),
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "adapter_bytes": (adapter / "adapter_model.safetensors").stat().st_size,
         "build_seconds": build_s,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
-        "cpu": bench_record("float32"),  # the CPU case these figures belong to (shardtune.cpu)
+        "cpu": bench_record("float32"),  # the CPU case these figures belong to (shardtune.runtime.cpu)
         "runs": rows,
     }
     print(bench_line(result["cpu"]))

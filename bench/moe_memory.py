@@ -1,5 +1,5 @@
 """Host memory of training a mixture of experts on 2 CPU ranks: LoRA on a 16-bit base against QLoRA with 4-bit
-experts (shardtune.quant_experts), with and without expert LoRA.
+experts (shardtune.models.quant_experts), with and without expert LoRA.
 
 Each case is `shardtune train` as a user runs it (torchrun, 2 ranks, FSDP2, 3 steps of packed chat rows, the
 frozen base sharded, the checkpoint read on rank 0 only as the guide's fsdp_config.yaml asks), on a Qwen3-MoE-shaped model of ~0.3B parameters, ~90% of them in its experts; every rank's
@@ -91,7 +91,7 @@ def train(model: Path, tokenizer: Path, data: Path, out: Path, flags: list[str])
 def planned(model: Path, flags: list[str]) -> dict[str, float]:
     """The planner's per-rank model state (frozen base, quantization constants, trainable weights, gradients,
     optimizer state) and peak of live tensors (its GPU estimate less the CUDA context and allocator), GiB."""
-    from shardtune.plan import make_plan
+    from shardtune.commands.plan import make_plan
 
     plan = make_plan(["--model_name_or_path", str(model), "--num_processes", "2", "--max_seq_len", "256",
                       "--per_device_train_batch_size", "2", "--frozen_base", "sharded",
@@ -105,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="/tmp/moe_memory")
     args = parser.parse_args()
-    from shardtune.demo import build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 
     work = Path(args.workdir)
     t0 = time.time()

@@ -70,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "each rank divides its loss by its own target count and FSDP's averaging is left to make the mean "
         "(the mean of per-rank means, not the global token mean)",
         Edit(
-            "trainer.py",
+            "training/trainer.py",
             TRAIN_STEP,
             "        loss, parts = objective.step(model, b, {k: sum(c[k] for c in local) for k in keys}, 1)\n"
             "        if backward:\n            loss.backward()",
@@ -81,7 +81,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "norm_micro_batches_twice",
         "normalisation",
         "the loss, already normalised over the global batch, is divided by the number of micro-batches again",
-        Edit("trainer.py", TRAIN_STEP, TRAIN_STEP.replace("loss.backward()", "(loss / len(batches)).backward()")),
+        Edit(
+            "training/trainer.py", TRAIN_STEP, TRAIN_STEP.replace("loss.backward()", "(loss / len(batches)).backward()")
+        ),
         ["tests/unit/test_grad_accumulation.py", PARITY_LORA],
     ),
     # ---------------------------------------------------------------- gradient scale
@@ -90,7 +92,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "gradient scale",
         "rank 1's contribution to every gradient is halved",
         Edit(
-            "trainer.py",
+            "training/trainer.py",
             TRAIN_STEP,
             TRAIN_STEP.replace("loss.backward()", "(loss * (0.5 if info.rank == 1 else 1.0)).backward()"),
         ),
@@ -101,7 +103,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "gradient scale",
         "after the reduce-scatter, every rank but 0 zeroes its shard of the gradients before clipping and the step",
         Edit(
-            "trainer.py",
+            "training/trainer.py",
             CLIP,
             CLIP.replace(
                 "    if not grads:",
@@ -117,7 +119,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad_fsdp_average_kept",
         "gradient scale",
         "the loss is not multiplied by the data-parallel size, so FSDP's 1/N averaging of gradients stays",
-        Edit("trainer.py", TRAIN_STEP, TRAIN_STEP.replace("totals, info.dims.gradient_divisor)", "totals, 1)")),
+        Edit(
+            "training/trainer.py", TRAIN_STEP, TRAIN_STEP.replace("totals, info.dims.gradient_divisor)", "totals, 1)")
+        ),
         [PARITY_LORA],
     ),
     # ---------------------------------------------------------------- sharding
@@ -182,7 +186,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "masking",
         "per-document attention (fastpath.packed_documents) finds no document boundary: one causal span per row",
         Edit(
-            "fastpath.py",
+            "models/fastpath.py",
             "    breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1",
             "    breaks[:, 1:] = False",
         ),
@@ -199,12 +203,12 @@ MUTANTS: tuple[Mutant, ...] = (
         " consulted on it (either alone keeps documents apart): each document attends to the ones before it",
         [
             Edit(
-                "fastpath.py",
+                "models/fastpath.py",
                 "    mask = (doc[:, None] == doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
                 "    mask = (doc[:, None] >= doc[None, :]) & torch.ones(size, size, dtype=torch.bool).tril()",
             ),
             Edit(
-                "fastpath.py",
+                "models/fastpath.py",
                 "    if attention_mask is None or attention_mask.ndim != 4:\n        return None\n    end = start",
                 "    if True:\n        return None\n    end = start",
             ),
@@ -284,7 +288,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "the saved adapter_config.json has twice the trained lora_alpha (a reloaded adapter applies 2x its update)",
         Edit(
-            "export.py",
+            "training/export.py",
             "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
             "        tokenizer.save_pretrained(str(tmp))\n"
             "        c = json.loads((tmp / 'adapter_config.json').read_text())\n"
@@ -302,7 +306,7 @@ MUTANTS: tuple[Mutant, ...] = (
         # Left out of the written file: left out of the gathered state dict instead, the 2-rank run waited in a
         # collective until its timeout (a mutant that says nothing about the tests).
         Edit(
-            "export.py",
+            "training/export.py",
             "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
             "        tokenizer.save_pretrained(str(tmp))\n"
             "        from safetensors.torch import load_file, save_file\n"
@@ -318,7 +322,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "a DoRA adapter is written without its magnitude vectors (peft reloads them from the base weights' norms)",
         Edit(
-            "export.py",
+            "training/export.py",
             "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
             "        tokenizer.save_pretrained(str(tmp))\n"
             "        from safetensors.torch import load_file, save_file\n"
@@ -334,7 +338,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "the fully trained --modules_to_save (embed_tokens, lm_head) are left out of the written adapter",
         Edit(
-            "export.py",
+            "training/export.py",
             "        tokenizer.save_pretrained(str(tmp))\n    return Path(output_dir)\n\n\ndef save_full_model(",
             "        tokenizer.save_pretrained(str(tmp))\n"
             "        from safetensors.torch import load_file, save_file\n"
@@ -397,7 +401,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "resume",
         "the training loop ignores the restored data position (LoopState.batch_in_epoch) and replays the epoch "
         "from its start",
-        Edit("trainer.py", "            start_batch=start,\n", "            start_batch=0,\n"),
+        Edit("training/trainer.py", "            start_batch=start,\n", "            start_batch=0,\n"),
         ["tests/unit/test_resume_loop.py", CKPT_UNIT],
     ),
     _m(
@@ -416,21 +420,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "merge_scale_x2",
         "merge",
         "the merge adds 2·alpha/r·BA instead of alpha/r·BA",
-        Edit("merge_plan.py", "else alpha / rank\n", "else 2 * alpha / rank\n"),
+        Edit("merge/plan.py", "else alpha / rank\n", "else 2 * alpha / rank\n"),
         [MERGE_CASE.format("lora")],
     ),
     _m(
         "merge_no_scaling",
         "merge",
         "the merge adds BA without the alpha/r scaling",
-        Edit("merge_plan.py", "else alpha / rank\n", "else 1.0\n"),
+        Edit("merge/plan.py", "else alpha / rank\n", "else 1.0\n"),
         [MERGE_CASE.format("lora")],
     ),
     _m(
         "merge_rslora_ignored",
         "merge",
         "an rsLoRA adapter is merged with alpha/r instead of alpha/sqrt(r)",
-        Edit("merge_plan.py", "alpha / math.sqrt(rank) if cfg.use_rslora", "alpha / rank if cfg.use_rslora"),
+        Edit("merge/plan.py", "alpha / math.sqrt(rank) if cfg.use_rslora", "alpha / rank if cfg.use_rslora"),
         [MERGE_CASE.format("rslora")],
     ),
     _m(
@@ -438,7 +442,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "merge",
         "the merge uses lora_alpha for every module, ignoring alpha_pattern",
         Edit(
-            "merge_plan.py",
+            "merge/plan.py",
             "    alpha = cfg.alpha_pattern.get(get_pattern_key(cfg.alpha_pattern.keys(), module), cfg.lora_alpha)",
             "    alpha = cfg.lora_alpha",
         ),
@@ -448,7 +452,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "merge_lora_bias_unscaled",
         "merge",
         "a LoRA bias (lora_bias=True) is merged without the alpha/r scaling",
-        Edit("merge_plan.py", ".add = bias * scale", ".add = bias"),
+        Edit("merge/plan.py", ".add = bias * scale", ".add = bias"),
         ["tests/unit/test_merge.py::test_gpt2_conv1d_fan_in_fan_out_and_lora_bias"],
     ),
     _m(
@@ -456,7 +460,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "merge",
         "a DoRA adapter is merged as plain LoRA (its magnitude vector ignored)",
         Edit(
-            "merge_plan.py",
+            "merge/plan.py",
             '    magnitude = parts["magnitude"][1] if "magnitude" in parts else None',
             "    magnitude = None",
         ),
@@ -468,7 +472,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "preference",
         "DPO's log-ratios omit the reference log-probs",
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected",
             "chosen_ratio, rejected_ratio = chosen, rejected",
         ),
@@ -479,7 +483,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "preference",
         "DPO's sigmoid loss ignores beta (the rewards still use it)",
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "loss = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))",
             "loss = -F.logsigmoid(chosen_ratio - rejected_ratio)",
         ),
@@ -490,7 +494,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "preference",
         "KTO's loss leaves out the KL estimate z (the logged kl metric is still right)",
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "loss, rewards = self.losses(logps, ref[:n], desirable.bool(), kl)",
             "loss, rewards = self.losses(logps, ref[:n], desirable.bool(), 0.0)",
         ),
@@ -508,7 +512,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "orpo_nll_not_backpropagated",
         "preference",
         "ORPO's NLL term is logged in the loss but left out of the tensor that is backpropagated",
-        Edit("loss.py", "            loss = loss + nll\n", "            loss = loss + 0 * nll\n"),
+        Edit("objectives/loss.py", "            loss = loss + nll\n", "            loss = loss + 0 * nll\n"),
         [
             ORPO_FIRST_STEP,
             "tests/unit/test_objective_backward.py",
@@ -518,7 +522,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "simpo_gamma_ignored",
         "preference",
         "SimPO's target margin gamma is left out",
-        Edit("loss.py", "chosen - rejected - self.simpo_gamma / beta", "chosen - rejected"),
+        Edit("objectives/loss.py", "chosen - rejected - self.simpo_gamma / beta", "chosen - rejected"),
         ["tests/unit/test_reference_free_trainers.py::test_simpo_first_step_equals_trls_cpo_trainer"],
     ),
     _m(
@@ -526,7 +530,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "preference",
         "KTO weighs desirable examples by undesirable_weight and undesirable ones by desirable_weight",
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "        chosen = self.desirable_weight * (1",
             "        chosen = self.undesirable_weight * (1",
         ),
@@ -537,7 +541,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "normalisation",
         "KTO's KL estimate is each rank's own mean, not the mean over the micro-batch of every rank",
         Edit(
-            "loss.py", "        kl_sum, kl_count = all_reduce_sum(\n", "        kl_sum, kl_count = (lambda v, d: v)(\n"
+            "objectives/loss.py",
+            "        kl_sum, kl_count = all_reduce_sum(\n",
+            "        kl_sum, kl_count = (lambda v, d: v)(\n",
         ),
         ["tests/distributed/test_kto_cli.py"],
     ),
@@ -565,7 +571,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "The router load-balancing term's gradient is not scaled like the cross-entropy's (FSDP's 1/N averaging "
         "not undone for it on several ranks)",
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "return (ce + _aux_term(model, aux, totals, sums)) * grad_scale, sums",
             "return ce * grad_scale + _aux_term(model, aux, totals, sums), sums",
         ),
@@ -576,7 +582,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "--lora_target_experts resolves the expert tensors but PEFT is never given them: attention-only LoRA trains "
         "(2 ranks still equal 1 process)",
-        Edit("modeling.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),
+        Edit("models/modeling.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),
         [EXPERTS_E2E.format("two_ranks_match_one_process")],
     ),
     _m(
@@ -584,7 +590,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "merge",
         "The merge gives a per-expert tensor the delta of the other half of gate_up_proj (up's rows to gate_proj)",
         Edit(
-            "merge_experts.py",
+            "merge/experts.py",
             "out.append(WrapperEdit(stored, a[e], b[e][rows], scale, transposed=False))",
             "out.append(WrapperEdit(stored, a[e], b[e][len(b[e]) - rows.stop : len(b[e]) - rows.start], scale, "
             "transposed=False))",
@@ -624,7 +630,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism and several micro-batches per step, every micro-batch's attention reads the last "
         "micro-batch's split (its documents and key ranges)",
         Edit(
-            "trainer.py",
+            "training/trainer.py",
             "        model.cp_shard = shard  # this micro-batch's, for its forward and the recomputation in its backward",
             "        model.cp_shard = parts_of[-1][1]",
         ),
@@ -659,7 +665,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "masking",
         "On CPU, a document begun before its queries (a context-parallel crossing part) returns only the causal "
         "block's share of the query gradient (the keys before the queries contribute none)",
-        Edit("fastpath.py", "return dq_a + dq_b, dk_a,", "return dq_b, dk_a,"),
+        Edit("models/fastpath.py", "return dq_a + dq_b, dk_a,", "return dq_b, dk_a,"),
         ["tests/unit/test_fastpath.py::test_queries_over_keys_from_the_document_start_equal_masked_attention"],
     ),
     _m(
@@ -668,7 +674,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism, each rank's router load-balancing loss counts only its own part of the rows' "
         "tokens (the expert fractions of a part, not of the micro-batch)",
         Edit(
-            "modeling.py",
+            "models/modeling.py",
             "        if self.cp_shard is not None and isinstance(logits, tuple) and logits:  # the whole rows' tokens",
             "        if False:",
         ),
@@ -679,7 +685,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "quantization",
         "Every 4-bit expert is dequantized with expert 0's block scales (the stacked quantization state indexed "
         "wrongly)",
-        Edit("quant_experts.py", "absmax=s.absmax[e], shape=", "absmax=s.absmax[0], shape="),
+        Edit("models/quant_experts.py", "absmax=s.absmax[e], shape=", "absmax=s.absmax[0], shape="),
         [QUANT_EXPERTS.format("4bit_experts_compute_what_transformers_computes_with_the_same_weights[mixtral]")],
     ),
     _m(
@@ -688,7 +694,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "Expert LoRA on 4-bit experts reads expert e's B from PEFT's (out, r·E) factor as r consecutive columns "
         "rather than every E-th (the layout plain PEFT saves and loads)",
         Edit(
-            "quant_experts.py",
+            "models/quant_experts.py",
             "b_e = B.view(B.shape[0], r, wrapper.num_experts)[:, :, e]",
             "b_e = B.view(B.shape[0], wrapper.num_experts, r)[:, e, :]",
         ),

@@ -26,8 +26,8 @@ import torch
 
 
 def demo_lengths(n: int, tmp: Path) -> np.ndarray:
+    from shardtune.commands.demo import build_tokenizer, write_preference_dataset
     from shardtune.data.preference import tokenize_pair
-    from shardtune.demo import build_tokenizer, write_preference_dataset
 
     tok = build_tokenizer(tmp / "tok", vocab_size=1024)
     data = write_preference_dataset(tmp / "pairs", n_train=n, n_test=1, seed=0, copies=True)
@@ -65,9 +65,9 @@ def padding_fractions(lengths: np.ndarray, pairs: int, max_length: int) -> tuple
 def build_model(tmp: Path):
     from transformers import AutoModelForCausalLM
 
-    from shardtune import fastpath
-    from shardtune.demo import build_model as write_model
-    from shardtune.modeling import CausalLMForTraining
+    from shardtune.commands.demo import build_model as write_model
+    from shardtune.models import fastpath
+    from shardtune.models.modeling import CausalLMForTraining
 
     write_model(tmp / "model", vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
     model = AutoModelForCausalLM.from_pretrained(

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from shardtune.modeling import load_tokenizer
+    from shardtune.models.modeling import load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     s = speed.Settings(model=a.model, warmup=a.warmup, steps=1, threads=a.threads)
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else speed.RESULTS / f"speed_profile{suffix}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(head + table + "\n")
-    from shardtune.cpu import bench_line, bench_record
+    from shardtune.runtime.cpu import bench_line, bench_record
 
-    cpu = bench_record("bfloat16" if s.bf16 else "float32")  # the CPU case of these figures (shardtune.cpu)
+    cpu = bench_record("bfloat16" if s.bf16 else "float32")  # the CPU case of these figures (shardtune.runtime.cpu)
     print(bench_line(cpu))
     (out.with_suffix(".json")).write_text(json.dumps({"families_ms": fam, "step_s": step_s, "cpu": cpu}, indent=2))
     return 0

@@ -29,7 +29,7 @@ RSS_WRAPPER = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], ch
 
 
 def _assets(root: Path) -> dict[str, Path]:
-    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
 
     tok = build_tokenizer(root / "model", vocab_size=600)
     build_model(root / "model", vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -88,7 +88,7 @@ class Contender:
 
 def build_assets(workdir: Path, model: str, n_train: int) -> dict[str, Path]:
     """The tokenizer, the randomly initialised model and the chat data, built once per preset under workdir."""
-    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
 
     hidden, layers, heads, kv, inter = MODELS[model]
     model_dir, data_dir = workdir / f"model-{model}", workdir / f"data-{n_train}"
@@ -318,8 +318,8 @@ def run_shardtune_worker(spec: dict) -> dict:
     """Run `shardtune train` in this process, timing each optimizer step at the entry of `train_step`."""
     import torch
 
-    from shardtune import trainer
-    from shardtune.train import main as train_main
+    from shardtune.commands.train import main as train_main
+    from shardtune.training import trainer
 
     torch.set_num_threads(spec["threads"])
     rec = StepRecorder(spec["pad_id"], spec["device"])
@@ -452,8 +452,8 @@ def _env(c: Contender, s: Settings) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (c.src, env.get("PYTHONPATH")) if p)
     if c.kind == "shardtune_fsdp":
-        from shardtune.accelerate_config import accelerate_env
-        from shardtune.demo import DEMO_FSDP_YAML
+        from shardtune.commands.demo import DEMO_FSDP_YAML
+        from shardtune.config.accelerate import accelerate_env
 
         yaml_cfg = {**DEMO_FSDP_YAML, "num_processes": c.world, "mixed_precision": "bf16" if s.bf16 else "no"}
         yaml_cfg["fsdp_config"] = {**yaml_cfg["fsdp_config"], **c.fsdp}
@@ -679,8 +679,8 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(a._worker)
     import torch
 
-    from shardtune.cpu import bench_line, bench_record
-    from shardtune.modeling import load_tokenizer
+    from shardtune.models.modeling import load_tokenizer
+    from shardtune.runtime.cpu import bench_line, bench_record
 
     s = _settings(a)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "torch": torch.__version__,
         "dtype": "bfloat16" if s.bf16 else "float32",
-        # The CPU case these figures belong to: bf16 native or emulated, measured (shardtune.cpu).
+        # The CPU case these figures belong to: bf16 native or emulated, measured (shardtune.runtime.cpu).
         "cpu": bench_record("bfloat16" if s.bf16 else "float32"),
         "model": asdict(fm),
         "matmul_peak": peaks,

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> dict[str, Path]:
-    from shardtune.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
 
     root = tmp_path_factory.mktemp("assets")
     tok = build_tokenizer(root / "model", vocab_size=600)
@@ -122,7 +122,7 @@ _BUILD_KEYWORDS = ("tokenizer", "seed", "cache_dir", "chat_template_format", "kt
 
 def build_data(builder, **flat):
     """Call shardtune.data.build_datasets or build_preference_datasets with DataArguments made from `flat`."""
-    from shardtune.config import DataArguments
+    from shardtune.config.arguments import DataArguments
 
     call = {k: flat.pop(k) for k in _BUILD_KEYWORDS if k in flat}
     if "num_proc" in flat:

@@ -164,7 +164,7 @@ FAMILIES = {
 def build_chat_tokenizer(out_dir: Path, *, base_vocab: int = 600):
     """A tokenizer that already has <|im_start|>/<|im_end|> (as many instruct models) and a length that is not a
     multiple of 8, so that chatml still adds tokens and the embeddings are padded past len(tokenizer)."""
-    from shardtune.demo import build_tokenizer
+    from shardtune.commands.demo import build_tokenizer
 
     tok = build_tokenizer(out_dir, vocab_size=base_vocab)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -181,7 +181,7 @@ PLAIN_TOKENIZER = ("llama", "mistral")  # a tokenizer without chat tokens (600 t
 
 def build_assets(root: Path, families=None) -> dict:
     """The chat data, both tokenizers and a model folder (with its tokenizer) per family under root."""
-    from shardtune.demo import build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 
     write_chat_dataset(root / "data", n_train=64, n_test=12, seed=3)
     toks = {"plain": build_tokenizer(root / "tok-plain", vocab_size=600), "chat": build_chat_tokenizer(root / "tok")}
@@ -240,7 +240,7 @@ METHODS = {
         *("--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage_dtype", "float32"),
     ],
 }
-# QLoRA on a mixture of experts: 4-bit experts (shardtune.quant_experts) carrying expert LoRA, routers adapted too.
+# QLoRA on a mixture of experts: 4-bit experts (shardtune.models.quant_experts) carrying expert LoRA, routers adapted too.
 METHODS["qlora-experts"] = [*METHODS["qlora"], *METHODS["experts"][8:]]
 
 
@@ -262,7 +262,7 @@ def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, d
         "save_strategy": "no",
         "logging_steps": 1,
         "ddp_timeout": 300,
-        # The router aux loss of a mixture of experts is a mean per micro-batch (shardtune.loss.Objective.step):
+        # The router aux loss of a mixture of experts is a mean per micro-batch (shardtune.objectives.loss.Objective.step):
         # one process with batch 4 and 2 ranks with batch 2 differ by it, so the matrix compares runs without it.
         "router_aux_loss_coef": 0,
         "output_dir": out,
@@ -387,7 +387,7 @@ def peft_and_merged(base: Path, adapter: Path, merged_dir: Path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.merge import merge_adapter
+    from shardtune.merge.fold import merge_adapter
 
     if not merged_dir.exists():
         merge_adapter(base, adapter, merged_dir, dtype="fp32")
@@ -407,8 +407,8 @@ def merge_logit_error(peft, merged, ids: torch.Tensor) -> float:
 
 def chat_answer_ids(model_dir: Path, adapter: Path | None, n_tokens: int = 6) -> tuple[list[int], int]:
     """Greedy answer ids of `shardtune chat`'s loading path to one question, and the model's embedding rows."""
-    from shardtune.chat import encode_messages
-    from shardtune.inference import load_for_chat
+    from shardtune.commands.chat import encode_messages
+    from shardtune.inference.load import load_for_chat
 
     model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
     inputs = encode_messages(tok, [{"role": "user", "content": "What is the capital of Peru?"}])

@@ -4,7 +4,7 @@ so that a matrix over model families pays for starting Python, torch and transfo
     python -m torch.distributed.run --nproc_per_node 2 tests/family_worker.py JOBS.json RESULTS.json
 
 JOBS.json is a list of {"name", "argv"}; each argv is what follows `shardtune` on the command line. Each run starts
-and ends its own process group (shardtune.train.main does both). Rank 0 writes {name: exit code or the error}.
+and ends its own process group (shardtune.commands.train.main does both). Rank 0 writes {name: exit code or the error}.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 def main(jobs_file: str, results_file: str) -> int:
-    from shardtune.train import main as train_main
+    from shardtune.commands.train import main as train_main
 
     results = {}
     # Under torchrun, its agent store; in one process shardtune starts a 1-rank group (and sets RANK) itself.

@@ -168,20 +168,20 @@ _CLIP = "        grad_norm = clip_grad_norm(params, settings.max_grad_norm)\n"
 BUGS = {
     # Every gradient halved before clipping: AdamW is almost scale-free, so losses barely move; grad_norm halves.
     "halved_gradients": Edit(
-        "trainer.py", _CLIP, "        _ = [p.grad.mul_(0.5) for p in params if p.grad is not None]\n" + _CLIP
+        "training/trainer.py", _CLIP, "        _ = [p.grad.mul_(0.5) for p in params if p.grad is not None]\n" + _CLIP
     ),
     # Each rank normalises its gradient by its own target count (times the ranks) instead of the global one, while
     # the logged loss stays right: ranks whose packed rows hold more targets weigh less. Step 1's loss is exact;
     # the later ones move by about 1e-5 relative.
     "per_rank_normaliser": Edit(
-        "trainer.py",
+        "training/trainer.py",
         "        loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)\n",
         "        own = {k: sum(c[k] for c in local) * info.dims.dp_size for k in keys}\n"
         "        loss, parts = objective.step(model, b, own, info.dims.dp_size)\n",
     ),
     # Rank 1's shard of every gradient is lost (as if its reduce-scatter output were dropped).
     "dropped_shard": Edit(
-        "trainer.py",
+        "training/trainer.py",
         _CLIP,
         "        if info.rank == 1:\n            _ = [p.grad.zero_() for p in params if p.grad is not None]\n" + _CLIP,
     ),

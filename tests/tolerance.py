@@ -147,6 +147,6 @@ def decoder_chain(
 
 
 # The tiny models of tests/conftest.py (tiny_assets) and tests/distributed/adapters_worker.py: hidden 64,
-# intermediate 160 (shardtune.demo.build_model's default for hidden 64), 2 layers; a 600-token vocabulary.
+# intermediate 160 (shardtune.commands.demo.build_model's default for hidden 64), 2 layers; a 600-token vocabulary.
 TINY = {"hidden": 64, "intermediate": 160, "layers": 2}
 TINY_VOCAB = 600

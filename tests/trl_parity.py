@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shardtune.modeling import CausalLMForTraining
+from shardtune.models.modeling import CausalLMForTraining
 
 # The settings both sides share: fp32 on the CPU, no update (the first step's numbers are compared), no outputs.
 TRL_ARGS = {"max_length": 64, "report_to": "none", "use_cpu": True, "bf16": False, "learning_rate": 0.0}

@@ -1,7 +1,7 @@
 """`shardtune <command>`: each command lives in its own module and is imported only when used.
 
 Every command starts through `run_command`: the `shardtune` script and `python -m shardtune` (`main` here), and a
-command's `main` called in another program's process (`shardtune.train.main`, as bench/speed.py and the device
+command's `main` called in another program's process (`shardtune.commands.train.main`, as bench/speed.py and the device
 check run it). It is the one place that sets up the process before the command touches CUDA.
 """
 
@@ -13,18 +13,18 @@ import os
 import signal
 import sys
 
-from shardtune import cuda_allocator
-from shardtune.log import quiet_import_notices, warn0
+from shardtune.config import cuda_allocator
+from shardtune.runtime.log import quiet_import_notices, warn0
 
 COMMANDS = {
-    "train": ("shardtune.train", "command", "Fine-tune a model (LoRA, QLoRA, DoRA or full) on FSDP2."),
-    "launch": ("shardtune.launch", "main", "Start `shardtune train` on N processes from an accelerate YAML."),
-    "plan": ("shardtune.plan", "main", "Estimate per-GPU memory of a run from the model's config alone."),
-    "merge": ("shardtune.merge", "main", "Merge a LoRA/DoRA adapter into its base, one shard at a time."),
-    "chat": ("shardtune.chat", "main", "Chat with a base model + adapter, or a merged model."),
-    "report": ("shardtune.metrics", "report_main", "Print a run's summary and draw its loss plot."),
-    "eval": ("shardtune.evaluate_harness", "main", "Run lm-evaluation-harness tasks on an adapter or a model."),
-    "demo": ("shardtune.demo", "main", "Build the demo model and data, and fine-tune it on 2 CPU processes."),
+    "train": ("shardtune.commands.train", "command", "Fine-tune a model (LoRA, QLoRA, DoRA or full) on FSDP2."),
+    "launch": ("shardtune.commands.launch", "main", "Start `shardtune train` on N processes from an accelerate YAML."),
+    "plan": ("shardtune.commands.plan", "main", "Estimate per-GPU memory of a run from the model's config alone."),
+    "merge": ("shardtune.commands.merge", "main", "Merge a LoRA/DoRA adapter into its base, one shard at a time."),
+    "chat": ("shardtune.commands.chat", "main", "Chat with a base model + adapter, or a merged model."),
+    "report": ("shardtune.training.metrics", "report_main", "Print a run's summary and draw its loss plot."),
+    "eval": ("shardtune.commands.evaluate", "main", "Run lm-evaluation-harness tasks on an adapter or a model."),
+    "demo": ("shardtune.commands.demo", "main", "Build the demo model and data, and fine-tune it on 2 CPU processes."),
 }
 
 

@@ -13,8 +13,9 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtune import adapters, modeling
-from shardtune.builder import ModelSpec
+from shardtune.models import dora, modeling
+from shardtune.models.builder import ModelSpec
+from shardtune.parallel import adapters
 from shardtune.parallel.fsdp import assert_sharded, shard_model
 from shardtune.parallel.mesh import init_distributed, shutdown
 from shardtune.parallel.setup import build_sharded_model
@@ -99,7 +100,7 @@ def switching(base_dir: str, adapter_dir: str, info) -> dict:
     ref = _multi_adapter_model(base_dir, adapter_dir)
     sh = _multi_adapter_model(base_dir, adapter_dir)
     # The sharded model runs shardtune's DoRA forward for `b`; the reference keeps peft's.
-    r: dict = {"world_size": info.world_size, "fast_dora_layers": adapters.use_fast_dora(sh)}
+    r: dict = {"world_size": info.world_size, "fast_dora_layers": dora.use_fast_dora(sh)}
     sh = _shard(sh, info)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=g)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.fastpath import _context_parallel_attention
+from shardtune.models.fastpath import _context_parallel_attention
 from shardtune.parallel import split
 from shardtune.parallel.context_parallel import groups, shard_batch
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardtune import adapters
+from shardtune.models import dora
+from shardtune.parallel import adapters
 from tests.conftest import ROOT, _free_port, run_cli
 from tests.e2e.test_merge_after_training import _eval_loss, _peft_model
 from tests.parity import assert_runs_match
@@ -32,7 +33,7 @@ def _make_adapters(base: Path, out: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    for seed, (name, dora, mts) in enumerate([("a", False, ["lm_head"]), ("b", True, None)]):
+    for seed, (name, use_dora, mts) in enumerate([("a", False, ["lm_head"]), ("b", True, None)]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         cfg = LoraConfig(
@@ -40,7 +41,7 @@ def _make_adapters(base: Path, out: Path) -> Path:
             lora_alpha=8,
             lora_dropout=0.0,
             target_modules="all-linear",
-            use_dora=dora,
+            use_dora=use_dora,
             modules_to_save=mts,
             init_lora_weights=False,
             task_type="CAUSAL_LM",
@@ -111,7 +112,7 @@ def unsharded(tiny_assets, two_adapters):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardtune.modeling import CausalLMForTraining
+    from shardtune.models.modeling import CausalLMForTraining
 
     base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
     pm = PeftModel.from_pretrained(base, two_adapters / "a", adapter_name="a", is_trainable=True)
@@ -228,7 +229,7 @@ def test_fast_dora_matches_peft(dtype, dropout):
             if "lora_" in n:
                 p.add_(0.3 * torch.randn_like(p))
     fast = copy.deepcopy(ref)
-    assert adapters.use_fast_dora(fast, peft_dropout=True) == 2 and adapters.use_fast_dora(fast) == 0
+    assert dora.use_fast_dora(fast, peft_dropout=True) == 2 and dora.use_fast_dora(fast) == 0
     x = torch.randn(3, 7, 48, dtype=dtype)
     results = []
     for model in (ref, fast):
@@ -272,7 +273,7 @@ def test_fast_dora_lora_path_dropout_follows_its_formula():
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.add_(0.3 * torch.randn_like(p))
-    assert adapters.use_fast_dora(model) == 1
+    assert dora.use_fast_dora(model) == 1
     layer = model.base_model.model[0]
     w, b = layer.base_layer.weight, layer.base_layer.bias
     a, bb = layer.lora_A["default"].weight, layer.lora_B["default"].weight
@@ -310,7 +311,7 @@ def test_fast_dora_matches_peft_on_a_4bit_base():
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["0"], use_dora=True, init_lora_weights=False)
     ref = get_peft_model(model, cfg)
     fast = copy.deepcopy(ref)
-    assert adapters.use_fast_dora(fast) == 1
+    assert dora.use_fast_dora(fast) == 1
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         want, got = ref(x), fast(x)

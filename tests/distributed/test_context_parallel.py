@@ -170,7 +170,7 @@ def test_the_split_covers_every_position_once_and_attends_as_one_row():
     labels travel with their positions (padding has none). Each rank's attention (its local parts, and the parts
     of documents begun in earlier chunks against the row's keys) equals per-document causal attention of the whole
     row at its positions, for documents crossing chunk and rank edges, GQA included."""
-    from shardtune.fastpath import _context_parallel_attention
+    from shardtune.models.fastpath import _context_parallel_attention
     from shardtune.parallel.context_parallel import local_shard
 
     length, size = 24, 3

@@ -176,7 +176,7 @@ def test_a_launched_child_gets_sigterm_when_the_launcher_dies(tmp_path):
 
     script = (
         "import subprocess, sys, time\n"
-        "from shardtune.parent import child_preexec\n"
+        "from shardtune.runtime.parent import child_preexec\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=child_preexec)\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"

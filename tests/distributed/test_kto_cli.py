@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.commands.demo import write_preference_dataset
 from shardtune.data.collate import epoch_order
-from shardtune.demo import write_preference_dataset
 from tests.conftest import run_cli, train_records
 from tests.distributed.test_preference_cli import FSDP_ENV
 from tests.families import assert_runs_match, run_tolerance

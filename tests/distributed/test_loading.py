@@ -23,7 +23,7 @@ SEQ = 16
 
 
 def _qconfig():
-    from shardtune.modeling import bnb_config
+    from shardtune.models.modeling import bnb_config
 
     return bnb_config(
         use_4bit=True,
@@ -36,7 +36,7 @@ def _qconfig():
 
 
 def _spec(model_dir: str):
-    from shardtune.builder import ModelSpec
+    from shardtune.models.builder import ModelSpec
 
     return ModelSpec(
         model_name_or_path=model_dir,
@@ -73,10 +73,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from shardtune import quant, weights
-    from shardtune.log import logger, setup_logging
+    from shardtune.models import quant, weights
     from shardtune.parallel.mesh import init_distributed, shutdown
     from shardtune.parallel.setup import build_sharded_model
+    from shardtune.runtime.log import logger, setup_logging
 
     reads = []
     read = weights.iter_checkpoint
@@ -124,7 +124,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
 
 @pytest.fixture(scope="module")
 def qmodel(tmp_path_factory):
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     path = tmp_path_factory.mktemp("qmodel")
     build_model(path, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -140,7 +140,7 @@ def _free_port() -> int:
 def test_rank0_reads_and_others_receive_4bit_shards(qmodel, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardtune import quant
+    from shardtune.models import quant
 
     mp.spawn(_worker, args=(2, _free_port(), str(qmodel), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
@@ -187,7 +187,7 @@ def test_rank0_reads_and_others_receive_4bit_shards(qmodel, tmp_path):
 def test_rank0_hands_over_tied_weights_once(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
     from shardtune.parallel.loading import take_full_tensors
 
     build_model(tmp_path, vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,

@@ -21,8 +21,8 @@ SEQ = 16
 
 
 def _spec(model_dir: str, *, offload: bool, quantized: bool):
-    from shardtune.builder import ModelSpec
-    from shardtune.modeling import bnb_config
+    from shardtune.models.builder import ModelSpec
+    from shardtune.models.modeling import bnb_config
 
     qconfig = None
     if quantized:
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
-    from shardtune import quant
+    from shardtune.models import quant
     from shardtune.parallel.mesh import init_distributed, shutdown
 
     info = init_distributed("FULL_SHARD")
@@ -134,7 +134,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("bitsandbytes")
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     model_dir, out_dir = tmp_path_factory.mktemp("model"), tmp_path_factory.mktemp("out")
     build_model(model_dir, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

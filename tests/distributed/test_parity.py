@@ -59,7 +59,7 @@ def _assert_planner_matches(out, model_dir, **kwargs):
     """`shardtune plan`'s per-rank weight bytes equal what each rank's sharded tensors held in the run."""
     from transformers import AutoConfig
 
-    from shardtune.plan import plan_shape
+    from shardtune.commands.plan import plan_shape
     from shardtune.planning import PlanInputs, model_state_bytes_per_rank
 
     held = _held_bytes(out)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardtune.demo import write_preference_dataset
+from shardtune.commands.demo import write_preference_dataset
 from tests.conftest import run_cli, train_records
 from tests.families import SPREAD, assert_runs_match, run_tolerance, saved_tensors
 from tests.tolerance import TINY, TINY_VOCAB, decoder_chain

@@ -1,6 +1,6 @@
 """A mixture of experts trained with its router load-balancing loss (the default: the config's coefficient) on 2
 FSDP2 ranks against one process that runs the same micro-batches one after the other (gradient accumulation 2):
-the per-micro-batch aux loss (shardtune.loss.Objective.step) makes them the same run, so their losses, aux
+the per-micro-batch aux loss (shardtune.objectives.loss.Objective.step) makes them the same run, so their losses, aux
 losses, grad_norm and adapters agree, with gradient checkpointing on. The family matrix compares other batch
 splits and so runs without the term (tests/families.py). The planted bug of this class (the term's gradient not
 scaled like the cross-entropy's on several ranks) is `router_aux_unscaled` in bench/mutant_catalogue.py: its
@@ -76,7 +76,7 @@ def test_dpo_with_the_router_loss_on_two_ranks_equals_one_process(mixtral, tmp_p
     """DPO adds the router loss of the policy's forward per micro-batch as SFT does: 2 ranks equal one process
     with the same micro-batches (gradient accumulation 2), expert LoRA included, in losses, aux_loss, grad_norm
     and the adapter."""
-    from shardtune.demo import write_preference_dataset
+    from shardtune.commands.demo import write_preference_dataset
 
     data = write_preference_dataset(tmp_path / "pairs", n_train=16, n_test=4, seed=4)
     one = _dpo(mixtral, data, tmp_path / "one", 1, 2)

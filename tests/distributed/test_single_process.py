@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from shardtune.errors import ConfigError
-from shardtune.fsdp_settings import SINGLE_PROCESS_ENV, fsdp_settings_from_env
+from shardtune.config.errors import ConfigError
+from shardtune.config.fsdp import SINGLE_PROCESS_ENV, fsdp_settings_from_env
 from tests.conftest import run_cli, train_args, train_records
 from tests.mutation import Edit, plant
 

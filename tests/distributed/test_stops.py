@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from shardtune import hooks, run_dir
-from shardtune.stop import StopHandler, Stopped
+from shardtune.runtime import hooks
+from shardtune.runtime.stop import StopHandler, Stopped
+from shardtune.training import run_dir
 from tests.conftest import build_data, run_cli, train_args
 from tests.distributed.test_faults import _gone
 
@@ -166,7 +167,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tiny_ass
             sys.executable,
             "-c",
             (
-                "import sys, time; from shardtune.run_dir import lock_output_dir as lock\n"
+                "import sys, time; from shardtune.training.run_dir import lock_output_dir as lock\n"
                 "print(lock(sys.argv[1]), flush=True); time.sleep(120)"
             ),
             str(out),
@@ -196,7 +197,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tiny_ass
 def test_the_lock_is_held_for_the_run_and_released_at_its_end(tmp_path):
     out = tmp_path / "out"
     assert run_dir.lock_output_dir(str(out)) is None
-    code = "import sys; from shardtune.run_dir import lock_output_dir as lock; print(lock(sys.argv[1]))"
+    code = "import sys; from shardtune.training.run_dir import lock_output_dir as lock; print(lock(sys.argv[1]))"
     probe = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, check=True)
     assert f"is in use by another run (pid {os.getpid()} on " in probe.stdout
     run_dir.release_output_dir(str(out))
@@ -211,7 +212,9 @@ def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardtune import atomic, cli, merge
+    from shardtune import cli
+    from shardtune.merge import fold
+    from shardtune.runtime import atomic
 
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_assets["model"]), LoraConfig(r=4, target_modules=["q_proj"])
@@ -220,7 +223,7 @@ def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
     killed = tmp_path / f".merged.tmp-{2**22 + 12345}@{socket.gethostname()}"  # a pid above Linux's pid_max
     killed.mkdir()
     (killed / "model-00001-of-00002.safetensors").write_bytes(b"half")
-    real = merge.apply_edit
+    real = fold.apply_edit
     calls = []
 
     def term_once(*args):
@@ -229,7 +232,7 @@ def test_a_stopped_merge_leaves_nothing_and_a_killed_ones_leftovers_are_swept(
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args)
 
-    monkeypatch.setattr(merge, "apply_edit", term_once)
+    monkeypatch.setattr(fold, "apply_edit", term_once)
     argv = [
         "merge",
         "--base",

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from shardtune import cli, preflight, run_dir
+from shardtune import cli
+from shardtune.models import preflight
+from shardtune.training import run_dir
 from tests.conftest import _free_port, run_cli, train_args
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -66,7 +68,7 @@ def other_base_adapter(tmp_path_factory) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     root = tmp_path_factory.mktemp("other")
     build_model(root / "base", vocab_size=600, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -213,7 +215,7 @@ def test_all_linear_and_a_regex_still_select_modules(tiny_assets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.modeling import _target_modules
+    from shardtune.models.modeling import _target_modules
 
     skeleton = preflight.meta_skeleton(AutoConfig.from_pretrained(tiny_assets["model"]))
     regex = r".*\.(q_proj|v_proj)"
@@ -284,7 +286,7 @@ def test_read_only_output_dir_is_refused(request):
     ro.chmod(0o555)
     request.addfinalizer(lambda: shutil.rmtree(base))
     code = (
-        "import os, sys; from shardtune.run_dir import output_dir_problem as p\n"
+        "import os, sys; from shardtune.training.run_dir import output_dir_problem as p\n"
         "if os.geteuid() == 0: os.setuid(65534)\n"
         "for d in sys.argv[1:]: print(p(d, overwrite=False, resuming=False))"
     )

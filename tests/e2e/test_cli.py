@@ -12,7 +12,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from shardtune.config import ARG_CLASSES
+from shardtune.config.arguments import ARG_CLASSES
 from tests.conftest import ROOT, run_cli, train_records
 from tests.unit.test_config import GUIDE_LORA
 

@@ -116,7 +116,7 @@ def test_a_damaged_weight_file_is_named_before_anything_loads(damage, tiny_asset
 def test_weights_damaged_after_the_preflight_are_named_when_read(tiny_assets, tmp_path):
     """A file cut short between the check and the read (or read without the check): safetensors' own error
     becomes a ValueError naming the file."""
-    from shardtune import weights
+    from shardtune.models import weights
 
     model = _model_copy(tiny_assets, tmp_path / "m")
     _cut(model / "model.safetensors", 0.3)

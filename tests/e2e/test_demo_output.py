@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from shardtune import demo
+    from shardtune.commands import demo
 
     def launch(cmd, root, nproc):  # in place of torchrun: an untrained adapter and one eval record
         import warnings

@@ -198,7 +198,7 @@ def _table_acc(text: str) -> float:
 
 
 def test_eval_refuses_a_missing_task_folder_before_loading(trained, capsys):
-    from shardtune.evaluate_harness import main
+    from shardtune.commands.evaluate import main
 
     missing = trained["root"] / "no-tasks"
     rc = main(["--adapter", str(trained["out"]), "--tasks", "tiny_mc", "--include_path", str(missing)])

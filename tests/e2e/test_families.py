@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtune.config import ConfigError
+from shardtune.config.errors import ConfigError
 from tests.conftest import run_cli, train_records
 from tests.families import (
     FAMILIES,
@@ -136,7 +136,9 @@ def test_full_fine_tuning_two_ranks_match_one_process(matrix, family):
 
 # The loss is not multiplied by the data-parallel size: on 2 ranks FSDP's average halves the gradient.
 UNSCALED_LOSS = Edit(
-    "trainer.py", "objective.step(model, b, totals, info.dims.gradient_divisor)", "objective.step(model, b, totals, 1)"
+    "training/trainer.py",
+    "objective.step(model, b, totals, info.dims.gradient_divisor)",
+    "objective.step(model, b, totals, 1)",
 )
 
 
@@ -238,8 +240,8 @@ def test_merge_loads_and_equals_base_plus_adapter(matrix, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_chat_answers_with_adapter_and_merged_folder(matrix, family):
-    from shardtune.chat import generate_reply
-    from shardtune.inference import load_for_chat
+    from shardtune.commands.chat import generate_reply
+    from shardtune.inference.load import load_for_chat
 
     root = matrix["root"]
     peft_and_merged(root / family, root / "two" / family, root / "merged" / family)  # writes the merged folder
@@ -266,7 +268,7 @@ def test_plan_counts_the_familys_parameters(family, tmp_path):
     """The planner's parameter count equals the real model's numel (GPT-2, not Llama-shaped, is refused clearly)."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.plan import plan_shape
+    from shardtune.commands.plan import plan_shape
     from shardtune.planning import base_param_count
 
     config = FAMILIES[family].config(602)
@@ -284,7 +286,7 @@ def test_qlora_quantizes_gpt2_conv1d_as_transformers_does(tmp_path):
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    from shardtune import modeling
+    from shardtune.models import modeling
 
     build_family_model("gpt2", tmp_path, 256)
     config = modeling.bnb_config(
@@ -352,7 +354,7 @@ def _moe_blocks(model_dir: Path) -> list[int]:
     """The indices of the decoder blocks that hold fused experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune import targets
+    from shardtune.models import targets
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))

@@ -83,7 +83,7 @@ def _assert_close_for(dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor,
 def test_merged_model_gives_base_plus_adapter_logits(tiny_assets, trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.merge import merge_adapter
+    from shardtune.merge.fold import merge_adapter
 
     merged_dir = trained / "merged"
     assert (merged_dir / "config.json").exists() and (merged_dir / "README.md").exists()

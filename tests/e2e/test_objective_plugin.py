@@ -1,4 +1,4 @@
-"""A new training objective added through the public part (shardtune.loss.register_objective) trains from the
+"""A new training objective added through the public part (shardtune.objectives.loss.register_objective) trains from the
 command line: the trainer minimises what the objective's `step` returns, logs what its `report` returns, and
 evaluates like SFT since it trains on token rows. The toy objective is SFT's cross-entropy times a scale (taken from
 --beta, a knob every objective receives)."""
@@ -18,7 +18,7 @@ PLUGIN = textwrap.dedent(
     """
     import sys
 
-    from shardtune.loss import Objective, ObjectiveSpec, register_objective
+    from shardtune.objectives.loss import Objective, ObjectiveSpec, register_objective
 
 
     class ScaledSFT(Objective):

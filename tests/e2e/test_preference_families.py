@@ -31,11 +31,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.commands.demo import build_tokenizer, write_preference_dataset
 from shardtune.data import setup_tokenizer
-from shardtune.demo import build_tokenizer, write_preference_dataset
-from shardtune.loss import build_objective
-from shardtune.modeling import CausalLMForTraining
-from shardtune.router_aux import family_router_aux, log_line
+from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.loss import build_objective
+from shardtune.objectives.router_aux import family_router_aux, log_line
 from tests.conftest import train_records
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, build_family_model, run_jobs
 from tests.mutation import Edit, plant
@@ -240,7 +240,7 @@ def test_dpo_loss_without_its_reference_fails_the_trl_comparison(assets, tmp_pat
     planted."""
     planted = plant(
         Edit(
-            "loss.py",
+            "objectives/loss.py",
             "-F.logsigmoid(beta * (chosen_ratio - rejected_ratio))",
             "-F.logsigmoid(beta * (chosen - rejected))",
         ),
@@ -330,8 +330,8 @@ def test_chat_template_kwargs_move_the_empty_thinking_block_into_the_prompt(asse
 def test_tied_reference_with_trained_new_tokens_is_the_base(assets, family):
     """LoRA on a tied-embeddings model with 4 new tokens, whose rows PEFT trains on the embedding and the tied head:
     with every trainable weight moved, the adapter-disabled reference is still the base (transformers' forward)."""
-    from shardtune.adapters import disabled_adapter
-    from shardtune.builder import ModelSpec, build_training_module
+    from shardtune.models.builder import ModelSpec, build_training_module
+    from shardtune.parallel.adapters import disabled_adapter
 
     model_dir = assets["root"] / family
     n = len(AutoTokenizer.from_pretrained(model_dir))

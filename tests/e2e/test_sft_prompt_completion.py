@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from shardtune.commands.demo import build_tokenizer
 from shardtune.data import build_datasets, setup_tokenizer
 from shardtune.data.packing import Document, fit_documents
-from shardtune.demo import build_tokenizer
 from tests.conftest import build_data
 from tests.families import build_family_model
 

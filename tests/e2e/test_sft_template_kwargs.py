@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from shardtune.commands.demo import build_tokenizer
 from shardtune.data import build_datasets, setup_tokenizer
 from shardtune.data.templates import template_kwargs
-from shardtune.demo import build_tokenizer
 from tests.conftest import build_data, train_args
 from tests.families import build_family_model
 

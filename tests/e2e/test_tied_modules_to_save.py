@@ -35,7 +35,7 @@ DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    from shardtune.demo import build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 
     root = tmp_path_factory.mktemp("tied-mts")
     tok = build_tokenizer(root / "model", vocab_size=600)  # no chat tokens: chatml adds them (600 -> 608 rows)
@@ -77,8 +77,8 @@ def test_refused_before_anything_is_read_when_chatml_adds_tokens(assets, tmp_pat
     assert rc == 2 and line.startswith(f"- {REFUSAL}") and FIX in line, line
     assert not (tmp_path / "out").exists()
     # Without added tokens (the tokenizer's own template), the head trained in full is PEFT's plain case: not refused.
-    from shardtune.config import load_run_config
-    from shardtune.preflight import model_input_problems
+    from shardtune.config.run import load_run_config
+    from shardtune.models.preflight import model_input_problems
 
     cfg = load_run_config(_argv(assets, tmp_path / "out", "lm_head", chat_template_format="auto")[1:])
     assert not [p for p in model_input_problems(cfg) if "modules_to_save" in p]

@@ -1,4 +1,4 @@
-"""shardtune.atomic: folders replaced whole or not at all; a full disk named with the folder and the bytes."""
+"""shardtune.runtime.atomic: folders replaced whole or not at all; a full disk named with the folder and the bytes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from shardtune import atomic
+from shardtune.runtime import atomic
 
 
 def _tree(folder):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune import atomic
 from shardtune.data import build_datasets, cache, setup_tokenizer
+from shardtune.runtime import atomic
 from tests.conftest import build_data, train_args
 
 FIX = "free some space there, or give --dataset_cache_dir a folder on a disk with room, then run again."

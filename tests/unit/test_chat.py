@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from shardtune.chat import generate_reply, main
+from shardtune.commands.chat import generate_reply, main
+from shardtune.commands.demo import build_model, build_tokenizer
 from shardtune.data.templates import padded_vocab_size, setup_tokenizer
-from shardtune.demo import build_model, build_tokenizer
-from shardtune.inference import load_for_chat
+from shardtune.inference.load import load_for_chat
 
 PROMPT = "What is the capital of France?"
 # hidden and intermediate sizes are multiples of 64, bitsandbytes' 4-bit block size on CPU

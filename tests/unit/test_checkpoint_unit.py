@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune import hooks, hub
-from shardtune.optimizers import LocalShards, build_optimizer, optimizer_problems
 from shardtune.parallel import checkpoint
-from shardtune.trainer import (
+from shardtune.runtime import hooks, hub
+from shardtune.training.optimizers import LocalShards, build_optimizer, optimizer_problems
+from shardtune.training.trainer import (
     LoopSettings,
     LoopState,
     NonFiniteError,

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune import trainer
-from shardtune.metrics import RunLogger, read_metrics, summary_table
-from shardtune.trainer import COLLAPSE_STEPS, LoopSettings, LoopState, train
+from shardtune.training import trainer
+from shardtune.training.metrics import RunLogger, read_metrics, summary_table
+from shardtune.training.trainer import COLLAPSE_STEPS, LoopSettings, LoopState, train
 
 VOCAB = 7
 

@@ -8,7 +8,8 @@ import shlex
 
 import pytest
 
-from shardtune.config import ConfigError, load_run_config, parse_args
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config, parse_args
 
 GUIDE_LORA = """--seed 100 --model_name_or_path "meta-llama/Llama-2-70b-hf" --dataset_name "smangrul/ultrachat-10k-chatml"
 --chat_template_format "chatml" --add_special_tokens False --append_concat_token False --splits "train,test"
@@ -273,7 +274,7 @@ def test_negative_values_in_range_are_accepted():
 
 
 def test_router_aux_loss_coef_applies_to_preference_objectives():
-    """DPO and KTO add the router load-balancing loss as SFT does (shardtune.loss): the flag is taken."""
+    """DPO and KTO add the router load-balancing loss as SFT does (shardtune.objectives.loss): the flag is taken."""
     for objective in ("dpo", "kto"):
         cfg = load_run_config([*REQUIRED, "--objective", objective, "--router_aux_loss_coef", "0.01"], env={})
         assert cfg.train.router_aux_loss_coef == 0.01
@@ -296,7 +297,7 @@ def test_full_fine_tuning_refuses_explicit_adapter_flags(tmp_path):
 
 
 def test_help_does_not_offer_8bit_loading():
-    from shardtune.config import ModelArguments
+    from shardtune.config.arguments import ModelArguments
 
     help_ = {f.name: f.metadata["help"] for f in dataclasses.fields(ModelArguments)}["use_8bit_quantization"]
     assert help_.startswith("Refused:") and "--use_4bit_quantization" in help_

@@ -1,5 +1,5 @@
 """Facts that have one home: the sharding strategies (shardtune.parallel.dims), the run's precision (RunConfig.precision),
-the optimizer names (shardtune.optimizers) and the hub-id rule (shardtune.hub.is_hub_id). Each test checks that
+the optimizer names (shardtune.training.optimizers) and the hub-id rule (shardtune.runtime.hub.is_hub_id). Each test checks that
 every reader of the fact agrees with its home, so that a second, diverging copy fails here."""
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import pytest
 import torch
 import yaml
 
-from shardtune import optimizers
-from shardtune.accelerate_config import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
-from shardtune.arguments import TrainArguments
-from shardtune.config import ConfigError, load_run_config
+from shardtune.config.accelerate import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
+from shardtune.config.arguments import TrainArguments
+from shardtune.config.errors import ConfigError
+from shardtune.config.fsdp import fsdp_settings_from_env
+from shardtune.config.run import load_run_config
 from shardtune.data.sources import ACCEPTED
-from shardtune.fsdp_settings import fsdp_settings_from_env
-from shardtune.hub import is_hub_id
 from shardtune.parallel.dims import STRATEGIES, ParallelDims
 from shardtune.planning import ModelShape, PlanInputs, estimate_memory
 from shardtune.planning.known_configs import known_config
+from shardtune.runtime.hub import is_hub_id
+from shardtune.training import optimizers
 
 HUB_ARGS = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]  # hub ids: no files needed
 
@@ -70,7 +71,7 @@ def test_an_unknown_strategy_is_refused_by_each_reader_naming_the_same_set(tmp_p
 # ---------------------------------------------------------------- precision
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-# (flags, mixed_precision in the YAML, LoRA?) -> (compute, storage). The rule (shardtune.precision): --bf16 or
+# (flags, mixed_precision in the YAML, LoRA?) -> (compute, storage). The rule (shardtune.config.precision): --bf16 or
 # mixed_precision bf16 computes in bf16 (fp16 likewise); a frozen base (LoRA) is stored in the compute dtype, full
 # fine-tuning keeps fp32 master weights. Export is the compute dtype; FSDP's param_dtype is None for fp32.
 PRECISION_CASES = [
@@ -120,7 +121,7 @@ def test_optim_help_and_validation_read_the_optimizer_registry(monkeypatch):
     assert all(name in optim_help for name in optimizers.OPTIMIZERS)
     for name in optimizers.OPTIMIZERS:
         assert load_run_config([*HUB_ARGS, "--optim", name], env={}).train.optim == name
-    # An optimizer registered in shardtune.optimizers is a valid --optim with no other change.
+    # An optimizer registered in shardtune.training.optimizers is a valid --optim with no other change.
     toy = dataclasses.replace(optimizers.OPTIMIZERS["adamw_torch"], name="toy_sgd")
     monkeypatch.setitem(optimizers.OPTIMIZERS, "toy_sgd", toy)
     assert load_run_config([*HUB_ARGS, "--optim", "toy_sgd"], env={}).train.optim == "toy_sgd"
@@ -149,9 +150,10 @@ def test_is_hub_id_is_the_hub_rule_and_a_path_that_exists_wins(tmp_path, monkeyp
 
 @pytest.mark.parametrize("ref", ["a/b/c", "my model", "./missing"])
 def test_train_chat_preflight_card_and_data_treat_a_non_hub_name_as_a_missing_path(tmp_path, monkeypatch, ref):
-    from shardtune import inference, preflight
     from shardtune.data.sources import load_split
-    from shardtune.modelcard import write_model_card
+    from shardtune.inference import load as inference
+    from shardtune.models import preflight
+    from shardtune.training.modelcard import write_model_card
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from transformers import CONFIG_MAPPING
 
-from shardtune import builder, families, fastpath
-from shardtune.errors import ConfigError
-from shardtune.modeling import CausalLMForTraining
+from shardtune.config.errors import ConfigError
+from shardtune.models import builder, families, fastpath
+from shardtune.models.modeling import CausalLMForTraining
 
 SLICE = ["llama", "granite", "gemma2", "qwen2_moe", "falcon_h1", "gpt_oss", "llama4_text"]
 # fp32, tiny models, the same products summed in other orders: at most 5e-7 of the logits' largest magnitude on

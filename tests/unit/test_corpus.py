@@ -13,10 +13,11 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 import shardtune.data.prepare as prepare_mod
-from shardtune.config import ConfigError, load_run_config
+from shardtune.commands.demo import build_tokenizer, write_chat_dataset
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config
 from shardtune.data import build_datasets, iterate_batches, setup_tokenizer
 from shardtune.data.packing import best_fit_decreasing, build_rows, fit_documents
-from shardtune.demo import build_tokenizer, write_chat_dataset
 from tests.conftest import build_data
 
 

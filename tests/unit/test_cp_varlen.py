@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shardtune import fastpath, modeling
+from shardtune.models import fastpath, modeling
 from shardtune.parallel import split
 from shardtune.parallel.context_parallel import local_shard
 

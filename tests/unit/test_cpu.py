@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardtune import cpu
+from shardtune.runtime import cpu
 
 
 def _speed(bf16: float, fp32: float, *, flags: bool) -> cpu.MatmulSpeed:
@@ -59,7 +59,7 @@ def test_emulated_bf16_on_this_machine_is_measured_as_emulated():
     GFLOP/s in fp32, a ratio ~0.01 far below the 0.5 threshold (the only timing-based assertion, with a margin of
     about 50x)."""
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = "import json; from shardtune.cpu import measure; print(json.dumps(measure().record()))"
+    code = "import json; from shardtune.runtime.cpu import measure; print(json.dumps(measure().record()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     rec = json.loads(out.stdout)
     assert rec["bf16_slow"] and rec["bf16_fp32_ratio"] < cpu.SLOW_RATIO

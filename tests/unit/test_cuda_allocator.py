@@ -1,4 +1,4 @@
-"""shardtune.cuda_allocator: the CUDA allocator settings shardtune's processes run with, and the planner following
+"""shardtune.config.cuda_allocator: the CUDA allocator settings shardtune's processes run with, and the planner following
 them."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import tomllib
 import torch
 
-from shardtune import cli, cuda_allocator
+from shardtune import cli
+from shardtune.config import cuda_allocator
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, ALLOCATOR_OVERHEAD_EXPANDABLE
 from shardtune.planning.known_configs import known_config
 from tests.conftest import ROOT
@@ -81,9 +82,9 @@ def _unset(monkeypatch):
 
 @pytest.mark.parametrize("user", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")])
 def test_train_called_in_process_starts_with_the_setting(monkeypatch, user):
-    """`shardtune.train.main` in another program's process (bench/speed.py, the device check) goes through the same
+    """`shardtune.commands.train.main` in another program's process (bench/speed.py, the device check) goes through the same
     entry as the script: the variable is set before the command runs, and a user's own configuration is kept."""
-    from shardtune import train
+    from shardtune.commands import train
 
     _unset(monkeypatch)
     if user:

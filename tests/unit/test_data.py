@@ -11,9 +11,9 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoTokenizer
 
 import shardtune.data.prepare as prepare_mod
+from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 from shardtune.data import IGNORE_INDEX, build_datasets, setup_tokenizer
 from shardtune.data.sources import load_split
-from shardtune.demo import build_tokenizer, write_chat_dataset
 from tests.conftest import build_data
 from tests.tolerance import decoder_chain, tol
 
@@ -393,8 +393,8 @@ def test_concurrent_cache_writes_leave_one_complete_folder(tok_dir, tmp_path):
 def test_packed_batches_from_the_pipeline_match_documents_run_alone(tok_dir, chat_dir, tmp_path):
     import torch
 
+    from shardtune.commands.demo import build_model
     from shardtune.data import iterate_batches, padded_vocab_size
-    from shardtune.demo import build_model
 
     tok = tokenizer(tok_dir, "chatml")
     train, _ = build(tok, chat_dir, packing=True, append_concat_token=True, max_length=96, max_train_samples=12)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardtune.modelcard import set_eval_section
+from shardtune.training.modelcard import set_eval_section
 
 
 def test_eval_section_is_added_once_and_replaced(tmp_path):
@@ -18,7 +18,7 @@ def test_eval_section_is_added_once_and_replaced(tmp_path):
 
 
 def test_eval_harness_flags_are_checked(tmp_path):
-    from shardtune.validation import _eval_harness_problems
+    from shardtune.config.validation import _eval_harness_problems
 
     assert _eval_harness_problems(None, str(tmp_path)) == ["--eval_harness_include_path needs --eval_harness_tasks."]
     missing = tmp_path / "none"

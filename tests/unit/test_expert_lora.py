@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from shardtune import families, targets
-from shardtune.config import ConfigError, load_run_config
-from shardtune.merge_experts import ExpertLora, expert_factors
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config
+from shardtune.merge.experts import ExpertLora, expert_factors
+from shardtune.models import families, targets
 from tests.unit.test_targets import _model, _one_thread  # noqa: F401 - the tiny models, one thread (autouse)
 
 # Fused-expert families of transformers (3-D expert tensors), with where their routers are parameters.
@@ -135,7 +136,7 @@ def test_the_planner_counts_the_router_loss_at_the_loss_not_in_the_blocks_backwa
     """With the router load-balancing loss on (the config's coefficient), every MoE block's router logits and
     the loss's softmax of them (E wide per token, compute dtype) exist at the loss; --router_aux_loss_coef 0
     removes exactly those bytes from the loss phases and nothing from a block's backward."""
-    from shardtune.plan import make_plan
+    from shardtune.commands.plan import make_plan
 
     flags = ["--model_name_or_path", "bench/configs/qwen3-30b-a3b", "--use_peft_lora", "True", "--bf16", "True",
              "--max_seq_len", "4096", "--per_device_train_batch_size", "2", "--num_processes", "8"]  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune import fastpath, modeling
+from shardtune.models import fastpath, modeling
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS
 from tests.tolerance import decoder_chain, tol
 

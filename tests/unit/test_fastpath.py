@@ -1,4 +1,4 @@
-"""shardtune.fastpath: the fast dropout and the per-document attention give what the library versions give."""
+"""shardtune.models.fastpath: the fast dropout and the per-document attention give what the library versions give."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune import fastpath
-from shardtune.modeling import CausalLMForTraining
+from shardtune.models import fastpath
+from shardtune.models.modeling import CausalLMForTraining
 from tests.tolerance import tol
 
 # --- dropout -----------------------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_a_row_mask_is_built_only_for_a_family_that_masks_more(monkeypatch, chun
     ids = torch.randint(0, 97, pos.shape, generator=torch.Generator().manual_seed(1))
     CausalLMForTraining(model, chunk_size=256)(ids, pos, ids.roll(-1, 1))
     assert bool(built) == chunked
-    from shardtune import families
+    from shardtune.models import families
 
     assert families.plain_causal(model.config) == (not chunked)
 

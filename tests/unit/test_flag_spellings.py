@@ -9,9 +9,11 @@ import json
 import pytest
 from torch import nn
 
-from shardtune import config, validation
-from shardtune.arguments import interval_steps
-from shardtune.config import ConfigError, load_run_config, parse_args, precision_line
+from shardtune.config import run as config
+from shardtune.config import validation
+from shardtune.config.arguments import interval_steps
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config, parse_args, precision_line
 
 BASE = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]
 FSDP_BF16 = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
@@ -46,7 +48,7 @@ def test_a_value_below_one_is_a_ratio_of_the_total_steps(value, total, steps):
 
 
 def test_the_loop_reads_ratios_against_the_run_total():
-    from shardtune.train import _loop_settings
+    from shardtune.commands.train import _loop_settings
 
     cfg = _load("--save_steps", "0.5", "--logging_steps", "0.1", "--eval_strategy", "steps", "--splits", "a,b")
     s = _loop_settings(cfg, total=95, steps_per_epoch=95, pad_id=0)
@@ -196,7 +198,7 @@ class _Block(nn.Module):
 
 
 def test_a_regex_alternative_that_matches_no_module_is_warned(warnings):
-    from shardtune.preflight import target_module_problems
+    from shardtune.models.preflight import target_module_problems
 
     model = nn.Sequential(_Block())
     pattern = r".*\.(q_proj|v_proj|qkv_proj)"

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune.config import ConfigError, load_run_config
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config
 from shardtune.parallel.fsdp import frozen_parameters
 from shardtune.planning import PlanInputs, estimate_memory, model_state_bytes_per_rank
 from shardtune.planning.fit import AUTO_REPLICATE_MARGIN, frozen_base_choice, plan_inputs, plan_shape

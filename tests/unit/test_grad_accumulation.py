@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.trainer import train_step
+from shardtune.training.trainer import train_step
 from tests.tolerance import tol
 
 VOCAB, HIDDEN, SEQ = 32, 8, 6

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from shardtune import hub
+from shardtune.runtime import hub
 from tests.conftest import _free_port, run_cli
 
 

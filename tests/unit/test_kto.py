@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
 from shardtune.data.preference import tokenize_unpaired
-from shardtune.demo import write_preference_dataset
-from shardtune.loss import build_objective
+from shardtune.objectives.loss import build_objective
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
 GROUP = 6  # examples per micro-batch: the KL rows rotate completions within groups of this many
@@ -137,7 +137,7 @@ def test_kto_first_step_equals_trl(tiny_assets, tok, kto_dir, tmp_path):
 
 
 def test_unbalanced_labels_get_trls_weight_advice():
-    from shardtune.loss import kto_weight_advice
+    from shardtune.objectives.loss import kto_weight_advice
 
     # 100 desirable, 300 undesirable: λ_D·100 / (λ_U·300) must lie in [1, 4/3] (TRL rounds 1.33 and 2 decimals):
     # λ_D in [3.0, 3.99] with λ_U = 1, or λ_U in [1/3/1.33, 1/3] = [0.25, 0.33] with λ_D = 1.

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardtune.accelerate_config import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
-from shardtune.config import ConfigError, parse_args
-from shardtune.fsdp_settings import FSDPSettings, fsdp1_only_notes, fsdp_settings_from_env
-from shardtune.launch import _parser as launch_parser
-from shardtune.launch import build_launch, main, torchrun_args
+from shardtune.commands.launch import _parser as launch_parser
+from shardtune.commands.launch import build_launch, main, torchrun_args
+from shardtune.config.accelerate import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
+from shardtune.config.errors import ConfigError
+from shardtune.config.fsdp import FSDPSettings, fsdp1_only_notes, fsdp_settings_from_env
+from shardtune.config.run import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -351,7 +352,7 @@ def _node(rank: int, port: int, backend: str, out: Path, script: Path) -> subpro
         "7",
     ]
     entry = (str(script), str(out), "gloo")
-    code = f"import sys; from shardtune.launch import main; sys.exit(main({argv!r}, entry={entry!r}))"
+    code = f"import sys; from shardtune.commands.launch import main; sys.exit(main({argv!r}, entry={entry!r}))"
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

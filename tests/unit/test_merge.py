@@ -12,8 +12,11 @@ from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from shardtune import merge, merge_plan, weights
-from shardtune.demo import build_model, build_tokenizer
+from shardtune.commands import merge
+from shardtune.commands.demo import build_model, build_tokenizer
+from shardtune.merge import fold
+from shardtune.merge import plan as merge_plan
+from shardtune.models import weights
 from tests.tolerance import decoder_chain, tol, tol_rounding
 
 VOCAB = 300
@@ -118,7 +121,7 @@ CASES = {  # LoraConfig arguments, and the vocabulary the embedding is resized t
 def test_merged_model_matches_peft_model_untied(bases, tmp_path, case):
     kwargs, resize = CASES[case]
     adapter = make_adapter(bases["untied"], tmp_path / "adapter", LoraConfig(**kwargs), resize=resize)
-    out = merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     expected = peft_logits(bases["untied"], adapter, resize)
     got = merged_logits(out)
     assert got.shape == expected.shape
@@ -136,7 +139,7 @@ def test_merged_model_matches_peft_model_untied(bases, tmp_path, case):
 def test_merged_model_matches_peft_model_tied(bases, tmp_path, case):
     kwargs, resize = CASES[case]
     adapter = make_adapter(bases["tied"], tmp_path / "adapter", LoraConfig(**kwargs), resize=resize)
-    out = merge.merge_adapter(bases["tied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["tied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     assert_merged_close(merged_logits(out), peft_logits(bases["tied"], adapter, resize))
     config = json.loads((out / "config.json").read_text())
     names = shard_names(out)
@@ -150,14 +153,14 @@ def test_merged_model_matches_peft_model_tied(bases, tmp_path, case):
 def test_gpt2_conv1d_fan_in_fan_out_and_lora_bias(bases, tmp_path):
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_bias=True)
     adapter = make_adapter(bases["gpt2"], tmp_path / "adapter", cfg)
-    out = merge.merge_adapter(bases["gpt2"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["gpt2"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     assert_merged_close(merged_logits(out), peft_logits(bases["gpt2"], adapter))
 
 
 def test_gpt2_dora_fan_in_fan_out(bases, tmp_path):
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=True)
     adapter = make_adapter(bases["gpt2"], tmp_path / "adapter", cfg)
-    out = merge.merge_adapter(bases["gpt2"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["gpt2"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     assert_merged_close(merged_logits(out), peft_logits(bases["gpt2"], adapter))
 
 
@@ -167,7 +170,7 @@ def test_bf16_output_and_tokenizer_from_adapter(bases, tmp_path):
     tok = AutoTokenizer.from_pretrained(bases["untied"])
     tok.add_special_tokens({"additional_special_tokens": ["<|a|>", "<|b|>", "<|c|>", "<|d|>"]})
     tok.save_pretrained(adapter)
-    out = merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", dtype="bf16", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["untied"], adapter, tmp_path / "merged", dtype="bf16", max_shard_size=SHARD)
     with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable == {"BF16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
@@ -183,7 +186,7 @@ def test_bf16_output_and_tokenizer_from_adapter(bases, tmp_path):
 
 def test_index_lists_every_tensor_and_shards_respect_the_size(bases, tmp_path):
     adapter = make_adapter(bases["untied"], tmp_path / "adapter", LoraConfig(r=4, target_modules=ALL_LINEAR))
-    out = merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     on_disk = shard_names(out)
     assert index["weight_map"] == on_disk
@@ -227,7 +230,7 @@ def test_streams_one_base_shard_at_a_time(bases, tmp_path, monkeypatch):
 
     monkeypatch.setattr(weights, "open_shard", CountingOpen)
     monkeypatch.setattr(weights, "write_safetensors", counting_save)
-    merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    fold.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     base_shards = sorted(p.name for p in bases["untied"].glob("model-*.safetensors"))
     opened = [name for kind, name in events if kind == "open"]
     assert opened == base_shards  # each base shard read exactly once, in order
@@ -250,11 +253,11 @@ def _tree_digest(folder: Path) -> str:
 
 def test_failure_mid_merge_leaves_existing_output_untouched(bases, tmp_path, monkeypatch):
     adapter = make_adapter(bases["untied"], tmp_path / "adapter", LoraConfig(r=4, target_modules=ALL_LINEAR))
-    out = merge.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
+    out = fold.merge_adapter(bases["untied"], adapter, tmp_path / "merged", max_shard_size=SHARD)
     before = _tree_digest(out)
     other = make_adapter(bases["untied"], tmp_path / "other", LoraConfig(r=4, target_modules=ALL_LINEAR), seed=5)
     calls = {"n": 0}
-    real_apply = merge.apply_edit
+    real_apply = fold.apply_edit
 
     def failing_apply(*args):
         calls["n"] += 1
@@ -262,13 +265,13 @@ def test_failure_mid_merge_leaves_existing_output_untouched(bases, tmp_path, mon
             raise RuntimeError("disk full")
         return real_apply(*args)
 
-    monkeypatch.setattr(merge, "apply_edit", failing_apply)
+    monkeypatch.setattr(fold, "apply_edit", failing_apply)
     with pytest.raises(RuntimeError, match="disk full"):
-        merge.merge_adapter(bases["untied"], other, out, max_shard_size=SHARD)
+        fold.merge_adapter(bases["untied"], other, out, max_shard_size=SHARD)
     assert _tree_digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged", "other"]
-    monkeypatch.setattr(merge, "apply_edit", real_apply)
-    merge.merge_adapter(bases["untied"], other, out, max_shard_size=SHARD)  # a good run replaces it
+    monkeypatch.setattr(fold, "apply_edit", real_apply)
+    fold.merge_adapter(bases["untied"], other, out, max_shard_size=SHARD)  # a good run replaces it
     assert _tree_digest(out) != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged", "other"]
     assert_merged_close(merged_logits(out), peft_logits(bases["untied"], other))
@@ -279,29 +282,29 @@ def test_refuses_to_replace_a_folder_that_is_not_a_model(bases, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
     with pytest.raises(ValueError, match=r"holds files a merge does not write \(todo\.txt\)"):
-        merge.merge_adapter(bases["untied"], adapter, tmp_path / "notes")
+        fold.merge_adapter(bases["untied"], adapter, tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 
 
 def test_errors_name_the_problem(bases, tmp_path):
     with pytest.raises(ValueError, match="no adapter_config.json"):
-        merge.merge_adapter(bases["untied"], tmp_path, tmp_path / "out")
+        fold.merge_adapter(bases["untied"], tmp_path, tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(bases["untied"])
     get_peft_model(
         model, IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
     ).save_pretrained(tmp_path / "ia3")
     with pytest.raises(ValueError, match="is a IA3 adapter; shardtune merge supports LoRA"):
-        merge.merge_adapter(bases["untied"], tmp_path / "ia3", tmp_path / "out")
+        fold.merge_adapter(bases["untied"], tmp_path / "ia3", tmp_path / "out")
     # An adapter for a 3-layer model has keys for layers.2, which the 2-layer base does not have.
     build_model(tmp_path / "deeper", vocab_size=VOCAB, hidden_size=32, num_layers=3)
     make_adapter(tmp_path / "deeper", tmp_path / "deep_adapter", LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"another base .*layers\.2\.self_attn\.q_proj is not in the base"):
-        merge.merge_adapter(bases["untied"], tmp_path / "deep_adapter", tmp_path / "out")
+        fold.merge_adapter(bases["untied"], tmp_path / "deep_adapter", tmp_path / "out")
     # A wider model: same names, wrong shapes.
     build_model(tmp_path / "wider", vocab_size=VOCAB, hidden_size=64, num_layers=2)
     make_adapter(tmp_path / "wider", tmp_path / "wide_adapter", LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"another base .*q_proj is \(32, 32\) in the base, \(4, 64\) in the adapter"):
-        merge.merge_adapter(bases["untied"], tmp_path / "wide_adapter", tmp_path / "out")
+        fold.merge_adapter(bases["untied"], tmp_path / "wide_adapter", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -312,7 +315,7 @@ def test_lora_variants_that_do_not_merge_linearly_are_refused(bases, tmp_path):
     for option, value in (("alora_invocation_tokens", [5, 6]), ("use_qalora", True), ("init_lora_weights", "mica")):
         config_path.write_text(json.dumps({**plain, option: value}))
         with pytest.raises(ValueError, match=f"uses {option}.*does not support"):
-            merge.merge_adapter(bases["untied"], adapter, tmp_path / "out")
+            fold.merge_adapter(bases["untied"], adapter, tmp_path / "out")
 
 
 def test_live_state_dict_keys_with_adapter_names_group_like_saved_ones(bases):
@@ -384,8 +387,8 @@ def test_qlora_adapter_merges_into_original_precision_base(bases, tmp_path):
     dequantized = load_4bit().dequantize()
     dequantized.save_pretrained(tmp_path / "deq", max_shard_size=SHARD)
 
-    to_original = merge.merge_adapter(base, tmp_path / "qlora", tmp_path / "m_orig")
-    to_dequant = merge.merge_adapter(tmp_path / "deq", tmp_path / "qlora", tmp_path / "m_deq")
+    to_original = fold.merge_adapter(base, tmp_path / "qlora", tmp_path / "m_orig")
+    to_dequant = fold.merge_adapter(tmp_path / "deq", tmp_path / "qlora", tmp_path / "m_deq")
     gap_original = (merged_logits(to_original)[:1] - trained_on).abs().mean().item()
     gap_dequant = (merged_logits(to_dequant)[:1] - trained_on).abs().mean().item()
     print(
@@ -398,4 +401,4 @@ def test_qlora_adapter_merges_into_original_precision_base(bases, tmp_path):
     with pytest.raises(ValueError, match="is quantized"):
         qdir = tmp_path / "q4"
         load_4bit().save_pretrained(qdir)
-        merge.merge_adapter(qdir, tmp_path / "qlora", tmp_path / "m_q4")
+        fold.merge_adapter(qdir, tmp_path / "qlora", tmp_path / "m_q4")

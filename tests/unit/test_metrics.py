@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from shardtune.metrics import RunLogger, build_summary, plot_run, read_metrics, report_main, summary_table
+from shardtune.training.metrics import RunLogger, build_summary, plot_run, read_metrics, report_main, summary_table
 from tests.tolerance import unit_roundoff
 
 TRAIN = {
@@ -188,7 +188,7 @@ class _Clock:
 
 
 def test_report_on_interrupted_and_resumed_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("shardtune.metrics.time", _Clock())
+    monkeypatch.setattr("shardtune.training.metrics.time", _Clock())
     _run(tmp_path, steps=(1, 2, 3), finish=False, total_steps=6)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"type": "train", "step": 4, "lo')  # killed while writing

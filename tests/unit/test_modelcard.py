@@ -7,7 +7,7 @@ import math
 import pytest
 from huggingface_hub import ModelCard
 
-from shardtune.modelcard import write_model_card
+from shardtune.training.modelcard import write_model_card
 
 HPARAMS = {"lora_r": 8, "lora_alpha": 16, "learning_rate": 1e-4, "max_steps": 200, "bf16": True}
 

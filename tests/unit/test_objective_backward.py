@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.demo import build_model
-from shardtune.loss import build_objective
-from shardtune.modeling import CausalLMForTraining
+from shardtune.commands.demo import build_model
+from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.loss import build_objective
 from tests.tolerance import unit_roundoff
 
 VOCAB, SEQ, PROMPT, B = 64, 12, 4, 3

@@ -14,9 +14,9 @@ NO_BNB = "import sys; sys.modules['bitsandbytes'] = None; sys.argv[0] = 'shardtu
 
 
 def test_problems_name_the_extra(monkeypatch):
-    from shardtune.optimizers import optimizer_problems
-    from shardtune.precision import resolve_precision
-    from shardtune.quant import quantization_problems
+    from shardtune.config.precision import resolve_precision
+    from shardtune.models.quant import quantization_problems
+    from shardtune.training.optimizers import optimizer_problems
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     bf16 = resolve_precision(bf16=True, fp16=False, mixed_precision="bf16")

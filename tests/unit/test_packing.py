@@ -131,7 +131,7 @@ def test_unshuffled_batches_pad_to_the_longest_row():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     return build_model(
         tmp_path_factory.mktemp("m"), vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardtune.accelerate_config import accelerate_env, read_accelerate_yaml
-from shardtune.config import ConfigError, load_run_config
-from shardtune.launch import build_launch
+from shardtune.commands.launch import build_launch
+from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
+from shardtune.config.errors import ConfigError
+from shardtune.config.run import load_run_config
 
 TRAIN = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]
 
@@ -46,7 +47,7 @@ def _train_env(launcher_env: dict, world: int = 4, local: int = 2) -> dict[str, 
 
 
 def _dry_run_env(path: Path, capsys) -> dict[str, str]:
-    from shardtune.launch import main
+    from shardtune.commands.launch import main
 
     assert main(["--config_file", str(path), "--dry_run", *TRAIN]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -124,7 +125,7 @@ def test_a_consistent_layout_launches_under_shardtune_launch(tmp_path, capsys):
 
 def test_plan_reads_the_mapped_strategy(tmp_path):
     """`shardtune plan --config_file` estimates the layout the run will have."""
-    from shardtune.accelerate_config import fsdp_settings_from_yaml
+    from shardtune.config.accelerate import fsdp_settings_from_yaml
 
     assert fsdp_settings_from_yaml(_yaml(tmp_path, {"dp_replicate_size": 2, "dp_shard_size": 2})).sharding_strategy == (
         "HYBRID_SHARD"
@@ -185,7 +186,7 @@ def test_yaml_mistakes_name_the_key(tmp_path):
 
 def test_negative_control_variables_read_by_nobody_pass_silently(tmp_path, monkeypatch):
     """The bug the refusal tests guard: with the variables not read, a cp_size 2 run starts as if it had none."""
-    from shardtune import fsdp_settings
+    from shardtune.config import fsdp as fsdp_settings
 
     monkeypatch.setattr(fsdp_settings, "parallelism_from_env", lambda env: None)
     path = _yaml(tmp_path, {"dp_shard_size": 2, "cp_size": 2})

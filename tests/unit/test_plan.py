@@ -11,15 +11,17 @@ from dataclasses import dataclass, field, fields, replace
 import pytest
 import torch
 
-from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
-from shardtune.config import parse_args as parse_train_args
-from shardtune.plan import (
+from shardtune.commands.plan import (
     PlanArguments,
     main,
     make_plan,
     parse_bytes,
     read_accelerate_config,
 )
+from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.errors import ConfigError
+from shardtune.config.fsdp import FSDPSettings
+from shardtune.config.run import parse_args as parse_train_args
 from shardtune.planning import (
     ModelShape,
     PlanInputs,
@@ -110,7 +112,7 @@ def guide_yamls(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     path = tmp_path_factory.mktemp("tiny")
     build_model(path, **TINY)

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from shardtune.config import ConfigError
-from shardtune.plan import main, make_plan
+from shardtune.commands.plan import main, make_plan
+from shardtune.config.errors import ConfigError
 from shardtune.planning import activations as act
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.known_configs import known_config

@@ -1,6 +1,6 @@
 """The planner's attention terms against what shardtune's attention really keeps, on CPU.
 
-On the fast path shardtune runs SDPA per span of whole documents (shardtune.fastpath.packed_sdpa_attention);
+On the fast path shardtune runs SDPA per span of whole documents (shardtune.models.fastpath.packed_sdpa_attention);
 the planner's per-document terms (planning.activations.per_document_attention_bytes, span_mask_bytes) are
 checked here against the tensors autograd saves in one decoder layer of a real forward of a tiny Llama with
 grouped-query attention (4 query heads, 2 key heads) and LoRA on every linear, in fp32 and bf16, and against the
@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardtune import families, fastpath, modeling
+from shardtune.models import families, fastpath, modeling
 from shardtune.planning import ModelShape, estimate_memory
 from shardtune.planning import activations as act
 from shardtune.planning.fit import plan_inputs, plan_shape, trains_per_document
@@ -202,7 +202,7 @@ def test_the_family_decides_whether_attention_runs_per_document(monkeypatch):
 def test_the_run_and_the_trace_decide_it_too():
     """Compiled blocks and the trace run transformers' SDPA over whole rows: the row-wide terms, for the same
     family. On a packed row they differ from the per-document ones."""
-    from shardtune.config import DataArguments, ModelArguments, TrainArguments
+    from shardtune.config.arguments import DataArguments, ModelArguments, TrainArguments
     from shardtune.planning.report import Launch
 
     model, data = ModelArguments(model_name_or_path="x"), DataArguments(packing=True, max_length=8192)

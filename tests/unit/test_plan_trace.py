@@ -17,7 +17,7 @@ import socket
 import pytest
 import torch
 
-from shardtune.plan import format_plan, format_trace, main, make_plan
+from shardtune.commands.plan import format_plan, format_trace, main, make_plan
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate
@@ -200,11 +200,11 @@ def _free_port() -> int:
 
 def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
     """A real 1-rank shardtune build (gloo) of the tiny model, one real step, then the bytes it holds."""
-    from shardtune.builder import model_spec
-    from shardtune.optimizers import build_optimizer
+    from shardtune.models.builder import model_spec
     from shardtune.parallel.fsdp import local_state_bytes
     from shardtune.parallel.mesh import init_distributed, shutdown
     from shardtune.parallel.setup import build_sharded_model
+    from shardtune.training.optimizers import build_optimizer
 
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(_free_port())}.items():
@@ -341,7 +341,7 @@ def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp
 
 def test_4bit_experts_traced_against_estimate(tmp_path):
     """QLoRA on Mixtral-shaped experts, 2 ranks: each expert packed on its own (E, packed) with its own state,
-    the state exact; the experts run one at a time (shardtune.quant_experts), so the forward and backward hold one
+    the state exact; the experts run one at a time (shardtune.models.quant_experts), so the forward and backward hold one
     expert's routed copies and one dequantized expert matrix, not grouped_mm's all; expert LoRA on them merges no
     copy (each expert's input and r-wide product kept instead): every phase within the bound at batch 2 and 8, with
     and without expert LoRA. The 4-bit experts take the frozen base to under a third of its bf16 bytes."""

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
 from shardtune.data.preference import tokenize_pair
-from shardtune.demo import write_preference_dataset
-from shardtune.loss import PreferenceObjective, build_objective
-from shardtune.modeling import CausalLMForTraining
+from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.loss import PreferenceObjective, build_objective
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
 N_PAIRS = 6  # one batch: every pair of the parity set
@@ -200,7 +200,7 @@ def test_per_sequence_logps_equal_full_logits(tiny_assets, tok, pairs_dir):
 
 
 def test_plan_counts_two_rows_per_pair_and_names_the_reference(tiny_assets, capsys):
-    from shardtune.plan import main
+    from shardtune.commands.plan import main
 
     base = ["--model_name_or_path", str(tiny_assets["model"]), "--use_peft_lora", "True", "--json", "True"]
     estimates = {}
@@ -217,7 +217,8 @@ def test_plan_counts_two_rows_per_pair_and_names_the_reference(tiny_assets, caps
 
 
 def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir):
-    from shardtune.config import ConfigError, load_run_config
+    from shardtune.config.errors import ConfigError
+    from shardtune.config.run import load_run_config
 
     base = ["--model_name_or_path", str(tiny_assets["model"]), "--dataset_name", str(pairs_dir)]
     with pytest.raises(ConfigError) as e:
@@ -244,7 +245,7 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
 def test_tensorboard_tags_are_trls(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shardtune.metrics import RunLogger
+    from shardtune.training.metrics import RunLogger
 
     logger = RunLogger(str(tmp_path), is_main=True, report_to="tensorboard", total_steps=1, disable_progress=True)
     logger.log_train(1, {"loss": 0.69, "rewards/chosen": 0.25, "rewards/accuracies": 0.5, "logps/rejected": -60.0})

@@ -6,9 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardtune import modeling, quant
-from shardtune.config import ConfigError, load_run_config
-from shardtune.precision import resolve_precision
+from shardtune.config.errors import ConfigError
+from shardtune.config.precision import resolve_precision
+from shardtune.config.run import load_run_config
+from shardtune.models import modeling, quant
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -16,7 +17,7 @@ bnb = pytest.importorskip("bitsandbytes")
 @pytest.fixture(scope="module")
 def qmodel(tmp_path_factory):
     """A tiny Llama to quantize (2 layers, widths 64 and 128)."""
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     path = tmp_path_factory.mktemp("qmodel")
     build_model(path, vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -185,7 +186,7 @@ def test_prepare_refuses_storage_fsdp_would_cast(qmodel):
 
 
 def test_loader_ties_embeddings_and_names_missing_weights(tmp_path):
-    from shardtune.demo import build_model
+    from shardtune.commands.demo import build_model
 
     tied = tmp_path / "tied"
     build_model(

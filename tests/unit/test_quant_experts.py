@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune import modeling, quant, targets
-from shardtune.quant_experts import Experts4bit
+from shardtune.models import modeling, quant, targets
+from shardtune.models.quant_experts import Experts4bit
 from tests.unit.test_expert_lora import FUSED
 from tests.unit.test_targets import _model, _one_thread  # noqa: F401 - the tiny models, one thread (autouse)
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.arguments import RunConfig
-from shardtune.config import ConfigError, load_run_config
-from shardtune.precision import Precision
-from shardtune.quant import quantization_problems
+from shardtune.config.arguments import RunConfig
+from shardtune.config.errors import ConfigError
+from shardtune.config.precision import Precision
+from shardtune.config.run import load_run_config
+from shardtune.models.quant import quantization_problems
 
 pytest.importorskip("bitsandbytes")  # without it the 4-bit checks only say that it is missing
 

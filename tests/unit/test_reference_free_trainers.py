@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
-from shardtune.demo import write_preference_dataset
-from shardtune.loss import build_objective
-from shardtune.modeling import CausalLMForTraining
+from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.loss import build_objective
 
 N_PAIRS = 6
 

@@ -1,4 +1,4 @@
-"""Adding an optimizer touches one place (shardtune.optimizers.register): the flag's validation, the trainer's
+"""Adding an optimizer touches one place (shardtune.training.optimizers.register): the flag's validation, the trainer's
 builder and the planner all read the registry."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune import optimizers
-from shardtune.config import DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments, validate
+from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.fsdp import FSDPSettings
+from shardtune.config.run import validate
 from shardtune.planning import PlanInputs, estimate_memory
+from shardtune.training import optimizers
 
 LLAMA_7B = {
     "model_type": "llama",

@@ -10,7 +10,7 @@ from torch import nn
 
 from shardtune.data import PreparedSplit
 from shardtune.parallel import checkpoint
-from shardtune.trainer import LoopSettings, LoopState, train
+from shardtune.training.trainer import LoopSettings, LoopState, train
 
 
 @pytest.fixture(scope="module")

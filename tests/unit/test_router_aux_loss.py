@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.loss import Objective
-from shardtune.modeling import CausalLMForTraining
-from shardtune.router_aux import log_line
+from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.loss import Objective
+from shardtune.objectives.router_aux import log_line
 from tests.tolerance import decoder_chain, tol
 
 VOCAB, HIDDEN, FFN, LAYERS, EXPERTS, TOP_K, SEQ, ROWS, PROMPT = 100, 32, 64, 2, 4, 2, 12, 3, 4
@@ -168,7 +168,7 @@ def test_log_line_names_the_coefficient_and_how_to_turn_it_off():
 
 def test_the_own_forward_path_adds_the_same_term():
     """A family trained through its own forward (not the fast path) reads the router logits from that forward."""
-    from shardtune import families
+    from shardtune.models import families
 
     hf = _hf_model("mixtral")
     model, objective, (batch, _) = CausalLMForTraining(hf, layout=families.OWN), Objective(), _batch()

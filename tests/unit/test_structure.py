@@ -17,32 +17,44 @@ MAX_PARAMETERS = 12
 # Functions allowed more parameters, each with why (keep it short: a function's settings belong in one structure,
 # as the planner's in planning.inputs.PlanInputs).
 MANY_PARAMETERS = {
-    "shardtune.trainer.train": "the loop's parts (model, optimizer, scheduler, splits, state, logger, hooks): not settings",
+    "shardtune.training.trainer.train": "the loop's parts (model, optimizer, scheduler, splits, state, logger, hooks): not settings",
     "shardtune.planning.estimate._dynamic": "the activation terms' inputs, each derived from PlanInputs by "
     "_dynamic_kwargs and passed as one dict",
 }
-# The commands' own modules (shardtune.cli's table) and the recipe's parts: nothing below them imports them.
-COMMANDS = (
-    "shardtune.cli",
-    "shardtune.__main__",
-    "shardtune.train",
-    "shardtune.plan",
-    "shardtune.launch",
-    "shardtune.merge",
-    "shardtune.chat",
-    "shardtune.demo",
-    "shardtune.recipe",
+# The packages by role, lowest first (docs/architecture.md): a module imports only its own role's modules and
+# those of the roles before it.
+ROLES = (
+    ("shardtune.runtime",),
+    ("shardtune.config",),
+    ("shardtune.data",),
+    ("shardtune.models",),
+    ("shardtune.parallel",),
+    ("shardtune.objectives",),
+    ("shardtune.training",),
+    ("shardtune.planning", "shardtune.merge", "shardtune.inference"),
+    ("shardtune.recipe",),
+    ("shardtune.commands", "shardtune.cli", "shardtune.__main__"),
 )
-# Modules that hold one kind of fact each; they import nothing of shardtune but the logger.
+# Roles of one rank that are independent of each other.
+SIBLINGS = ("shardtune.planning", "shardtune.merge", "shardtune.inference")
+# Facts any role may read: they import nothing of shardtune but the logger.
 LEAVES = (
-    "shardtune.dtypes",
-    "shardtune.precision",
+    "shardtune.config.dtypes",
+    "shardtune.config.precision",
     "shardtune.parallel.dims",
-    "shardtune.hooks",
-    "shardtune.log",
-    "shardtune.atomic",
+    "shardtune.parallel.split",
+    "shardtune.runtime.hooks",
+    "shardtune.runtime.log",
+    "shardtune.runtime.atomic",
 )
-LOWER_PACKAGES = ("shardtune.parallel", "shardtune.planning", "shardtune.data")
+# Modules that still import a later role, each with why; an entry that no longer needs it is removed.
+UPWARD = {
+    "shardtune.config.validation": "checks the flags against the components' registries (data formats, 4-bit "
+    "rules, objectives, optimizers, trackers), each the one home of its names",
+    "shardtune.config.arguments": "the --objective and --optim help lists the objectives' and optimizers' registries",
+    "shardtune.models.modeling": "the training module computes the loss (chunked cross-entropy, the router's "
+    "balance term): it moves to objectives/ once the model returns hidden states",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -73,8 +85,9 @@ def _imports(name: str, path: Path) -> set[str]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            found.add(module)
-            found |= {f"{module}.{a.name}" for a in node.names}  # `from pkg import submodule`
+            submodules = {f"{module}.{a.name}" for a in node.names} & MODULES.keys()  # `from pkg import submodule`
+            # Importing only submodules of a package runs its __init__, whose own imports are its own edges.
+            found |= submodules if len(submodules) == len(node.names) else submodules | {module}
     return {m for m in found if m in MODULES and m != name}
 
 
@@ -118,8 +131,8 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_is_read():
     """The checks below would pass on an empty graph: make sure the parser sees known edges."""
-    assert "shardtune.parallel.setup" in GRAPH["shardtune.train"]
-    assert "shardtune.builder" in GRAPH["shardtune.parallel.setup"]
+    assert "shardtune.parallel.setup" in GRAPH["shardtune.commands.train"]
+    assert "shardtune.models.builder" in GRAPH["shardtune.parallel.setup"]
     assert "shardtune.recipe.state" in GRAPH["shardtune.recipe.checks"]
     assert len(MODULES) > 40
 
@@ -129,34 +142,50 @@ def test_no_import_cycles():
 
 
 def test_a_cycle_would_be_found(monkeypatch):
-    monkeypatch.setitem(GRAPH, "shardtune.dtypes", GRAPH["shardtune.dtypes"] | {"shardtune.train"})
-    assert any("shardtune.dtypes" in c and "shardtune.train" in c for c in _cycles())
+    monkeypatch.setitem(
+        GRAPH, "shardtune.config.dtypes", GRAPH["shardtune.config.dtypes"] | {"shardtune.commands.train"}
+    )
+    assert any("shardtune.config.dtypes" in c and "shardtune.commands.train" in c for c in _cycles())
 
 
-def _upward_imports() -> list[str]:
-    wrong = []
+def _role(name: str) -> int:
+    return next(rank for rank, prefixes in enumerate(ROLES) if _under(name, prefixes))
+
+
+def _upward_imports() -> dict[str, list[str]]:
+    """{module: the later roles' modules it imports}, and every import of a leaf that is not the logger."""
+    wrong: dict[str, list[str]] = {}
     for name, targets in GRAPH.items():
-        for target in targets:
-            if _under(target, COMMANDS) and not _under(name, COMMANDS) and name != "shardtune.cli":
-                wrong.append(f"{name} imports the command module {target}")
-            if _under(name, LEAVES) and target != "shardtune.log":
-                wrong.append(f"{name} (a leaf) imports {target}")
-            if _under(name, LOWER_PACKAGES) and _under(target, COMMANDS):
-                wrong.append(f"{name} imports {target}")
+        for target in sorted(targets):
+            later = _role(target) > _role(name) and not _under(target, LEAVES)
+            sibling = _under(name, SIBLINGS) and _under(target, SIBLINGS) and target.split(".")[1] != name.split(".")[1]
+            leaf = _under(name, LEAVES) and target != "shardtune.runtime.log"
+            if later or sibling or leaf:
+                wrong.setdefault(name, []).append(target)
     return wrong
 
 
+def test_every_module_has_a_role():
+    assert [n for n in MODULES if not any(_under(n, p) for roles in ROLES for p in [roles])] == ["shardtune"]
+
+
 def test_no_upward_imports():
-    assert _upward_imports() == []
+    assert sorted(set(_upward_imports()) - set(UPWARD)) == []
+    assert sorted(set(UPWARD) - set(_upward_imports())) == []
 
 
 def test_an_upward_import_would_be_found(monkeypatch):
-    monkeypatch.setitem(GRAPH, "shardtune.parallel.dims", GRAPH["shardtune.parallel.dims"] | {"shardtune.config"})
-    monkeypatch.setitem(GRAPH, "shardtune.parallel.mesh", GRAPH["shardtune.parallel.mesh"] | {"shardtune.train"})
-    assert set(_upward_imports()) >= {
-        "shardtune.parallel.dims (a leaf) imports shardtune.config",
-        "shardtune.parallel.mesh imports shardtune.train",
-    }
+    monkeypatch.setitem(GRAPH, "shardtune.parallel.dims", GRAPH["shardtune.parallel.dims"] | {"shardtune.config.run"})
+    monkeypatch.setitem(
+        GRAPH, "shardtune.parallel.mesh", GRAPH["shardtune.parallel.mesh"] | {"shardtune.commands.train"}
+    )
+    monkeypatch.setitem(GRAPH, "shardtune.merge.plan", GRAPH["shardtune.merge.plan"] | {"shardtune.planning.model"})
+    monkeypatch.setitem(GRAPH, "shardtune.data.cache", GRAPH["shardtune.data.cache"] | {"shardtune.models.weights"})
+    found = _upward_imports()
+    assert found["shardtune.parallel.dims"] == ["shardtune.config.run"]
+    assert found["shardtune.parallel.mesh"] == ["shardtune.commands.train"]
+    assert found["shardtune.merge.plan"] == ["shardtune.planning.model"]
+    assert found["shardtune.data.cache"] == ["shardtune.models.weights"]
 
 
 def _torch_distributed_uses(name: str, source: str) -> list[str]:

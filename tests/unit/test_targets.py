@@ -1,4 +1,4 @@
-"""What all-linear wraps (shardtune.targets): every linear layer by module path, not the output head, the routers,
+"""What all-linear wraps (shardtune.models.targets): every linear layer by module path, not the output head, the routers,
 the experts' fused tensors, nor what PEFT refuses; an SSM's 3-D convolution is not an expert."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from shardtune import families, modeling, targets
+from shardtune.models import families, modeling, targets
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from shardtune.commands.demo import build_tokenizer
 from shardtune.data.templates import (
     assistant_spans,
     padded_vocab_size,
@@ -13,7 +14,6 @@ from shardtune.data.templates import (
     token_target_mask,
     validate_messages,
 )
-from shardtune.demo import build_tokenizer
 
 # The reference script's templates and tokens, copied here verbatim so that a drift in shardtune's copy shows.
 REF_CHATML = "{% for message in messages %}\n{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% if loop.last and add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}{% endfor %}"

@@ -28,7 +28,7 @@ CHAIN = decoder_chain(hidden=2048, intermediate=128, layers=2, seq=IDS.shape[1])
 def _train_and_save(model, tok, out) -> None:
     """Stand-in for training: every trainable value moves (lora_B leaves zero, token rows leave the resize's);
     then the adapter is saved with shardtune's export."""
-    from shardtune import export
+    from shardtune.training import export
 
     torch.manual_seed(1)
     with torch.no_grad():
@@ -52,7 +52,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def trained(tmp_path_factory):
     """A LoRA adapter built as shardtune's training builds it (load, resize, attach), its trainable values moved
     as training would move them, and saved with shardtune's export."""
-    from shardtune import modeling
+    from shardtune.models import modeling
 
     root = tmp_path_factory.mktemp("gemma4-tokens")
     tok = build_chat_tokenizer(root / "base")
@@ -107,7 +107,7 @@ def test_reloaded_adapter_equals_the_trained_model_on_new_tokens(trained):
 def test_merged_folder_grows_every_token_table_and_equals_the_trained_model(trained):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.merge import merge_adapter
+    from shardtune.merge.fold import merge_adapter
 
     out = merge_adapter(trained["root"] / "base", trained["root"] / "out", trained["root"] / "merged", dtype="fp32")
     config = json.loads((out / "config.json").read_text())["text_config"]
@@ -124,7 +124,7 @@ def test_merge_of_an_adapter_without_per_layer_rows_grows_the_table_with_the_mea
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardtune.merge import merge_adapter
+    from shardtune.merge.fold import merge_adapter
 
     base_dir = trained["root"] / "base"
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -146,7 +146,7 @@ def test_plan_counts_the_grown_tables_and_their_trainable_rows(trained):
     trainable token rows are the tensors peft trains in each token table."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.plan import plan_shape
+    from shardtune.commands.plan import plan_shape
     from shardtune.planning import base_param_count
     from shardtune.planning.model import model_tensors
 
@@ -174,7 +174,7 @@ def test_plan_says_the_vision_tower_is_not_counted(caplog):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from shardtune.plan import plan_shape
+    from shardtune.commands.plan import plan_shape
     from shardtune.planning import base_param_count
 
     text = FAMILIES["gemma4"].config(OLD).text_config.to_dict()
@@ -199,9 +199,9 @@ def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardtune import modeling
-    from shardtune.demo import build_tokenizer
-    from shardtune.merge import merge_adapter
+    from shardtune.commands.demo import build_tokenizer
+    from shardtune.merge.fold import merge_adapter
+    from shardtune.models import modeling
 
     config = transformers.Gemma3nTextConfig(
         vocab_size=604, vocab_size_per_layer_input=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from shardtune.trackers import parse_report_to
+from shardtune.training.trackers import parse_report_to
 
 
 def test_report_to_values_as_transformers():
@@ -24,7 +24,7 @@ def test_report_to_values_as_transformers():
 
 
 def test_missing_tracker_package_is_a_config_error_naming_the_extra(monkeypatch, tmp_path, capsys):
-    from shardtune.train import main
+    from shardtune.commands.train import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))

@@ -1,4 +1,4 @@
-"""Checkpoint files (shardtune.weights): which shards a folder holds, headers, streaming reads and streamed writes
+"""Checkpoint files (shardtune.models.weights): which shards a folder holds, headers, streaming reads and streamed writes
 that safetensors itself reads back."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardtune import weights
+from shardtune.models import weights
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from shardtune import modeling
+from shardtune.models import modeling
 from tests.tolerance import TINY, decoder_chain, tol
 from tests.unit.test_plan import _spawn_two
 
@@ -44,10 +44,10 @@ def test_a_batch_without_targets_gives_a_zero_loss_that_backpropagates(tiny_asse
 
 def _worker(rank: int, world: int, path: str, port: int, queue) -> None:
     """Rank 0's batch has targets, rank 1's none; then a step where no rank has any."""
-    from shardtune.builder import ModelSpec
+    from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import init_distributed, shutdown
     from shardtune.parallel.setup import build_sharded_model
-    from shardtune.trainer import train_step
+    from shardtune.training.trainer import train_step
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port)

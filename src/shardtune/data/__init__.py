@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..log import print0
+from shardtune.runtime.log import print0
+
 from .cache import CACHE_FORMAT, LazyRows, PackedStore, move_into_place, new_tmp_folder, open_cache, write_cache
 from .collate import iterate_batches, num_batches
 from .packing import IGNORE_INDEX, RaggedRows
@@ -27,7 +28,7 @@ from .stream import StreamingSplit
 from .templates import CHAT_FORMATS, padded_vocab_size, setup_tokenizer
 
 if TYPE_CHECKING:
-    from shardtune.config import DataArguments
+    from shardtune.config.arguments import DataArguments
 
 # The DataArguments fields that shape the tokenized rows (with the seed and the chat template format).
 TOKENIZE_FLAGS = (

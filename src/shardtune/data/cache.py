@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import DiskFullError, fsync_dir, is_disk_full, preallocate, temp_name
+from shardtune.runtime.atomic import DiskFullError, fsync_dir, is_disk_full, preallocate, temp_name
+
 from .packing import IGNORE_INDEX, RowSequence, best_fit_decreasing_flat
 from .prepare import TaskResult, part_paths
 

@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..log import print0, warn0
+from shardtune.runtime.log import print0, warn0
+
 from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
 from .sources import check_not_empty, dataset_identity, load_split, parse_splits
 from .templates import tokenize_completions
 
 if TYPE_CHECKING:
-    from shardtune.config import DataArguments
+    from shardtune.config.arguments import DataArguments
 
 PAIR_COLUMNS = ("chosen", "rejected")
 UNPAIRED_COLUMNS = ("prompt", "completion", "label")
@@ -48,7 +49,7 @@ UNPAIRED_COLUMNS = ("prompt", "completion", "label")
 @dataclass
 class PreferenceSplit:
     """Tokenized pairs: rows 2i (chosen) and 2i+1 (rejected); ref_logps[r] is row r's reference log-prob once
-    computed (shardtune.reference)."""
+    computed (shardtune.objectives.reference)."""
 
     input_ids: object  # RaggedRows
     labels: object
@@ -352,7 +353,7 @@ def _pairs_digest(prepared: PreferenceSplit) -> str:
 
 def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
     """The tokenized pairs as one .npz, written atomically (ranks of one node may write it at the same time)."""
-    from ..atomic import replaced_file
+    from shardtune.runtime.atomic import replaced_file
 
     arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
     if prepared.desirable is not None:

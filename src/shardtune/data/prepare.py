@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import hooks
-from ..log import rank, warn0
-from ..parent import stop_with_parent_process
+from shardtune.runtime import hooks
+from shardtune.runtime.log import rank, warn0
+from shardtune.runtime.parent import stop_with_parent_process
+
 from .packing import IGNORE_INDEX, Document, fit_documents, shifted_labels
 from .templates import (
     TEMPLATE_COLUMNS,

@@ -5,7 +5,7 @@ A checkpoint folder `<output_dir>/checkpoints/checkpoint-<step>` holds:
 - the trainable weights and the optimizer state: DCP shards in `sharded/` (SHARDED_STATE_DICT, reshardable to
   any number of ranks), or one consolidated `full_state.pt` written by rank 0 (FULL_STATE_DICT);
 - with a bitsandbytes 8-bit optimizer, its state per rank shard in `optim_rank<r>.pt` (see `LocalShards` in
-  shardtune.trainer: its quantized blocks follow each rank's shard, so it resumes on the same number of ranks);
+  shardtune.training.trainer: its quantized blocks follow each rank's shard, so it resumes on the same number of ranks);
 - `scheduler.pt`, every rank's RNG state `rng_rank<r>.pt`, the run's `config.json`, and `meta.json` (the loop
   state: step, epoch and data position in samples; the world size; the state dict type; the optimizer).
 
@@ -37,9 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune import atomic, hooks
-from shardtune.log import print0, warn0
 from shardtune.parallel.mesh import broadcast_object
+from shardtune.runtime import atomic, hooks
+from shardtune.runtime.log import print0, warn0
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")

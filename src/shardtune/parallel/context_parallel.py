@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from shardtune.fastpath import packed_documents
+from shardtune.models.fastpath import packed_documents
 from shardtune.parallel import split
 from shardtune.parallel.split import CPShard
 
@@ -80,7 +80,7 @@ def local_part(batch: dict, info, model) -> tuple[dict, CPShard | None]:
     """This rank's part of a micro-batch and its CPShard: all of it and None, or with context parallelism its
     share of every row's positions (shardtune.parallel.split), its attention as the training module `model`
     runs it (`cp_varlen`). The module reads the shard for the micro-batch's forward and its recomputation in
-    backward: the caller sets `model.cp_shard` before each micro-batch's forward (shardtune.trainer)."""
+    backward: the caller sets `model.cp_shard` before each micro-batch's forward (shardtune.training.trainer)."""
     if info.dims.cp == 1:
         return batch, None
     return shard_batch(batch, group=info.cp_group, size=info.dims.cp, rank=info.dims.cp_rank, pad_id=PAD_FOR_CP,

@@ -73,7 +73,7 @@ def frozen_parameters(model: nn.Module, param_dtype: torch.dtype | None) -> set[
 
     FSDP would cast each of them to `param_dtype` at every all-gather; left out of FSDP they are cast once, here,
     which is the same number (a frozen weight never changes) and what the layers then compute with. The 4-bit
-    packed weights are stored in that dtype already (shardtune.quant.prepare_for_fsdp)."""
+    packed weights are stored in that dtype already (shardtune.models.quant.prepare_for_fsdp)."""
     frozen = {p for p in model.parameters() if not p.requires_grad}
     if param_dtype is not None:
         with torch.no_grad():

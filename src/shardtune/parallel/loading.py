@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtune.quant import packed_modules, quant_state_tensors
-from shardtune.weights import release_free_memory
+from shardtune.models.quant import packed_modules, quant_state_tensors
+from shardtune.models.weights import release_free_memory
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 1. Process group and mesh (done by `init_distributed` before this is called).
 2. Model skeleton: real weights on rank 0 of each node (or on every rank without cpu_ram_efficient_loading); meta
-   elsewhere. A 4-bit base is quantized tensor by tensor while it is read (shardtune.quant).
+   elsewhere. A 4-bit base is quantized tensor by tensor while it is read (shardtune.models.quant).
 3. Resize embeddings; attach the PEFT adapter; freeze the base; packed 4-bit weights become plain parameters of
    the storage dtype (= FSDP's param dtype) with their quantization state kept on the layer.
 4. Activation checkpointing per decoder block.
@@ -13,7 +13,7 @@
    own copy); give every rank the 4-bit quantization states, replicated, on its device.
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
 
-Steps 2-4 are the model builder (shardtune.builder, which knows nothing of ranks); this module decides which ranks
+Steps 2-4 are the model builder (shardtune.models.builder, which knows nothing of ranks); this module decides which ranks
 read weights and does 5-7.
 """
 
@@ -22,10 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardtune import hooks, modeling, quant
-from shardtune.builder import ModelSpec, build_training_module
-from shardtune.fsdp_settings import single_process_fsdp_reason
-from shardtune.log import print0
+from shardtune.config.fsdp import single_process_fsdp_reason
+from shardtune.models import modeling, quant
+from shardtune.models.builder import ModelSpec, build_training_module
 from shardtune.parallel.fsdp import assert_sharded, shard_model, without_fsdp
 from shardtune.parallel.loading import (
     broadcast_quant_states,
@@ -34,6 +33,8 @@ from shardtune.parallel.loading import (
     take_full_tensors,
 )
 from shardtune.parallel.mesh import DistInfo, all_gather_objects
+from shardtune.runtime import hooks
+from shardtune.runtime.log import print0
 
 
 def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "fsdp") -> modeling.CausalLMForTraining:

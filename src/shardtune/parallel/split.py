@@ -7,7 +7,7 @@ has as many early (cheap) as late (expensive) queries. Every tensor of the batch
 labels are already shifted (labels[t] is the target of position t), so no target is lost at a chunk edge; the
 position ids travel with their tokens, so RoPE sees each token's own position.
 
-The attention (shardtune.fastpath's, given a CPShard): the documents are read off the whole row's position ids
+The attention (shardtune.models.fastpath's, given a CPShard): the documents are read off the whole row's position ids
 before the split (a document starts where the position does not follow the previous one). Within a rank's chunk,
 the documents that begin in it attend among its own positions, per document as without context parallelism; the
 part of a document that began in an earlier chunk attends the row's keys from that document's start, all-gathered
@@ -35,7 +35,7 @@ POSITION_KEYS = ("input_ids", "position_ids", "labels")
 class Part:
     """Consecutive local positions [start, end) of one rank's chunk of a row. With key_start None, documents that
     began within the chunk: the queries attend within these local positions only (`spans`: their per-document
-    spans, shardtune.fastpath.packed_documents of these positions, set by shardtune.parallel.context_parallel).
+    spans, shardtune.models.fastpath.packed_documents of these positions, set by shardtune.parallel.context_parallel).
     Otherwise the part of a document that began before the chunk, at row position key_start: the queries attend
     the gathered row's keys [key_start, key_end), causal aligned at the bottom right (the last query sees all)."""
 

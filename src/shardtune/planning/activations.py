@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from shardtune.fastpath import SPAN_TOKENS
+from shardtune.models.fastpath import SPAN_TOKENS
 from shardtune.planning.model import ModelShape
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
@@ -77,7 +77,7 @@ def math_span_bytes(shape: ModelShape, a: int, span: int) -> int:
 
 
 def per_document_attention_bytes(shape: ModelShape, seq_len: int, a: int, packed: bool) -> int:
-    """Per token, shardtune's SDPA per span of whole documents (shardtune.fastpath.packed_sdpa_attention), at the
+    """Per token, shardtune's SDPA per span of whole documents (shardtune.models.fastpath.packed_sdpa_attention), at the
     most a row of seq_len positions can keep. Rows of at most SPAN_TOKENS positions run every span on the math
     kernel. An unpacked row is one document: longer, it runs on a fused kernel. A packed row's short documents share
     spans of up to SPAN_TOKENS positions (math kernel); a longer document runs on a fused kernel, which keeps its q,
@@ -147,7 +147,7 @@ def layer_saved_bytes_per_token(
     for name in lora_targets:
         if name in dims:
             total += a * lora_r
-            if use_dora:  # shardtune's DoRA forward keeps z = base + s·B·A·x to rescale it by g (adapters.py)
+            if use_dora:  # shardtune's DoRA forward keeps z = base + s·B·A·x to rescale it by g (models/dora.py)
                 total += a * dims[name][1]
     return total
 
@@ -186,7 +186,7 @@ def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, loop
     and of up (3 I_e wide each), beside the incoming h-wide gradient; no grouped_mm input was kept, but the down
     output (h wide per copy) that the routing weights' multiply kept was freed when that backward ran.
 
-    4-bit experts (`looped`: shardtune.quant_experts' loop, one expert at a time) hold those gradients for one
+    4-bit experts (`looped`: shardtune.models.quant_experts' loop, one expert at a time) hold those gradients for one
     expert's copies, k/E per token at an even routing."""
     a, h = compute_bytes, shape.hidden_size
     if shape.num_experts:
@@ -207,7 +207,7 @@ def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, loope
 
 
 def dora_transient_bytes(shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...], lora_r: int = 0) -> int:
-    """shardtune's DoRA forward (adapters.dora_weight_norm) takes the weight's row norms from an fp32 copy of the
+    """shardtune's DoRA forward (dora.dora_weight_norm) takes the weight's row norms from an fp32 copy of the
     weight, which exists while that layer runs (also in the recomputation): 4·in·out bytes for the largest
     wrapped linear, none when the weight already is fp32. In a block's recomputation this is the peak when it
     outweighs the backward's working memory: at down_proj (the largest, and the last linear of the block) every
@@ -296,7 +296,7 @@ def expert_lora_backward_bytes(shape: ModelShape, compute_bytes: int, lora_targe
 def expert_lora_4bit_saved_bytes_per_token(
     shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...], lora_r: int
 ) -> int:
-    """Per token: expert LoRA on 4-bit experts (shardtune.quant_experts) is x·A_eᵀ·B_eᵀ beside each expert's 4-bit
+    """Per token: expert LoRA on 4-bit experts (shardtune.models.quant_experts) is x·A_eᵀ·B_eᵀ beside each expert's 4-bit
     matmul (FSDP2 gathers the factors in the compute dtype): per routed copy, the input (h for gate_up_proj, I_e for
     down_proj, which the 4-bit matmul alone does not keep) and the r-wide product are kept for the factors'
     gradients. No merged copy."""
@@ -318,7 +318,7 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
 
 
 def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Per token, with the router load-balancing loss on (shardtune.router_aux): every MoE block's router logits
+    """Per token, with the router load-balancing loss on (shardtune.objectives.router_aux): every MoE block's router logits
     (E wide) are returned to the loss, whose softmax of each keeps its output for backward until the loss's
     backward runs (transformers' load_balancing_loss_func): both at the loss's forward, the softmaxes at its
     backward (counted there twice and once); freed before the blocks run backward."""

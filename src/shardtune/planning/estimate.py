@@ -192,7 +192,7 @@ def _adapter_block_terms(
 
 def _dequant_bytes(shape: ModelShape, a: int) -> int:
     """A quantized linear is dequantized to a full compute-dtype weight for its matmul, forward and backward;
-    4-bit experts likewise, one expert's matrix at a time (shardtune.quant_experts): the largest such matrix."""
+    4-bit experts likewise, one expert's matrix at a time (shardtune.models.quant_experts): the largest such matrix."""
     experts = [math.prod(s[1:]) for s in shape.expert_tensors().values() if len(s) == 3]
     return a * max([i * o for i, o in shape.linear_dims().values()] + experts)
 

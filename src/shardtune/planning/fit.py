@@ -9,10 +9,12 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from shardtune import cuda_allocator, dtypes
-from shardtune.config import ConfigError, DataArguments, FSDPSettings, ModelArguments, RunConfig, TrainArguments
-from shardtune.fsdp_settings import fsdp_settings_from_env, single_process_fsdp_reason
-from shardtune.loss import rows_per_example
+from shardtune.config import cuda_allocator, dtypes
+from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.errors import ConfigError
+from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_process_fsdp_reason
+from shardtune.config.precision import resolve_precision
+from shardtune.objectives.loss import rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
@@ -21,7 +23,6 @@ from shardtune.planning.model import ModelShape, load_model_config
 from shardtune.planning.recommend import recommend
 from shardtune.planning.report import Launch, recommendation_lines
 from shardtune.planning.state import GiB
-from shardtune.precision import resolve_precision
 
 # chatml and zephyr add up to five tokens; the embeddings are then padded to a multiple of 8.
 CHAT_NEW_TOKENS = 5
@@ -60,7 +61,7 @@ def _split(s: str | None) -> list[str]:
 def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
     """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens, and whether the
     family trains on shardtune's per-document attention (trains_per_document)."""
-    from shardtune import families  # the family rules load transformers' model classes: only when planning one
+    from shardtune.models import families  # the family rules load transformers' model classes: only when planning one
 
     shape = replace(
         ModelShape.from_config(config),
@@ -74,7 +75,7 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
 
 
 def trains_per_document(config: Any) -> bool:
-    """Whether shardtune trains this family's attention per document (shardtune.fastpath.packed_sdpa_attention),
+    """Whether shardtune trains this family's attention per document (shardtune.models.fastpath.packed_sdpa_attention),
     decided as builder.training_layout decides it: the family's attention is shardtune's SDPA (not eager for a
     family that cannot run SDPA, nor attention classes chosen by name) and its conformance verdict trains packed
     rows on the fast path (not its own forward, whose attention sees transformers' whole-row mask). The verdict
@@ -82,7 +83,7 @@ def trains_per_document(config: Any) -> bool:
     dict cannot be checked: shardtune's Llama-style default."""
     if isinstance(config, dict):
         return True
-    from shardtune import families, fastpath, modeling
+    from shardtune.models import families, fastpath, modeling
 
     # families.family_attention's choice, without the log line it prints (plan's output may be JSON).
     attention = families._attention_choice(config, fastpath.register_attention())[0]

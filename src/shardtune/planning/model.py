@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shardtune.config import ConfigError
+from shardtune.config.errors import ConfigError
 from shardtune.planning.known_configs import known_config
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -56,16 +56,16 @@ class ModelShape:
     # embed_tokens; it grows with the vocabulary when tokens are added, and its new rows are trainable tokens too.
     per_layer_vocab_size: int = 0
     per_layer_width: int = 0
-    # The layers `all-linear` really wraps on this family (shardtune.targets, read off the model class built on
+    # The layers `all-linear` really wraps on this family (shardtune.models.targets, read off the model class built on
     # meta): (module-path pattern, fan_in, fan_out, count). Empty when the class cannot be built here: the LoRA
     # count then assumes the Llama names above.
     all_linear_layers: tuple[tuple[str, int, int, int], ...] = ()
-    # Whether the family trains its attention with shardtune's per-document SDPA (shardtune.fastpath) on the fast
+    # Whether the family trains its attention with shardtune's per-document SDPA (shardtune.models.fastpath) on the fast
     # path; False where it runs its own forward or attention classes, which attend over whole rows with
     # transformers' mask. Read off the family's conformance verdict by planning.fit.plan_shape, as the builder
     # reads it; True (shardtune's Llama-style default) for a shape given as numbers.
     per_document_attention: bool = True
-    # Whether the family's mask is causal within each document and nothing more (shardtune.families.plain_causal):
+    # Whether the family's mask is causal within each document and nothing more (shardtune.models.families.plain_causal):
     # shardtune's per-document attention then has transformers build no row-wide mask. Set by plan_shape.
     plain_mask: bool = True
 
@@ -205,7 +205,7 @@ def _warn_uncounted_towers(config: Any, text_params: int) -> None:
     GPU in training; the planner counts the language model only."""
     whole = _real_param_count(config)
     if whole is not None and whole > text_params:
-        from shardtune.log import warn0
+        from shardtune.runtime.log import warn0
 
         warn0(
             f"{getattr(config, 'model_type', 'the model')}: its vision/audio towers ({(whole - text_params) / 1e6:.1f}M "
@@ -277,12 +277,12 @@ def _real_param_count(config: Any) -> int | None:
 
 
 def all_linear_layers(model: Any) -> tuple[tuple[str, int, int, int], ...]:
-    """What `all-linear` wraps on `model`, as training picks it (shardtune.targets, by module path): one
+    """What `all-linear` wraps on `model`, as training picks it (shardtune.models.targets, by module path): one
     (pattern with layer indices as *, fan_in, fan_out, count) per distinct pattern and shape."""
     import re
     from collections import Counter
 
-    from shardtune.targets import plan_all_linear  # lazily: torch and peft, only when a model is built
+    from shardtune.models.targets import plan_all_linear  # lazily: torch and peft, only when a model is built
 
     counts: Counter = Counter()
     for path in plan_all_linear(model).paths:
@@ -323,7 +323,7 @@ def resolve_lora_targets(
     """The linear layers LoRA wraps, as Llama-style names (q_proj ... down_proj, lm_head), then the parameters it
     adapts (`target_parameters`: "experts", "routers" or a parameter's name or ending; PlanInputs'
     lora_target_parameters). all-linear: AllLinear of those names; its LoRA parameters are counted on the model's
-    own layers where the class builds here (shardtune.targets by module path: routers, experts' fused tensors and
+    own layers where the class builds here (shardtune.models.targets by module path: routers, experts' fused tensors and
     the head excluded), and assume the Llama names otherwise. Explicit names are matched against the Llama names."""
     names = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else list(target_modules)
     names = [n for n in names if n]
@@ -481,7 +481,7 @@ def model_tensors(
                 Tensor(f"{name}.bias", (fan_out,), _bytes(frozen, base_bytes, trainable_bytes), not frozen, "block")
             )
     for name, shp in shape.expert_tensors().items():
-        if use_4bit and frozen and len(shp) == 3:  # shardtune.quant_experts: (E, packed), each expert packed alone
+        if use_4bit and frozen and len(shp) == 3:  # models.quant_experts: (E, packed), each expert packed alone
             packed = packed_4bit_shape(math.prod(shp[1:]), quant_storage_bytes)[0]
             out.append(Tensor(name, (shp[0], packed), quant_storage_bytes, False, "block", quantized=True))
         else:

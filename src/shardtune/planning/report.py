@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from shardtune.config import RunConfig
+from shardtune.config.arguments import RunConfig
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
 from shardtune.planning.model import (
@@ -33,7 +33,9 @@ class Launch:
     offload: bool = False
     mixed_precision: str = "no"
     activation_checkpointing: bool = False
-    expandable_segments: bool = True  # the CUDA allocator's setting the processes run with (shardtune.cuda_allocator)
+    expandable_segments: bool = (
+        True  # the CUDA allocator's setting the processes run with (shardtune.config.cuda_allocator)
+    )
     single_process: str = "auto"  # SHARDTUNE_FSDP_SINGLE_PROCESS: whether one process keeps FSDP
 
 
@@ -85,7 +87,7 @@ def traced_run_inputs(inputs: PlanInputs, device: str) -> PlanInputs:
     per_document_attention off) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
     keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
     CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
-    CUDA's dropout kernel does not make (shardtune.fastpath._BitsDropout). One process is traced under FSDP. With
+    CUDA's dropout kernel does not make (shardtune.models.fastpath._BitsDropout). One process is traced under FSDP. With
     context parallelism the trace splits real host rows (planning.trace): one document per row, per document."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
     out = replace(inputs, attn_implementation="sdpa", packing=True, per_document_attention=False, fsdp=True)

@@ -1,8 +1,8 @@
 """The model state one rank holds once FSDP2 has sharded it: frozen and trainable parameters, gradients, optimizer
 states, the replicated quantization constants, and the host copies (offload, model loading).
 
-Strategies come from shardtune.parallel.dims, optimizer state bytes from shardtune.optimizers and dtype sizes from
-shardtune.dtypes: the planner counts what the run builds from the same tables.
+Strategies come from shardtune.parallel.dims, optimizer state bytes from shardtune.training.optimizers and dtype sizes from
+shardtune.config.dtypes: the planner counts what the run builds from the same tables.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardtune import dtypes, optimizers
+from shardtune.config import dtypes
 from shardtune.parallel import dims
 from shardtune.planning.inputs import DEFAULTS, PlanInputs
 from shardtune.planning.model import (
@@ -23,12 +23,13 @@ from shardtune.planning.model import (
     shard_rows,
     sharded_bytes,
 )
+from shardtune.training import optimizers
 
 GiB = 1024**3
 # Each host process (Python, torch, CUDA runtime, data loading) before any model state. Calibrated, from two
 # measurements none of which is a figure docs/plan.md compares with: the peak RSS of a process that has imported
 # shardtune's training stack is 513 MiB (torch 2.11, transformers 5.17, peft, datasets; 219 MiB for torch alone;
-# `python -c "import torch, transformers, peft, datasets; import shardtune.train" ` with resource.getrusage), and
+# `python -c "import torch, transformers, peft, datasets; import shardtune.commands.train" ` with resource.getrusage), and
 # initialising CUDA and making one tensor adds 1,734,560 KiB of peak RSS to a torch process (pytorch/pytorch#113326,
 # RTX 3090, torch 2.2, CUDA 11.8): 2.15 GiB.
 HOST_PROCESS_BYTES = int(2.15 * GiB)
@@ -39,7 +40,7 @@ def as_shape(model: ModelShape | Mapping | Any) -> ModelShape:
 
 
 def compute_dtype_bytes(bf16: bool, fp16: bool) -> int:
-    """Bytes of the compute dtype the flags give (shardtune.precision decides which flags a run has)."""
+    """Bytes of the compute dtype the flags give (shardtune.config.precision decides which flags a run has)."""
     return dtypes.DTYPE_BYTES["bfloat16" if bf16 else "float16" if fp16 else "float32"]
 
 
@@ -97,7 +98,7 @@ def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_qu
     bits = 4 if use_4bit else 8
     dims = shape.linear_dims().values()
     per_block = sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
-    if use_4bit:  # 4-bit experts: one state per expert (shardtune.quant_experts)
+    if use_4bit:  # 4-bit experts: one state per expert (shardtune.models.quant_experts)
         experts = [shp for shp in shape.expert_tensors().values() if len(shp) == 3]
         per_block += sum(e * quant_constant_bytes(i, o, nested_quant) for e, i, o in experts)
     return shape.num_layers * per_block

@@ -11,7 +11,7 @@ from a real run.
 
 What the trace cannot run exactly, and what it runs instead:
 - data-dependent host logic has no values under fake tensors: the packed rows' per-document attention spans
-  (shardtune.fastpath reads position_ids on the host) and transformers' packed-sequence check. The trace
+  (shardtune.models.fastpath reads position_ids on the host) and transformers' packed-sequence check. The trace
   runs SDPA with the 4-D packed-row mask, as transformers does when it cannot read the positions.
 - with context parallelism, rows of one document each are split as `shardtune train` splits them (on the host
   batch's real values); rank 0's part then runs through the fake process group's cp group.
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shardtune.errors import ConfigError
+from shardtune.config.errors import ConfigError
 from shardtune.planning.allocator import Replay
 
 # The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
@@ -141,7 +141,7 @@ def trace_step(
 ) -> TraceResult:
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks, with the frozen
     base replicated where `replicate_base` (the estimate's setting, `--frozen_base`)."""
-    from shardtune.builder import model_spec
+    from shardtune.models.builder import model_spec
     from shardtune.parallel.fake import fake_process_group, untracked_root
     from shardtune.parallel.setup import build_sharded_model
 
@@ -199,7 +199,7 @@ def _real_causal_bias():
     """torch's lower-right causal bias (context parallelism's attention of a document begun in an earlier chunk)
     is a tensor subclass, which cannot be made under the trace's dispatch modes: it is made outside them (it
     holds no data: SDPA reads its shape and variant, and builds any mask it needs on the queries' device)."""
-    from shardtune import fastpath
+    from shardtune.models import fastpath
 
     original = fastpath.causal_lower_right
 
@@ -252,7 +252,7 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
 
 
 def _optimizer(model, t):
-    from shardtune.optimizers import build_optimizer
+    from shardtune.training.optimizers import build_optimizer
 
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return build_optimizer(
@@ -279,7 +279,7 @@ def _stream_names(model, numbers: dict[object, int]) -> dict[int, str]:
 
 def _tracked_step(model, optimizer, batch, max_grad_norm: float, micro_batches: int) -> TraceResult:
     """One step's micro-batches under FSDP2's memory tracker: its peaks by category, and the state it leaves."""
-    from shardtune import quant
+    from shardtune.models import quant
     from shardtune.parallel.fake import track_peak
 
     micro = [lambda: _forward_backward(model, batch)] * (micro_batches - 1)
@@ -351,13 +351,13 @@ def _real_tensors():
 
 
 def _forward_backward(model, batch) -> None:
-    """One micro-batch of shardtune.trainer's step, without its host reads (the token counts)."""
+    """One micro-batch of shardtune.training.trainer's step, without its host reads (the token counts)."""
     loss, _ = model(**batch)
     loss.backward()
 
 
 def _clip(model, max_grad_norm: float) -> None:
-    """shardtune.trainer's gradient clipping, without reading the norm on the host."""
+    """shardtune.training.trainer's gradient clipping, without reading the norm on the host."""
     grads = [p for p in model.parameters() if p.grad is not None]
     if grads:
         torch.nn.utils.clip_grad_norm_(grads, max_grad_norm if max_grad_norm > 0 else math.inf, foreach=True)

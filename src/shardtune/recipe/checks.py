@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.config import RunConfig
-from shardtune.log import print0, warn0
+from shardtune.config.arguments import RunConfig
 from shardtune.parallel import checkpoint
 from shardtune.recipe.state import saved_record
+from shardtune.runtime.log import print0, warn0
 
 
 def preflight_run(cfg: RunConfig, info) -> str | None:
     """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
     the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
-    from shardtune import hub, run_dir
-    from shardtune.fsdp_settings import fsdp1_only_notes
+    from shardtune.config.fsdp import fsdp1_only_notes
     from shardtune.parallel.mesh import broadcast_object
+    from shardtune.runtime import hub
+    from shardtune.training import run_dir
 
     t = cfg.train
     repo_id, problem = None, None
@@ -42,7 +43,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
         if not problem:
             problem = _optimizer_and_resume_problem(cfg, info)
         if not problem and t.eval_harness_tasks:
-            from shardtune.evaluate_harness import check_tasks, split_tasks
+            from shardtune.inference.harness import check_tasks, split_tasks
 
             flags = ("--eval_harness_tasks", "--eval_harness_include_path")
             _, task_problems = check_tasks(split_tasks(t.eval_harness_tasks), t.eval_harness_include_path, flags)
@@ -64,7 +65,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
 
 
 def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
-    from shardtune import optimizers
+    from shardtune.training import optimizers
 
     t = cfg.train
     problems = optimizers.optimizer_problems(t.optim, info.device)
@@ -73,7 +74,7 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     if not t.resume_from_checkpoint:
         return None
     try:
-        from shardtune.run_dir import identity_problem
+        from shardtune.training.run_dir import identity_problem
 
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
         record = saved_record(cfg)
@@ -96,7 +97,7 @@ def open_trackers_for_run(cfg: RunConfig, info) -> list:
     """The W&B/MLflow runs of --report_to, started on the main process before the data and model load, so that
     a tracker that cannot start stops every rank with its message (exit 2) and nothing has been spent."""
     from shardtune.parallel.mesh import broadcast_object
-    from shardtune.trackers import open_trackers, parse_report_to
+    from shardtune.training.trackers import open_trackers, parse_report_to
 
     trackers, problem = [], None
     if info.is_main:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from shardtune.atomic import DiskFullError, is_disk_full, sweep_stale
-from shardtune.config import RunConfig
+from shardtune.config.arguments import RunConfig
 from shardtune.data.cache import CACHE_FIX
-from shardtune.log import print0
-from shardtune.loss import objective_spec
+from shardtune.objectives.loss import objective_spec
+from shardtune.runtime.atomic import DiskFullError, is_disk_full, sweep_stale
+from shardtune.runtime.log import print0
 
 
 def prepare_data(cfg: RunConfig, tokenizer, info):
@@ -102,7 +102,7 @@ def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
 
 def steps_per_epoch_for(cfg: RunConfig, train_split, info) -> int:
     """Optimizer steps in one epoch of the split at this run's global batch; a stream's length is unknown."""
-    from shardtune.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
+    from shardtune.training.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
 
     t, dp = cfg.train, info.dims.dp_size
     if cfg.data.streaming:

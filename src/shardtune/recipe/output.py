@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardtune import atomic
-from shardtune.config import RunConfig
-from shardtune.dtypes import name_of
-from shardtune.log import print0
+from shardtune.config.arguments import RunConfig
+from shardtune.config.dtypes import name_of
+from shardtune.runtime import atomic
+from shardtune.runtime.log import print0
 
 
 def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path:
@@ -17,10 +17,10 @@ def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path
     A full disk on rank 0 raises OSError(ENOSPC) on every rank (the others would wait at the next barrier)."""
     import errno
 
-    from shardtune import export
-    from shardtune.atomic import DiskFullError
     from shardtune.parallel.gather import gather_full, gather_trainable
     from shardtune.parallel.mesh import broadcast_object
+    from shardtune.runtime.atomic import DiskFullError
+    from shardtune.training import export
 
     out = Path(cfg.train.output_dir)
     inner = model.model
@@ -48,7 +48,7 @@ def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
     print0(f"{'Adapter' if cfg.model.use_peft_lora else 'Model'} written to {out}.")
     barrier()
     if cfg.train.merge_adapter and cfg.model.use_peft_lora and info.is_main:
-        from shardtune.merge import merge_adapter
+        from shardtune.merge.fold import merge_adapter
 
         # A low-precision run merges in its compute dtype; an fp32 one keeps the base's own dtype.
         low = cfg.precision.param_dtype
@@ -67,7 +67,7 @@ def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
 
 def finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, objective) -> None:
     from shardtune.parallel.mesh import all_gather_objects
-    from shardtune.trainer import evaluate_split, peak_memory_gb
+    from shardtune.training.trainer import evaluate_split, peak_memory_gb
 
     final_eval = {}
     if eval_split is not None and cfg.train.eval_strategy != "no":
@@ -100,7 +100,7 @@ def _method(cfg: RunConfig) -> str:
 
 
 def write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
-    from shardtune.modelcard import write_model_card
+    from shardtune.training.modelcard import write_model_card
 
     m, d, t = cfg.model, cfg.data, cfg.train
     hp = {

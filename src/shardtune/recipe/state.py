@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shardtune.config import RunConfig
-from shardtune.log import print0, warn0
+from shardtune.config.arguments import RunConfig
 from shardtune.parallel import checkpoint
 from shardtune.recipe.output import write_weights
-from shardtune.trainer import LoopState
+from shardtune.runtime.log import print0, warn0
+from shardtune.training.trainer import LoopState
 
 
 def config_record(cfg: RunConfig) -> dict:
@@ -47,7 +47,7 @@ def save_checkpoint(
     if t.hub_strategy == "every_save":
         write_weights(cfg, model, tokenizer, info, s.step)  # the adapter (or model) as of this step, for the upload
     if info.is_main:
-        from shardtune import hub
+        from shardtune.runtime import hub
 
         try:
             hub.push_checkpoint(
@@ -80,7 +80,7 @@ def check_resumed_data(cfg: RunConfig, train_split) -> None:
         return  # no readable config: the checkpoint's own checks name the file
     saved, now = record.get("data_digest"), getattr(train_split, "digest", None)
     if saved and not now:  # this run's rows have no digest (streamed, pairs): the paths must match after all
-        from shardtune.run_dir import run_identity
+        from shardtune.training.run_dir import run_identity
 
         key = "data.dataset_name"
         before, after = (
@@ -121,7 +121,7 @@ def resume(cfg, model, optimizer, scheduler, info):
         warn0(note)
     state = LoopState(**loop)
     if info.is_main:
-        from shardtune.run_dir import trim_metrics
+        from shardtune.training.run_dir import trim_metrics
 
         dropped = trim_metrics(t.output_dir, state.step)
         if dropped:

@@ -1,0 +1,491 @@
+"""Checks of a run's inputs that read configs and file headers but no weights, so that a wrong path, hub id,
+module name, sequence length, damaged weight file or adapter stops the run in seconds with one line naming the
+flag and the fix, before data is tokenized and the model is loaded (docs/errors.md, "Bad input").
+
+Nothing here imports torch.distributed: train.py runs the model checks on every rank (they read the same files);
+the output folder's checks are shardtune.training.run_dir's, on rank 0 only (the others would see rank 0's first files).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from shardtune.config.validation import chat_format_problem, unmatched_alternatives_warned
+from shardtune.models import targets
+from shardtune.runtime.hub import is_hub_id, is_transport_error
+from shardtune.runtime.log import warn0
+
+# One HEAD request, no retries: huggingface_hub retries a refused or unresolved connection five times over
+# ~23 s per file (measured), and a run reads several files, so an offline machine waited about a minute.
+HUB_LOOKUP_TIMEOUT_S = 10.0
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+# Config fields that hold a model family's trained context length, in the order transformers' families use them.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+# ---------------------------------------------------------------- hub ids
+
+
+def hub_problem(
+    repo_id: str,
+    flag: str,
+    filename: str = "config.json",
+    timeout_s: float = HUB_LOOKUP_TIMEOUT_S,
+    endpoint: str | None = None,
+) -> str | None:
+    """Why `repo_id` cannot be read from the hub (offline and not cached, unreachable, missing, gated), or None.
+
+    One bounded request, so that a machine without network learns it in seconds (see HUB_LOOKUP_TIMEOUT_S).
+    endpoint: the hub's address (default: HF_ENDPOINT as huggingface_hub read it).
+    """
+    from huggingface_hub import constants, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    cached = isinstance(try_to_load_from_cache(repo_id, filename), str)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return None
+        return (
+            f"{flag} {repo_id}: HF_HUB_OFFLINE=1 is set and {repo_id} is not in the local cache "
+            f"({constants.HF_HUB_CACHE}); download it where there is network (`hf download {repo_id}`), "
+            "give a local folder, or unset HF_HUB_OFFLINE."
+        )
+    try:
+        response = get_session().head(
+            hf_hub_url(repo_id, filename, endpoint=endpoint),
+            headers=build_hf_headers(),
+            timeout=timeout_s,
+            follow_redirects=True,
+        )
+    except Exception as e:  # connection, DNS, TLS, proxy or timeout: all mean "unreachable"
+        if not (isinstance(e, OSError) or is_transport_error(e)):
+            raise
+        fix = "set HF_HUB_OFFLINE=1 to use the cached copy" if cached else "give a local model folder"
+        return (
+            f"{flag} {repo_id}: cannot reach the Hugging Face Hub at {endpoint or constants.ENDPOINT} "
+            f"({type(e).__name__}: {str(e)[:120]}); check the network, HF_ENDPOINT and any proxy, or {fix}."
+        )
+    status = response.status_code
+    if status < 400:
+        return None
+    if status in (401, 403):
+        return (
+            f"{flag} {repo_id}: the hub refused access (HTTP {status}): the repository is private or gated, or "
+            "the id is misspelled; accept its terms on huggingface.co and log in (`hf auth login` or HF_TOKEN)."
+        )
+    if status == 404:
+        return f"{flag} {repo_id}: no such repository or no {filename} in it on the hub; check the id."
+    return f"{flag} {repo_id}: the hub answered HTTP {status} for {filename}; try again later."
+
+
+# ---------------------------------------------------------------- the base model
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
+
+
+def load_model_config(name: str, *, flag: str = "--model_name_or_path", trust_remote_code: bool = False):
+    """(config, None) or (None, the problem) for a local model folder or a hub id; reads no weights."""
+    from transformers import AutoConfig
+
+    path = Path(name).expanduser()
+    if not is_hub_id(name):
+        if not path.is_dir():
+            return None, f"{flag} {name}: no such folder; give a model folder or a hub id."
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            return None, f"{flag} {name}: no config.json there; give a model folder or a hub id."
+        try:
+            json.loads(cfg_file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            return (
+                None,
+                f"{flag} {name}: {cfg_file} is not valid JSON ({_first_line(e)}); restore it from the original model.",
+            )
+        problem = _weights_problem(path, flag, name)
+        if problem:
+            return None, problem
+    else:
+        problem = hub_problem(name, flag)
+        if problem:
+            return None, problem
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), None
+    except (ValueError, KeyError, OSError) as e:
+        return None, f"{flag} {name}: transformers cannot read its config.json ({_first_line(e)})."
+
+
+def _weights_problem(folder: Path, flag: str, name: str) -> str | None:
+    """A folder without weights, or whose index names shard files that are not there."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as e:
+                return f"{flag} {name}: {index} is not a valid weight index ({_first_line(e)}); restore it."
+            missing = [f for f in files if not (folder / f).is_file()]
+            if missing:
+                return (
+                    f"{flag} {name}: {index_name} names {len(missing)} weight file(s) that are not there "
+                    f"(e.g. {missing[0]}); copy or download the complete model."
+                )
+            return _damaged_weights(folder, files, flag, name)
+    present = [f for f in WEIGHT_FILES if (folder / f).is_file()]
+    if present:
+        return _damaged_weights(folder, present, flag, name)
+    return (
+        f"{flag} {name}: no weights there (model.safetensors or pytorch_model.bin, or a sharded index); "
+        "copy the weight files into the folder, or give the hub id."
+    )
+
+
+def _damaged_weights(folder: Path, files: list[str], flag: str, name: str) -> str | None:
+    """A weight file cut short or with a damaged header, found from headers and sizes (no weight is read), so that
+    it is named here and not by a safetensors traceback once the data is prepared."""
+    from shardtune.models.weights import weight_file_problem  # torch: loaded with the model anyway, not for --help
+
+    for f in files:
+        if problem := weight_file_problem(folder / f):
+            return f"{flag} {name}: {problem}."
+    return None
+
+
+def tokenizer_problem(name: str, flag: str) -> str | None:
+    """A tokenizer folder that does not exist or holds no tokenizer files, or a hub id that cannot be read."""
+    path = Path(name).expanduser()
+    if is_hub_id(name):
+        return hub_problem(name, flag, filename="tokenizer_config.json")
+    if not path.is_dir():
+        return f"{flag} {name}: no such folder; give a tokenizer (or model) folder or a hub id."
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        fix = "give --tokenizer_name_or_path" if flag == "--model_name_or_path" else "give the folder that has them"
+        return f"{flag} {name}: no tokenizer files there ({', '.join(TOKENIZER_FILES)}); {fix}."
+    # transformers names no file when one of these does not parse (a JSONDecodeError's line and column only).
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"):
+        try:
+            if (path / f).is_file():
+                json.loads((path / f).read_bytes())
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            return f"{flag} {name}: {path / f} is not valid JSON ({_first_line(e)}); {TOKENIZER_FIX}."
+    return None
+
+
+TOKENIZER_FIX = "restore the tokenizer files from the original model, or give --tokenizer_name_or_path"
+
+
+def tokenizer_load_error(name: str, flag: str, e: Exception) -> ValueError:
+    """A tokenizer that transformers or tokenizers could not load, as one line naming the folder and the fix."""
+    return ValueError(
+        f"{flag} {name}: its tokenizer cannot be loaded ({type(e).__name__}: {_first_line(e)}); {TOKENIZER_FIX}."
+    )
+
+
+def context_limit(config) -> tuple[int | None, str]:
+    """The longest sequence the model was trained for (with its RoPE scaling) and how that was read."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    base, field = None, ""
+    for name in POSITION_FIELDS:
+        value = getattr(c, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            base, field = value, name
+            break
+    if base is None:
+        return None, ""
+    rope = getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None) or {}
+    factor = (
+        rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) != "default" else None
+    )
+    if not factor or factor <= 1:
+        return base, f"{field} = {base}"
+    # linear/dynamic/yarn scale the original context by the factor; llama3-style configs already state the longer
+    # one in max_position_embeddings: the larger of the two is what the model is configured for.
+    scaled = int((rope.get("original_max_position_embeddings") or base) * factor)
+    return max(base, scaled), f"{field} = {base} with RoPE scaling (factor {factor:g})"
+
+
+def max_length_problem(max_length: int, config, name: str) -> str | None:
+    limit, how = context_limit(config)
+    if limit is None or max_length <= limit:
+        return None
+    return (
+        f"--max_seq_len {max_length} is longer than {name} was trained for ({how} in its config.json); lower "
+        f"--max_seq_len to {limit} or less, or, to extend the context on purpose, train from a copy of the model "
+        "whose config.json sets rope_scaling (or a larger max_position_embeddings)."
+    )
+
+
+def meta_skeleton(config, trust_remote_code: bool = False):
+    """The model's modules with every parameter on the meta device: names and shapes, nothing allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+# ---------------------------------------------------------------- module names
+
+
+def _adaptable(module) -> bool:
+    """Layer types peft's LoRA can wrap (transformers' GPT-2-style Conv1D included)."""
+    from torch import nn
+
+    return isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d)) or type(module).__name__ == "Conv1D"
+
+
+def _linear_names(model) -> list[str]:
+    from torch import nn
+
+    names = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    }
+    return sorted(names)
+
+
+def _matches(full: str, name: str) -> bool:
+    return full == name or full.endswith("." + name)
+
+
+def target_module_problems(model, spec: str, *, explicit: bool, model_name: str) -> list[str]:
+    """Names in --lora_target_modules that match no adaptable layer (peft would skip them silently), refused with
+    the model's linear layer names. Given by default rather than by the user, unmatched names are only warned of."""
+    from shardtune.models.modeling import _target_modules
+
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if names == ["all-linear"]:
+        return []
+    layers = [n for n, m in model.named_modules() if n and _adaptable(m)]
+    if isinstance(_target_modules(spec), str):  # one regular expression
+        try:
+            pattern = re.compile(names[0])
+        except re.error as e:
+            return [f"--lora_target_modules {names[0]!r} is not a valid regular expression ({e})."]
+        if any(pattern.fullmatch(n) for n in layers):
+            return unmatched_alternatives_warned(names[0], layers, _linear_names(model))
+        missing = names
+    else:
+        missing = [n for n in names if not any(_matches(full, n) for full in layers)]
+    if not missing:
+        return []
+    have = ", ".join(_linear_names(model))
+    msg = (
+        f"--lora_target_modules: {', '.join(missing)} matches no linear layer of {model_name}; its linear layers "
+        f"are {have} (or give all-linear)."
+    )
+    if explicit or len(missing) == len(names):
+        return [msg]
+    warn0(msg.replace("matches no", "(the default) matches no") + " Those names are skipped.")
+    return []
+
+
+def modules_to_save_problems(model, spec: str | None, model_name: str) -> list[str]:
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    modules = [n for n, _ in model.named_modules() if n]
+    missing = [n for n in names if not any(_matches(full, n) for full in modules)]
+    if not missing:
+        return []
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and not list(m.children())})
+    names = ", ".join(leaves)
+    return [f"--modules_to_save: {', '.join(missing)} is no module of {model_name}; its modules are named {names}."]
+
+
+# ---------------------------------------------------------------- an adapter and its base
+
+
+def adapter_tensor_shapes(adapter_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in adapter_model.safetensors, from the header only (empty without that file)."""
+    path = Path(adapter_dir).expanduser() / "adapter_model.safetensors"
+    if not path.is_file():
+        return {}
+    from shardtune.models.weights import read_headers
+
+    return read_headers([path])[0]
+
+
+def _expected(key: str, shape: tuple, base: dict[str, tuple], vocab: int | None, fan_in_fan_out: bool):
+    """(the base module an adapter tensor belongs to, its weight's shape or None, whether they fit)."""
+    from shardtune.models.weights import PEFT_PREFIX
+
+    k = key.removeprefix(PEFT_PREFIX)
+    markers = (
+        ".lora_A.",
+        ".lora_B.",
+        ".lora_embedding_A",
+        ".lora_embedding_B",
+        ".lora_magnitude_vector",
+        ".token_adapter.",
+    )
+    marker = next((m for m in markers if m in k), "")
+    module = k.split(marker)[0] if marker else k.rsplit(".", 1)[0]  # no marker: a module saved in full
+    module = module.replace(".base_layer", "")  # a resized layer's base weight, saved with its adapter
+    want = base.get(module + ".weight")
+    if want is None:
+        return module, None, False
+    if len(want) != 2:
+        return module, want, True  # convolutions and the like: left to peft
+    # GPT-2's Conv1D stores (in, out) and its adapters say fan_in_fan_out; nn.Linear and embeddings (out, in).
+    out_dim, in_dim = (want[1], want[0]) if fan_in_fan_out else want
+    # Rows of the embeddings and output head may differ: new tokens resize them in training.
+    rows_free = vocab is not None and want[0] == vocab
+    fits = {
+        ".lora_A.": lambda: shape[-1] == in_dim,
+        ".lora_B.": lambda: rows_free or shape[0] == out_dim,
+        ".lora_embedding_A": lambda: rows_free or shape[-1] == want[0],
+        ".lora_embedding_B": lambda: shape[0] == want[1],
+        ".lora_magnitude_vector": lambda: rows_free or shape[0] == out_dim,
+        ".token_adapter.": lambda: shape[-1] == want[1],
+        "": lambda: tuple(shape[1:]) == tuple(want[1:]) and (rows_free or shape[0] == want[0]),
+    }[marker]()
+    return module, want, fits
+
+
+def adapter_base_problem(
+    adapter_dir: str | Path,
+    base_shapes: dict[str, tuple[int, ...]],
+    *,
+    base_name: str,
+    flag: str,
+    vocab_size: int | None,
+    require_all: bool = True,
+) -> str | None:
+    """The adapter's tensors against the base's weight shapes: an adapter trained on another base is refused
+    here (naming both models) instead of failing in peft's loader with a size-mismatch traceback. require_all=False
+    accepts a missing top-level module (the tied head, which a checkpoint's files do not hold)."""
+    adapter_dir = Path(adapter_dir)
+    from shardtune.models.weights import weight_file_problem
+
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    if weights_file.is_file() and (problem := weight_file_problem(weights_file)):
+        return f"{flag} {adapter_dir}: {problem}."
+    cfg_file = adapter_dir / "adapter_config.json"
+    saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    saved_base, fan_in_fan_out = saved.get("base_model_name_or_path"), bool(saved.get("fan_in_fan_out"))
+    bad = []
+    wrapped = _parameter_lora_modules(saved.get("target_parameters") or [])
+    for key, shape in sorted(adapter_tensor_shapes(adapter_dir).items()):
+        if wrapped(key):  # a parameter's LoRA (experts, routers): merge_experts checks it against the base
+            continue
+        module, want, fits = _expected(key, shape, base_shapes, vocab_size, fan_in_fan_out)
+        # A tied output head (a top-level module such as lm_head) is not stored in a checkpoint's files.
+        if not fits and (want is not None or require_all or "." in module):
+            bad.append(
+                f"{module} {'is not in the base' if want is None else f'is {want} in the base, {shape} in the adapter'}"
+            )
+    names = f" (it names {saved_base} as its base)" if saved_base and saved_base != base_name else ""
+    if bad:
+        return (
+            f"{flag} {adapter_dir} was trained on another base than {base_name}{names}: {bad[0]}"
+            f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; give the base it was trained on"
+            f"{f' ({saved_base})' if saved_base else ''} or an adapter trained on {base_name}."
+        )
+    if names and Path(saved_base).name != Path(base_name).name:
+        warn0(f"{flag} {adapter_dir} names {saved_base} as its base, not {base_name}; its shapes fit, so it is used.")
+    return None
+
+
+def _parameter_lora_modules(target_parameters: list[str]):
+    """Whether an adapter key belongs to the LoRA of a targeted parameter: PEFT's ParamWrapper keys are the owning
+    module's path (with a .base_layer per nested wrapper) and lora_A/lora_B, for a module owning a target."""
+    owners = {t.rpartition(".")[0] for t in target_parameters}
+
+    def wrapped(key: str) -> bool:
+        module = re.sub(r"\.lora_[AB](\.[^.]+)?\.weight$", "", key).replace(".base_layer", "")
+        return module != key and any(module == o or module.endswith("." + o) for o in owners if o)
+
+    return wrapped
+
+
+def model_shapes(model) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+# ---------------------------------------------------------------- everything about the model, before loading
+
+
+def model_input_problems(cfg) -> list[str]:
+    """Every model-side problem of a training run (cfg: a RunConfig), from configs and headers only."""
+    m, d = cfg.model, cfg.data
+    config, problem = load_model_config(m.model_name_or_path, trust_remote_code=m.trust_remote_code)
+    if problem:
+        return [problem]
+    problems = []
+    if m.tokenizer_name_or_path:
+        problems.append(tokenizer_problem(m.tokenizer_name_or_path, "--tokenizer_name_or_path"))
+    elif not is_hub_id(m.model_name_or_path):
+        problems.append(tokenizer_problem(m.model_name_or_path, "--model_name_or_path"))
+    problems.append(max_length_problem(d.max_length, config, m.model_name_or_path))
+    if m.use_4bit_quantization:
+        problems.append(_4bit_layout_problem(config))
+    if m.use_peft_lora:
+        try:
+            skeleton = meta_skeleton(config, m.trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - an unusual family: leave the module checks to peft
+            warn0(
+                f"Could not build {m.model_name_or_path} on the meta device to check module names ({_first_line(e)})."
+            )
+            return [p for p in problems if p]
+        if m.use_4bit_quantization and not any(problems):
+            problems.append(_4bit_layout_problem(config, skeleton))
+        if m.adapter_path:
+            vocab = getattr(config.get_text_config(), "vocab_size", None)
+            problems.append(
+                adapter_base_problem(
+                    m.adapter_path,
+                    model_shapes(skeleton),
+                    base_name=m.model_name_or_path,
+                    flag="--adapter_path",
+                    vocab_size=vocab,
+                )
+            )
+        else:
+            explicit = "lora_target_modules" in getattr(cfg, "explicit", ())
+            problems += target_module_problems(
+                skeleton, m.lora_target_modules, explicit=explicit, model_name=m.model_name_or_path
+            )
+            problems += targets.parameter_target_problems(
+                skeleton, m.lora_target_parameters, experts=m.lora_target_experts
+            )
+            problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
+            problems.append(chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))
+    return [p for p in problems if p]
+
+
+def _4bit_layout_problem(config, skeleton=None) -> str | None:
+    """A family the 4-bit loader cannot read or run (shardtune.models.modeling.check_4bit_layout), said before any data
+    is prepared."""
+    from shardtune.models.modeling import check_4bit_layout
+
+    try:
+        check_4bit_layout(config, skeleton)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
+    """What `shardtune train` would refuse from its flags and the model's files, for `shardtune launch` to say
+    before torchrun starts N processes that would each say it. Raises ConfigError for the flags. The output folder
+    is left to rank 0 of the run: another machine's launcher may already have started writing to it."""
+    from shardtune.config.run import load_run_config
+
+    return model_input_problems(load_run_config(train_argv, env=env))

@@ -1,0 +1,1 @@
+"""The training loop and what it writes: optimizers, metrics, trackers, the output folder, exports and model cards."""
