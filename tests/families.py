@@ -240,7 +240,7 @@ METHODS = {
         *("--bnb_4bit_compute_dtype", "float32", "--bnb_4bit_quant_storage_dtype", "float32"),
     ],
 }
-# QLoRA on a mixture of experts: 4-bit experts (shardtune.models.quant_experts) carrying expert LoRA, routers adapted too.
+# QLoRA on a mixture of experts: 4-bit experts (models.quant_experts) carrying expert LoRA, routers adapted too.
 METHODS["qlora-experts"] = [*METHODS["qlora"], *METHODS["experts"][8:]]
 
 
@@ -262,7 +262,7 @@ def train_argv(model: Path, data: Path, out: Path, method: str, *, batch: int, d
         "save_strategy": "no",
         "logging_steps": 1,
         "ddp_timeout": 300,
-        # The router aux loss of a mixture of experts is a mean per micro-batch (shardtune.objectives.loss.Objective.step):
+        # The router aux loss of a mixture of experts is a mean per micro-batch (objectives.loss.Objective.step):
         # one process with batch 4 and 2 ranks with batch 2 differ by it, so the matrix compares runs without it.
         "router_aux_loss_coef": 0,
         "output_dir": out,

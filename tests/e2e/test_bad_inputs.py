@@ -117,7 +117,7 @@ def test_loading_failures_name_the_path_and_the_fix(case, tiny_assets, tmp_path,
     assert rc == 2 and line.startswith(f"- {want}"), line
     assert _snapshot(tmp_path) == before  # nothing written: no output_dir, no tokenized cache
     if case == "offline":  # an id without a namespace is a hub id too, not a missing folder
-        assert preflight.load_model_config("gpt2")[1].startswith("--model_name_or_path gpt2: HF_HUB_OFFLINE=1")
+        assert preflight.model_config_or_problem("gpt2")[1].startswith("--model_name_or_path gpt2: HF_HUB_OFFLINE=1")
 
 
 def test_unreachable_hub_fails_in_seconds_without_retries(tmp_path, monkeypatch):

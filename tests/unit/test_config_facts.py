@@ -1,5 +1,7 @@
-"""Facts that have one home: the sharding strategies (shardtune.parallel.dims), the run's precision (RunConfig.precision),
-the optimizer names (shardtune.training.optimizers) and the hub-id rule (shardtune.runtime.hub.is_hub_id). Each test checks that
+"""Facts that have one home: the sharding strategies (parallel.dims), the run's precision (RunConfig.precision),
+the optimizer names (training.optimizers), activation checkpointing (config.arguments.activation_checkpointing), the
+dropout policy of an objective (objectives.loss.dropout_off), the vocabulary's row multiple
+(data.templates.VOCAB_MULTIPLE) and the hub-id rule (runtime.hub.is_hub_id). Each test checks that
 every reader of the fact agrees with its home, so that a second, diverging copy fails here."""
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from shardtune.config.arguments import TrainArguments
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env
 from shardtune.config.run import load_run_config
+from shardtune.data import templates
 from shardtune.data.sources import ACCEPTED
+from shardtune.models.builder import model_spec
+from shardtune.models.modeling import resize_embeddings
+from shardtune.objectives.loss import OBJECTIVES, dropout_off
 from shardtune.parallel.dims import STRATEGIES, ParallelDims
 from shardtune.planning import ModelShape, PlanInputs, estimate_memory
+from shardtune.planning.fit import launch_from_settings, plan_inputs, plan_shape
 from shardtune.planning.known_configs import known_config
 from shardtune.runtime.hub import is_hub_id
 from shardtune.training import optimizers
+from shardtune.training.modelcard import _usage as model_card_usage
 
 HUB_ARGS = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]  # hub ids: no files needed
 
@@ -131,6 +139,68 @@ def test_optim_help_and_validation_read_the_optimizer_registry(monkeypatch):
     assert "toy_sgd" in e.value.problems[0]
 
 
+# ---------------------------------------------------------------- activation checkpointing, dropout, vocabulary rows
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("yaml_key", [False, True])
+def test_checkpointing_from_either_flag_is_what_the_builder_the_checks_and_the_planner_read(flag, yaml_key):
+    env = {"FSDP_ACTIVATION_CHECKPOINTING": "true"} if yaml_key else {}
+    cfg = load_run_config([*HUB_ARGS, "--gradient_checkpointing", str(flag)], env=env)
+    expected = flag or yaml_key
+    assert cfg.activation_checkpointing is expected
+    assert model_spec(cfg, "cpu", 64, []).gradient_checkpointing is expected
+    launch = launch_from_settings(cfg.fsdp, world_size=2, num_nodes=1)
+    assert plan_inputs(cfg.model, cfg.data, cfg.train, launch).gradient_checkpointing is expected
+    # --gradient_checkpointing_kwargs is refused exactly when checkpointing is off.
+    argv = [
+        *HUB_ARGS,
+        "--gradient_checkpointing",
+        str(flag),
+        "--gradient_checkpointing_kwargs",
+        '{"use_reentrant": false}',
+    ]
+    if expected:
+        load_run_config(argv, env=env)
+    else:
+        with pytest.raises(ConfigError, match="--gradient_checkpointing_kwargs applies to activation checkpointing"):
+            load_run_config(argv, env=env)
+
+
+@pytest.mark.parametrize(
+    "data, drops, expected",
+    [("rows", None, False), ("pairs", None, True), ("kto", None, True), ("rows", True, True), ("pairs", False, False)],
+)
+def test_dropout_off_is_the_objective_spec_s_rule_for_the_run_and_the_planner(monkeypatch, data, drops, expected):
+    """A registered objective's dropout policy (ObjectiveSpec.drops_dropout, else: off for preference data) is what
+    the run applies (recipe.objective) and what the planner counts LoRA dropout's masks by; --disable_dropout False
+    keeps dropout for every objective."""
+    spec = dataclasses.replace(OBJECTIVES["sft"], name="toy", data=data, drops_dropout=drops)
+    monkeypatch.setitem(OBJECTIVES, "toy", spec)
+    assert dropout_off("toy", True) is expected
+    assert dropout_off("toy", False) is False
+    cfg = load_run_config([*HUB_ARGS, "--objective", "toy", "--use_peft_lora", "True", "--lora_dropout", "0.1"], env={})
+    launch = launch_from_settings(cfg.fsdp, world_size=2, num_nodes=1)
+    assert plan_inputs(cfg.model, cfg.data, cfg.train, launch).lora_dropout == (0.0 if expected else 0.1)
+    for name in ("sft", "dpo", "kto"):  # the built-in objectives: SFT keeps dropout, the preference ones drop it
+        assert dropout_off(name, True) is (name != "sft")
+
+
+def test_the_vocabulary_multiple_is_read_by_training_the_planner_and_the_card(monkeypatch, tmp_path):
+    """The embeddings grow to a multiple of data.templates.VOCAB_MULTIPLE rows: with another multiple, every reader
+    follows (a reader with its own 8 would not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(templates, "VOCAB_MULTIPLE", 24)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    assert resize_embeddings(model, 50) == 72 == model.get_input_embeddings().weight.shape[0]
+    assert plan_shape({"model_type": "llama", "vocab_size": 40, "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2}, "chatml").vocab_size == 48  # fmt: skip
+    card = model_card_usage("peft", "org/base", "org/adapter")
+    assert "pad_to_multiple_of=24" in card
+
+
 # ---------------------------------------------------------------- hub id or local path
 
 HUB_IDS = ["gpt2", "org/name", "Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.1-8B", "smangrul/ultrachat-10k-chatml"]
@@ -162,7 +232,7 @@ def test_train_chat_preflight_card_and_data_treat_a_non_hub_name_as_a_missing_pa
         f"--model_name_or_path {ref}: no config.json there; give a model folder or a hub id.",
         f"--dataset_name {ref}: no such file or folder; give {ACCEPTED}.",
     ]
-    config, problem = preflight.load_model_config(ref)
+    config, problem = preflight.model_config_or_problem(ref)
     assert config is None and problem == f"--model_name_or_path {ref}: no such folder; give a model folder or a hub id."
     assert preflight.tokenizer_problem(ref, "--tokenizer_name_or_path").startswith(
         f"--tokenizer_name_or_path {ref}: no such folder"

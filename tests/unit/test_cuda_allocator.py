@@ -1,4 +1,4 @@
-"""shardtune.config.cuda_allocator: the CUDA allocator settings shardtune's processes run with, and the planner following
+"""config.cuda_allocator: the CUDA allocator settings shardtune's processes run with, and the planner following
 them."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _unset(monkeypatch):
 
 @pytest.mark.parametrize("user", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")])
 def test_train_called_in_process_starts_with_the_setting(monkeypatch, user):
-    """`shardtune.commands.train.main` in another program's process (bench/speed.py, the device check) goes through the same
+    """`commands.train.main` in another program's process (bench/speed.py, the device check) goes through the same
     entry as the script: the variable is set before the command runs, and a user's own configuration is kept."""
     from shardtune.commands import train
 

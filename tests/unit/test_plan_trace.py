@@ -341,7 +341,7 @@ def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp
 
 def test_4bit_experts_traced_against_estimate(tmp_path):
     """QLoRA on Mixtral-shaped experts, 2 ranks: each expert packed on its own (E, packed) with its own state,
-    the state exact; the experts run one at a time (shardtune.models.quant_experts), so the forward and backward hold one
+    the state exact; the experts run one at a time (models.quant_experts), so the forward and backward hold one
     expert's routed copies and one dequantized expert matrix, not grouped_mm's all; expert LoRA on them merges no
     copy (each expert's input and r-wide product kept instead): every phase within the bound at batch 2 and 8, with
     and without expert LoRA. The 4-bit experts take the frozen base to under a third of its bf16 bytes."""

@@ -1,4 +1,4 @@
-"""What all-linear wraps (shardtune.models.targets): every linear layer by module path, not the output head, the routers,
+"""What all-linear wraps (models.targets): every linear layer by module path, not the output head, the routers,
 the experts' fused tensors, nor what PEFT refuses; an SSM's 3-D convolution is not an expert."""
 
 from __future__ import annotations

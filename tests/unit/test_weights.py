@@ -1,4 +1,4 @@
-"""Checkpoint files (shardtune.models.weights): which shards a folder holds, headers, streaming reads and streamed writes
+"""Checkpoint files (models.weights): which shards a folder holds, headers, streaming reads and streamed writes
 that safetensors itself reads back."""
 
 from __future__ import annotations

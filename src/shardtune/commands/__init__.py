@@ -1,1 +1,2 @@
-"""The commands of `shardtune <command>` (shardtune.cli's table): each reads its flags and calls the packages below it."""
+"""The commands of `shardtune <command>` (the table in shardtune.cli): each reads its flags and calls the packages
+below it."""

@@ -236,7 +236,7 @@ class TrainArguments:
         "hung or lost rank stops the run sooner.",
     )
     # Preference tuning: what is minimised, with TRL's DPOConfig/CPOConfig names for the knobs (docs/preference.md).
-    # No argparse choices: objectives registered after import (shardtune.objectives.loss.register_objective) are valid too;
+    # No argparse choices: objectives registered after import (objectives.loss.register_objective) are valid too;
     # validation checks the name against the registry.
     objective: str = _f("sft", _objectives_help())
     beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's, ORPO's and KTO's beta.")
@@ -288,6 +288,17 @@ class RunConfig:
         return resolve_precision(
             bf16=t.bf16, fp16=t.fp16, mixed_precision=self.fsdp.mixed_precision, peft=self.model.use_peft_lora
         )
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return activation_checkpointing(self.train, self.fsdp.activation_checkpointing)
+
+
+def activation_checkpointing(train: TrainArguments, fsdp_activation_checkpointing: bool) -> bool:
+    """Whether the decoder blocks recompute their activations in the backward: --gradient_checkpointing (the
+    reference script's flag) or the accelerate config's fsdp_activation_checkpointing, either turns it on. The one
+    rule the builder, the flags' checks and the planner read."""
+    return train.gradient_checkpointing or fsdp_activation_checkpointing
 
 
 # Flags that are a number of steps, or below 1 a ratio of the total steps (transformers' TrainingArguments).

@@ -58,7 +58,7 @@ def as_bool(v: Any) -> bool:
 
 
 def strategy_name(v: Any) -> str | None:
-    """FULL_SHARD, ... or accelerate's numbers 1..5 as a strategy name (shardtune.parallel.dims); None if v is not one."""
+    """FULL_SHARD, ... or accelerate's numbers 1..5 as a strategy name (parallel.dims); None if v is not one."""
     s = str(v).strip().upper()
     s = STRATEGY_BY_NUMBER.get(s, s)
     return s if s in STRATEGIES else None
@@ -182,7 +182,7 @@ def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
 def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: int) -> tuple[str, list[str]]:
     """The sharding strategy that builds the mesh the parallelism_config asks for, and the problems (each naming the
     keys and the fix): tensor and sequence parallel sizes above 1 are refused; dp_replicate_size × dp_shard_size ×
-    cp_size must be the processes (cp_size: shardtune.config.fsdp.context_parallel_size), replicated across machines and sharded within one (HYBRID_SHARD), all
+    cp_size must be the processes (cp_size: config.fsdp.context_parallel_size), replicated across machines and sharded within one (HYBRID_SHARD), all
     sharded (FULL_SHARD) or all replicated (NO_SHARD)."""
     strategy, sizes = settings.sharding_strategy, settings.parallelism
     if not sizes:

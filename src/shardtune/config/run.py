@@ -343,7 +343,7 @@ def _checkpointing_kwargs_problems(value: str, model: ModelArguments, explicit: 
 
 
 def precision_line(cfg: RunConfig) -> str:
-    """The one line every `train` run logs (shardtune.commands.train): the dtypes it computes and stores weights in, and who
+    """The one line every `train` run logs (commands.train): the dtypes it computes and stores weights in, and who
     asked for them."""
     pr, m = cfg.precision, cfg.model
     line = f"precision: compute {dtypes.name_of(pr.compute)}, storage {dtypes.name_of(pr.storage)} ({pr.flags}"

@@ -87,9 +87,7 @@ def _required_problems(cfg: RunConfig) -> list[str]:
             "(or make them the same)."
         )
     p += _precision_override_problems(cfg)
-    if t.gradient_checkpointing_kwargs is not None and not (
-        t.gradient_checkpointing or cfg.fsdp.activation_checkpointing
-    ):
+    if t.gradient_checkpointing_kwargs is not None and not cfg.activation_checkpointing:
         p.append(
             "--gradient_checkpointing_kwargs applies to activation checkpointing, which is off: add "
             "--gradient_checkpointing True (or fsdp_activation_checkpointing: true), or remove it."
@@ -378,7 +376,7 @@ def _path_problems(cfg: RunConfig) -> list[str]:
 
 
 # ---------------------------------------------------------------- a tied head in --modules_to_save
-# Checked against the model: from its meta skeleton before loading (shardtune.models.preflight), and where the adapter is
+# Checked against the model: from its meta skeleton before loading (models.preflight), and where the adapter is
 # attached (shardtune.models.modeling), which knows every added row.
 #
 # On a model whose output head is its input embedding (tie_word_embeddings), the rows of added tokens are trained as

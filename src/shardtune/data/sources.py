@@ -7,7 +7,7 @@
 3. an existing folder holding `state.json` (a saved Dataset): a single (training) split;
 4. an existing folder with one `save_to_disk` folder per split (`<dir>/<split>/`) or one data file per split
    (`<dir>/<split>.jsonl|json|parquet|csv`);
-5. otherwise, if it is a hub id (shardtune.runtime.hub.is_hub_id), that hub dataset: `datasets.load_dataset(name, split=split)`.
+5. otherwise, if it is a hub id (runtime.hub.is_hub_id), that hub dataset: `datasets.load_dataset(name, split=split)`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ACCEPTED = (
 
 
 def is_hub_dataset(dataset_name: str) -> bool:
-    """Whether --dataset_name names a hub dataset rather than a local file or folder: shardtune.runtime.hub.is_hub_id, with
+    """Whether --dataset_name names a hub dataset rather than a local file or folder: runtime.hub.is_hub_id, with
     a name ending in a data file's suffix (any case) taken as a file, so that a missing `train.jsonl` is refused
     as a missing file (by validation, before the model loads) instead of being looked up on the hub."""
     return is_hub_id(dataset_name, file_suffixes=FILE_BUILDERS)

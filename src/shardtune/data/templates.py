@@ -98,9 +98,20 @@ def setup_tokenizer(tokenizer, chat_template_format: str) -> list[int]:
     return sorted(set(tokenizer.get_vocab().values()) - before)
 
 
-def padded_vocab_size(tokenizer, multiple: int = 8) -> int:
-    """The embedding size the reference resizes to: len(tokenizer) rounded up to a multiple of 8."""
-    return -(-len(tokenizer) // multiple) * multiple
+# The embeddings grow to a multiple of this many rows when a chat template adds tokens, as the reference training
+# script resizes them (`resize_token_embeddings(..., pad_to_multiple_of=8)`): training, loading to generate, the
+# planner and the model card's usage snippet all read it here.
+VOCAB_MULTIPLE = 8
+
+
+def padded_rows(n_tokens: int) -> int:
+    """The embedding rows that hold `n_tokens`: n_tokens rounded up to a multiple of VOCAB_MULTIPLE."""
+    return -(-n_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def padded_vocab_size(tokenizer) -> int:
+    """The embedding size the reference resizes to: len(tokenizer) rounded up to a multiple of VOCAB_MULTIPLE."""
+    return padded_rows(len(tokenizer))
 
 
 def validate_messages(messages, *, split: str, row: int, part: str | None = None) -> None:

@@ -105,7 +105,7 @@ def _trainable_token_rows(adapter: str) -> int:
 
 def _resize_for(model, tokenizer, adapter: str | None) -> None:
     """Give the base as many embedding rows as training did: the rows the adapter saved in full when it saved any,
-    else training's own rule (len(tokenizer) rounded up to a multiple of 8, shardtune.models.modeling.resize_embeddings):
+    else training's own rule (len(tokenizer) rounded up, data.templates.padded_rows, by models.modeling.resize_embeddings):
     an adapter with trainable token rows holds rows up to that padded size, past len(tokenizer)."""
     from shardtune.models.modeling import resize_embeddings
 
@@ -129,7 +129,7 @@ def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: b
     peft's loader)."""
     from shardtune.models import preflight
 
-    config, problem = preflight.load_model_config(base, trust_remote_code=trust_remote_code)
+    config, problem = preflight.model_config_or_problem(base, trust_remote_code=trust_remote_code)
     problem = problem or (tokenizer and preflight.tokenizer_problem(tokenizer, "--tokenizer_name_or_path"))
     if problem:
         raise ValueError(problem)

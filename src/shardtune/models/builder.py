@@ -108,7 +108,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         adapter_name=m.adapter_name,
         adapter_path=m.adapter_path,
         quantization_config=qcfg,
-        gradient_checkpointing=t.gradient_checkpointing or f.activation_checkpointing,
+        gradient_checkpointing=cfg.activation_checkpointing,
         use_reentrant=m.use_reentrant,
         checkpoint_every=t.checkpoint_every_n_layers,
         dora_dropout=m.dora_dropout,

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardtune.config import dtypes
 from shardtune.config.validation import tied_head_saved_problem
+from shardtune.data.templates import padded_rows
 from shardtune.models import families, fastpath, quant, quant_experts, targets
 from shardtune.models.families import family_attention
 from shardtune.models.weights import causal_lm_class, layout_conversions, stacked_experts
@@ -110,7 +111,7 @@ def load_base_model(
 ) -> nn.Module:
     """Load AutoModelForCausalLM in `dtype` (the frozen base is held in the compute dtype), or its skeleton on meta.
 
-    A 4-bit base is quantized tensor by tensor while it is read (shardtune.models.quant); 8-bit is refused by the config.
+    A 4-bit base is quantized tensor by tensor while it is read (models.quant); 8-bit is refused by the config.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -181,7 +182,7 @@ def build_skeleton(config, *, dtype: torch.dtype, attn_impl: str, trust_remote_c
 
 def check_4bit_layout(config, skeleton: nn.Module | None = None) -> None:
     """Refuse a family whose checkpoint the 4-bit loader cannot read: one whose tensors transformers merges while
-    loading in any way but stacking experts (and concatenating gate and up), which shardtune.models.quant_experts inverts;
+    loading in any way but stacking experts (and concatenating gate and up), which models.quant_experts inverts;
     given the model's skeleton, also an experts module that computes outside transformers' experts interface."""
     from transformers.core_model_loading import WeightRenaming
 
@@ -210,16 +211,16 @@ def _listed(patterns) -> str:
 BASE_ROWS_ATTR = "shardtune_base_rows"
 
 
-def resize_embeddings(model: nn.Module, n_tokens: int, multiple_of: int = 8) -> int:
-    """Resize the embeddings to hold n_tokens, rounded up to a multiple of 8 as the reference does."""
+def resize_embeddings(model: nn.Module, n_tokens: int) -> int:
+    """Resize the embeddings to hold n_tokens, rounded up as the reference does (data.templates.padded_rows)."""
     current = model.get_input_embeddings().weight.shape[0]
-    target = -(-n_tokens // multiple_of) * multiple_of
+    target = padded_rows(n_tokens)
     if n_tokens <= current:
         return current
     is_meta = model.get_input_embeddings().weight.is_meta
     before = {n: m.num_embeddings for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     # mean_resizing samples new rows from the old ones' distribution; on meta there is nothing to sample.
-    model.resize_token_embeddings(n_tokens, pad_to_multiple_of=multiple_of, mean_resizing=not is_meta)
+    model.resize_token_embeddings(target, mean_resizing=not is_meta)
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and before.get(name, module.num_embeddings) < module.num_embeddings:
             setattr(module, BASE_ROWS_ATTR, before[name])
@@ -262,7 +263,7 @@ def attach_adapter(
     """Wrap the base in a PEFT LoRA/DoRA adapter; rows of newly added tokens are trained as trainable tokens.
 
     target_parameters / target_experts: PEFT's target_parameters (expert tensors, router weights; see
-    shardtune.models.targets.plan_parameters). PEFT adapts a parameter as a weight delta, which has no input to drop, and
+    models.targets.plan_parameters). PEFT adapts a parameter as a weight delta, which has no input to drop, and
     refuses any lora_dropout then; so the adapter is made with none, and lora_dropout is put back on the linear
     layers' LoRA inputs (the saved adapter_config.json says 0.0, which is what PEFT needs to load it). 4-bit
     experts are modules, not parameters: PEFT wraps them as the 3-D parameters they stand for (expert_stand_ins)."""

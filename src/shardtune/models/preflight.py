@@ -101,7 +101,7 @@ def _first_line(e: BaseException) -> str:
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
-def load_model_config(name: str, *, flag: str = "--model_name_or_path", trust_remote_code: bool = False):
+def model_config_or_problem(name: str, *, flag: str = "--model_name_or_path", trust_remote_code: bool = False):
     """(config, None) or (None, the problem) for a local model folder or a hub id; reads no weights."""
     from transformers import AutoConfig
 
@@ -425,7 +425,7 @@ def model_shapes(model) -> dict[str, tuple[int, ...]]:
 def model_input_problems(cfg) -> list[str]:
     """Every model-side problem of a training run (cfg: a RunConfig), from configs and headers only."""
     m, d = cfg.model, cfg.data
-    config, problem = load_model_config(m.model_name_or_path, trust_remote_code=m.trust_remote_code)
+    config, problem = model_config_or_problem(m.model_name_or_path, trust_remote_code=m.trust_remote_code)
     if problem:
         return [problem]
     problems = []

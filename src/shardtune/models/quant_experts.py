@@ -20,7 +20,7 @@ biases, transposed layouts and post-expert norms are read off the flags transfor
 sets on every experts module, as its own batched implementation does.
 
 Checkpoints store experts per expert (`experts.3.gate_proj.weight`), which transformers stacks and concatenates
-while loading; `ExpertReader` inverts that conversion (shardtune.models.weights.expert_slices) and quantizes each expert as
+while loading; `ExpertReader` inverts that conversion (models.weights.expert_slices) and quantizes each expert as
 soon as all its rows have been read, so at most the experts in flight are held in 16 bits.
 """
 

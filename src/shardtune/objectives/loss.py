@@ -54,7 +54,7 @@ class Objective:
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
         """The token cross-entropies / the global target count, plus, for a mixture of experts, coef × the
-        router load-balancing loss of this forward / the global number of micro-batches (shardtune.objectives.router_aux).
+        router load-balancing loss of this forward / the global number of micro-batches (objectives.router_aux).
 
         The aux loss is a mean over one forward's positions (transformers adds coef × it to each forward's mean
         cross-entropy), so one micro-batch on one process gives transformers' loss exactly. Over G micro-batches
@@ -336,6 +336,13 @@ class ObjectiveSpec:
     build: Callable[..., Objective]
     data: str = "rows"  # "rows": token rows (SFT data); "pairs": prompt/chosen/rejected; "kto": prompt/completion/label
     help: str = ""
+    # Whether --disable_dropout (on by default) turns the model's dropout off for this objective, as TRL's preference
+    # trainers do: the policy and the reference then see the same network. None: for preference data, not token rows.
+    drops_dropout: bool | None = None
+
+    @property
+    def dropout_off_by_flag(self) -> bool:
+        return self.data != "rows" if self.drops_dropout is None else self.drops_dropout
 
     @property
     def rows_per_example(self) -> int:
@@ -361,6 +368,12 @@ def objective_spec(name: str) -> ObjectiveSpec:
 
 def rows_per_example(objective: str) -> int:
     return objective_spec(objective).rows_per_example
+
+
+def dropout_off(objective: str, disable_dropout: bool) -> bool:
+    """Whether a run of `objective` with --disable_dropout `disable_dropout` trains without dropout: the one rule the
+    run (recipe.objective) and the planner (LoRA dropout's masks) read."""
+    return disable_dropout and objective_spec(objective).dropout_off_by_flag
 
 
 def build_objective(objective: str, **knobs) -> Objective:

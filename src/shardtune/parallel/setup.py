@@ -13,7 +13,7 @@
    own copy); give every rank the 4-bit quantization states, replicated, on its device.
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
 
-Steps 2-4 are the model builder (shardtune.models.builder, which knows nothing of ranks); this module decides which ranks
+Steps 2-4 are the model builder (models.builder, which knows nothing of ranks); this module decides which ranks
 read weights and does 5-7.
 """
 

@@ -296,7 +296,7 @@ def expert_lora_backward_bytes(shape: ModelShape, compute_bytes: int, lora_targe
 def expert_lora_4bit_saved_bytes_per_token(
     shape: ModelShape, compute_bytes: int, lora_targets: tuple[str, ...], lora_r: int
 ) -> int:
-    """Per token: expert LoRA on 4-bit experts (shardtune.models.quant_experts) is x·A_eᵀ·B_eᵀ beside each expert's 4-bit
+    """Per token: expert LoRA on 4-bit experts (models.quant_experts) is x·A_eᵀ·B_eᵀ beside each expert's 4-bit
     matmul (FSDP2 gathers the factors in the compute dtype): per routed copy, the input (h for gate_up_proj, I_e for
     down_proj, which the 4-bit matmul alone does not keep) and the r-wide product are kept for the factors'
     gradients. No merged copy."""
@@ -318,7 +318,7 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
 
 
 def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Per token, with the router load-balancing loss on (shardtune.objectives.router_aux): every MoE block's router logits
+    """Per token, with the router load-balancing loss on (objectives.router_aux): every MoE block's router logits
     (E wide) are returned to the loss, whose softmax of each keeps its output for backward until the loss's
     backward runs (transformers' load_balancing_loss_func): both at the loss's forward, the softmaxes at its
     backward (counted there twice and once); freed before the blocks run backward."""

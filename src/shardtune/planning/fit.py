@@ -10,11 +10,18 @@ from dataclasses import replace
 from typing import Any
 
 from shardtune.config import cuda_allocator, dtypes
-from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.arguments import (
+    DataArguments,
+    ModelArguments,
+    RunConfig,
+    TrainArguments,
+    activation_checkpointing,
+)
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_process_fsdp_reason
 from shardtune.config.precision import resolve_precision
-from shardtune.objectives.loss import rows_per_example
+from shardtune.data.templates import padded_rows
+from shardtune.objectives.loss import dropout_off, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
@@ -24,7 +31,7 @@ from shardtune.planning.recommend import recommend
 from shardtune.planning.report import Launch, recommendation_lines
 from shardtune.planning.state import GiB
 
-# chatml and zephyr add up to five tokens; the embeddings are then padded to a multiple of 8.
+# chatml and zephyr add up to five tokens; the embeddings are then padded (data.templates.padded_rows).
 CHAT_NEW_TOKENS = 5
 
 
@@ -69,7 +76,7 @@ def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
         plain_mask=isinstance(config, dict) or families.plain_causal(config),
     )
     if chat_template_format in ("chatml", "zephyr"):
-        padded = -(-(shape.vocab_size + CHAT_NEW_TOKENS) // 8) * 8
+        padded = padded_rows(shape.vocab_size + CHAT_NEW_TOKENS)
         shape = replace(shape.with_vocab(padded), new_token_rows=padded - shape.vocab_size)
     return shape
 
@@ -135,14 +142,13 @@ def plan_inputs(
         lora_r=model.lora_r,
         lora_target_modules=model.lora_target_modules,
         lora_target_parameters=lora_target_parameters(model),
-        # Preference objectives turn dropout off by default, as TRL does: no dropout masks.
-        lora_dropout=0.0 if train.objective != "sft" and train.disable_dropout else model.lora_dropout,
+        lora_dropout=0.0 if dropout_off(train.objective, train.disable_dropout) else model.lora_dropout,
         use_dora=model.use_dora,
         modules_to_save=tuple(_split(model.modules_to_save)),
         batch_size=train.per_device_train_batch_size,
         rows_per_example=rows_per_example(train.objective),
         seq_len=data.max_length,
-        gradient_checkpointing=train.gradient_checkpointing or launch.activation_checkpointing,
+        gradient_checkpointing=activation_checkpointing(train, launch.activation_checkpointing),
         attn_implementation=attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
         packing=data.packing,
         optim=train.optim,

@@ -65,7 +65,7 @@ class ModelShape:
     # transformers' mask. Read off the family's conformance verdict by planning.fit.plan_shape, as the builder
     # reads it; True (shardtune's Llama-style default) for a shape given as numbers.
     per_document_attention: bool = True
-    # Whether the family's mask is causal within each document and nothing more (shardtune.models.families.plain_causal):
+    # Whether the family's mask is causal within each document and nothing more (models.families.plain_causal):
     # shardtune's per-document attention then has transformers build no row-wide mask. Set by plan_shape.
     plain_mask: bool = True
 

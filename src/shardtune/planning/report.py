@@ -33,9 +33,8 @@ class Launch:
     offload: bool = False
     mixed_precision: str = "no"
     activation_checkpointing: bool = False
-    expandable_segments: bool = (
-        True  # the CUDA allocator's setting the processes run with (shardtune.config.cuda_allocator)
-    )
+    # The CUDA allocator's setting the processes run with (shardtune.config.cuda_allocator).
+    expandable_segments: bool = True
     single_process: str = "auto"  # SHARDTUNE_FSDP_SINGLE_PROCESS: whether one process keeps FSDP
 
 

@@ -1,7 +1,7 @@
 """The model state one rank holds once FSDP2 has sharded it: frozen and trainable parameters, gradients, optimizer
 states, the replicated quantization constants, and the host copies (offload, model loading).
 
-Strategies come from shardtune.parallel.dims, optimizer state bytes from shardtune.training.optimizers and dtype sizes from
+Strategies come from parallel.dims, optimizer state bytes from training.optimizers and dtype sizes from
 shardtune.config.dtypes: the planner counts what the run builds from the same tables.
 """
 
@@ -29,7 +29,7 @@ GiB = 1024**3
 # Each host process (Python, torch, CUDA runtime, data loading) before any model state. Calibrated, from two
 # measurements none of which is a figure docs/plan.md compares with: the peak RSS of a process that has imported
 # shardtune's training stack is 513 MiB (torch 2.11, transformers 5.17, peft, datasets; 219 MiB for torch alone;
-# `python -c "import torch, transformers, peft, datasets; import shardtune.commands.train" ` with resource.getrusage), and
+# `python -c "import torch, transformers, peft, datasets; import commands.train" ` with resource.getrusage), and
 # initialising CUDA and making one tensor adds 1,734,560 KiB of peak RSS to a torch process (pytorch/pytorch#113326,
 # RTX 3090, torch 2.2, CUDA 11.8): 2.15 GiB.
 HOST_PROCESS_BYTES = int(2.15 * GiB)

@@ -18,7 +18,7 @@ def _kto_advice(train_split, t) -> str | None:
 def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
     log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
-    from shardtune.objectives.loss import build_objective, disable_dropout
+    from shardtune.objectives.loss import build_objective, disable_dropout, dropout_off
     from shardtune.objectives.reference import precompute_reference, weights_identity
 
     t, m = cfg.train, cfg.model
@@ -32,7 +32,7 @@ def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     )
     if line := router_aux.log_line(getattr(model, "router_aux", None)):
         print0(line)
-    if objective.paired and t.disable_dropout:
+    if dropout_off(t.objective, t.disable_dropout):
         disable_dropout(model)
     if t.objective == "kto" and (advice := _kto_advice(splits[0], t)):
         print0(advice)

@@ -176,7 +176,7 @@ class RunLogger:
             self._log("train", step, metrics)
 
     def log_event(self, step: int, kind: str, message: str) -> None:
-        """Record something wrong that does not stop the run (kind `collapse`: see shardtune.training.trainer); a collapse
+        """Record something wrong that does not stop the run (kind `collapse`: see training.trainer); a collapse
         goes into the summary, and the trackers' runs are not marked finished."""
         if kind == "collapse":
             self.collapsed_at = int(step)

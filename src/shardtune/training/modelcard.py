@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardtune.data import templates
 from shardtune.runtime.hub import is_hub_id
 
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "dora": "DoRA", "full": "full"}
@@ -155,7 +156,7 @@ def _usage(library: str, base_model: str, name: str) -> str:
             f'tokenizer = AutoTokenizer.from_pretrained("{name}")\n'
             f'base = AutoModelForCausalLM.from_pretrained("{base_model}", dtype="auto")\n'
             "if len(tokenizer) > base.get_input_embeddings().num_embeddings:  # the chat template added tokens\n"
-            "    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=8)\n"
+            f"    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of={templates.VOCAB_MULTIPLE})\n"
             f'model = PeftModel.from_pretrained(base, "{name}")'
         )
     return (
