@@ -219,6 +219,33 @@ def test_a_torch_distributed_use_would_be_found():
     assert _torch_distributed_uses("m", "import torch\nx = torch.cuda.device_count()\n") == []
 
 
+def _unexplained_local_imports(name: str, source: str) -> list[str]:
+    """Imports of shardtune modules inside a function with no comment (on the line or the one above) saying why:
+    an import at module top shows the dependency; a local one is for start-up time and says so."""
+    lines, wrong = source.split("\n"), []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            module = node.names[0].name if isinstance(node, ast.Import) else module
+            if not (module or "").startswith("shardtune") or getattr(node, "level", 0):
+                continue
+            said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+            if not said:
+                wrong.append(f"{name}:{node.lineno} imports {module} in {func.name}")
+    return wrong
+
+
+def test_local_imports_of_shardtune_say_why():
+    assert [w for name, path in MODULES.items() for w in _unexplained_local_imports(name, path.read_text())] == []
+
+
+def test_an_unexplained_local_import_would_be_found():
+    source = "def f():\n    from shardtune.runtime.log import warn0\n\n\ndef g():\n    import shardtune.x  # why\n"
+    assert _unexplained_local_imports("m", source) == ["m:2 imports shardtune.runtime.log in f"]
+
+
 @pytest.mark.parametrize("limit", [MAX_FUNCTION_LINES])
 def test_no_long_functions(limit):
     long = []

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from shardtune.config.run import join_negative_values
 from shardtune.inference.load import load_for_chat
 from shardtune.runtime.log import setup_logging, warn0
 
@@ -188,7 +189,6 @@ def parse_chat_args(argv: list[str]) -> ChatArguments:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(ChatArguments, prog="shardtune chat", allow_abbrev=False)
-    from shardtune.config.run import join_negative_values
 
     (args,) = parser.parse_args_into_dataclasses(args=join_negative_values(argv))
     if args.max_new_tokens < 1:

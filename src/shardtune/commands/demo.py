@@ -9,6 +9,10 @@ import json
 import random
 from pathlib import Path
 
+from shardtune.commands.chat import generate_reply
+from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
+from shardtune.data.preference import tokenize_pair
+from shardtune.inference.load import load_for_chat
 from shardtune.runtime.log import setup_logging
 
 BASE_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -343,9 +347,6 @@ def demo_train_flags(model_dir: Path, data_dir: Path, output_dir: Path, epochs: 
 
 
 def _answers(model_dir: Path, adapter: Path | None) -> list[str]:
-    from shardtune.commands.chat import generate_reply
-    from shardtune.inference.load import load_for_chat
-
     model, tok = load_for_chat(str(model_dir), str(adapter) if adapter else None)
     return [
         generate_reply(
@@ -416,8 +417,6 @@ def _launch_train(cmd: list[str], root: Path, nproc: int) -> int:
 
     import yaml
 
-    from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
-
     yaml_path = root / "fsdp_config_cpu.yaml"
     yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": nproc}, sort_keys=False))
     env = {**os.environ, **accelerate_env(read_accelerate_yaml(yaml_path)), "OMP_NUM_THREADS": "1"}
@@ -464,8 +463,6 @@ def _preferences(model_dir: Path, adapter: Path | None, rows: list[dict]) -> lis
     """log p(chosen | prompt) - log p(rejected | prompt) per row, with the base or base + adapter (plain PEFT)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardtune.data.preference import tokenize_pair
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     if adapter is not None:

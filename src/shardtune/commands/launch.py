@@ -21,6 +21,7 @@ from typing import Any
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env, parallelism_plan
+from shardtune.runtime.parent import child_preexec
 
 _RDZV_BACKENDS = ("static", "c10d")
 
@@ -223,7 +224,6 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         if problems:
             print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
             return 2
-    from shardtune.runtime.parent import child_preexec
 
     # torchrun gets SIGTERM if this process dies (kill -9 included), and forwards it to its workers. preexec_fn
     # is safe here: the launcher runs no other thread.

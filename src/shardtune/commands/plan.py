@@ -38,6 +38,7 @@ from shardtune.planning.model import load_model_config
 from shardtune.planning.recommend import longest_sequences, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
+from shardtune.planning.trace import trace_step
 from shardtune.training import optimizers
 
 _UNITS = {
@@ -281,8 +282,6 @@ def _fsdp_settings(launch: Launch) -> FSDPSettings:
 def run_trace(p: Plan) -> Any:
     """Trace the plan's run under fake tensors (shardtune.planning.trace) on the device type this machine has."""
     import torch
-
-    from shardtune.planning.trace import trace_step
 
     vocab = int(p.config.vocab_size)
     new = CHAT_NEW_TOKENS if p.run.model.chat_template_format in ("chatml", "zephyr") else 0

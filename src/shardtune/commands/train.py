@@ -15,16 +15,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardtune.cli import run_command
 from shardtune.config import cuda_allocator
-from shardtune.config.arguments import RunConfig, interval_steps
+from shardtune.config.arguments import ARG_CLASSES, RunConfig, interval_steps
 from shardtune.config.errors import ConfigError
 from shardtune.config.run import load_run_config, precision_line
+from shardtune.inference.harness import EvalArguments, evaluate_model
 from shardtune.models import modeling
+from shardtune.models.builder import model_spec
+from shardtune.models.preflight import model_input_problems, tokenizer_load_error
+from shardtune.parallel import checkpoint, setup
+from shardtune.parallel.fsdp import local_state_bytes
+from shardtune.parallel.mesh import all_gather_objects, init_distributed, is_peer_failure, shutdown
 from shardtune.recipe import checks, data, objective, output, state
-from shardtune.runtime import hooks
-from shardtune.runtime.atomic import DiskFullError
+from shardtune.runtime import hooks, hub
+from shardtune.runtime.atomic import DiskFullError, is_disk_full
+from shardtune.runtime.cpu import bf16_check
 from shardtune.runtime.log import error, print0, rank, setup_logging, warn0
 from shardtune.runtime.stop import StopHandler, Stopped, stopped_message
+from shardtune.training.metrics import RunLogger
+from shardtune.training.optimizers import build_optimizer
+from shardtune.training.run_dir import release_output_dir
 from shardtune.training.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
 
 EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
@@ -34,7 +45,6 @@ STOP = StopHandler()
 
 def main(argv: list[str] | None = None) -> int:
     """`shardtune train` called in this process: through the entry every command starts by (shardtune.cli)."""
-    from shardtune.cli import run_command
 
     return run_command("train", list(sys.argv[1:] if argv is None else argv))
 
@@ -42,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 def command(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         from transformers import HfArgumentParser
-
-        from shardtune.config.arguments import ARG_CLASSES
 
         HfArgumentParser(ARG_CLASSES, prog="shardtune train").print_help()
         return 0
@@ -68,7 +76,6 @@ def _main(argv: list[str], stopper: StopHandler) -> int:
         return EXIT_CONFIG
     setup_logging(cfg.train.log_level)
     print0(precision_line(cfg))
-    from shardtune.models.preflight import model_input_problems
 
     problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
     if problems:
@@ -96,8 +103,6 @@ def _train(cfg: RunConfig) -> int:
         error(f"error: {e}")
         return EXIT_CONFIG
     except RuntimeError as e:
-        from shardtune.parallel.mesh import is_peer_failure
-
         if not is_peer_failure(e):
             raise
         if STOP.received:  # a peer stopped by the same signal left first
@@ -113,9 +118,6 @@ def _train(cfg: RunConfig) -> int:
         )
         return EXIT_FAILED
     finally:
-        from shardtune.parallel.mesh import shutdown
-        from shardtune.training.run_dir import release_output_dir
-
         release_output_dir(cfg.train.output_dir)  # rank 0's lock on the folder; a no-op on the other ranks
         shutdown(wait=not stopped)
 
@@ -124,7 +126,6 @@ def _eval_harness(cfg: RunConfig) -> int:
     """--eval_harness_tasks: lm-evaluation-harness on the finished run, on the main process alone. It runs after
     the process group is gone and the sharded model freed, so that the other ranks are not held in a collective
     (a long evaluation would exceed --ddp_timeout) and the main device holds only the evaluated model."""
-    from shardtune.inference.harness import EvalArguments, evaluate_model
 
     m, t = cfg.model, cfg.train
     if torch.cuda.is_available():
@@ -155,9 +156,6 @@ def _seed_everything(seed: int) -> None:
 
 
 def run(cfg: RunConfig) -> int:
-    from shardtune.parallel.mesh import init_distributed
-    from shardtune.runtime.cpu import bf16_check
-
     STOP.at("starting the processes")
     info = init_distributed(
         cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout, cp=cfg.train.context_parallel_size
@@ -223,8 +221,6 @@ class _Built:
 
 def _build(cfg: RunConfig, info) -> _Built:
     """Data first (a bad dataset fails before the model loads), then the model, optimizer, objective and state."""
-    from shardtune.models.builder import model_spec
-    from shardtune.parallel.setup import build_sharded_model
 
     t = cfg.train
     _seed_everything(t.seed)
@@ -240,7 +236,7 @@ def _build(cfg: RunConfig, info) -> _Built:
     hooks.at("load", step=0, rank=info.rank)
     spec = model_spec(cfg, info.device.type, len(tokenizer), new_ids)
     spec.frozen_base = checks.frozen_base_placement(cfg, info)
-    model = build_sharded_model(spec, info, cfg.fsdp.single_process)
+    model = setup.build_sharded_model(spec, info, cfg.fsdp.single_process)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
     evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
@@ -305,8 +301,6 @@ def _load_tokenizer(cfg: RunConfig):
 
 
 def _tokenizer_error(cfg: RunConfig, e: Exception) -> ValueError:
-    from shardtune.models.preflight import tokenizer_load_error
-
     m = cfg.model
     flag = "--tokenizer_name_or_path" if m.tokenizer_name_or_path else "--model_name_or_path"
     return tokenizer_load_error(m.tokenizer_name_or_path or m.model_name_or_path, flag, e)
@@ -314,8 +308,6 @@ def _tokenizer_error(cfg: RunConfig, e: Exception) -> ValueError:
 
 def _optimizer_and_scheduler(cfg: RunConfig, model, total: int):
     from transformers import get_scheduler
-
-    from shardtune.training.optimizers import build_optimizer
 
     t = cfg.train
     optimizer = build_optimizer(
@@ -353,10 +345,6 @@ def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int
 
 
 def _logger(cfg: RunConfig, info, model, total: int, trackers: list):
-    from shardtune.parallel.fsdp import local_state_bytes
-    from shardtune.parallel.mesh import all_gather_objects
-    from shardtune.training.metrics import RunLogger
-
     # What each rank really holds for weights: recorded for `shardtune plan` to be checked against.
     run_info = {
         **state.config_record(cfg),
@@ -370,8 +358,6 @@ def _logger(cfg: RunConfig, info, model, total: int, trackers: list):
 
 
 def _interrupted(cfg: RunConfig, logger, step: int, total: int) -> int:
-    from shardtune.parallel import checkpoint
-
     last = checkpoint.list_checkpoints(cfg.train.output_dir)[-1]
     print0(
         f"Interrupted at step {step}/{total}; checkpoint saved in {last}. Resume with the same command "
@@ -386,8 +372,6 @@ def _publish(cfg: RunConfig, info, logger, out: Path, summary: dict, repo_id: st
     if info.is_main:
         output.write_cards(cfg, out, summary)
         if repo_id:
-            from shardtune.runtime import hub
-
             hub.upload(
                 repo_id,
                 out,
@@ -403,7 +387,6 @@ def _publish(cfg: RunConfig, info, logger, out: Path, summary: dict, repo_id: st
 def _output_not_written(logger, e: OSError, info) -> int:
     """A full disk during a checkpoint or the final save: one error line, a summary saying so, exit 1.
     (The writers have removed their temporary folders; earlier checkpoints and outputs are intact.)"""
-    from shardtune.runtime.atomic import is_disk_full
 
     if not is_disk_full(e):
         raise e

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shardtune.config.errors import ConfigError
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER, ParallelDims
 
 
@@ -136,8 +137,6 @@ def single_process_setting(value: str) -> str:
     """SHARDTUNE_FSDP_SINGLE_PROCESS as one of SINGLE_PROCESS_CHOICES (empty: auto); anything else is refused."""
     v = value.strip().lower() or "auto"
     if v not in SINGLE_PROCESS_CHOICES:
-        from shardtune.config.errors import ConfigError  # lazy: errors is only needed for this message
-
         why = (
             f"{SINGLE_PROCESS_ENV}={value!r} is not a choice; set it to auto (one process trains without FSDP "
             "where it can), fsdp (one process keeps FSDP) or no_fsdp (one process never uses FSDP, but with "

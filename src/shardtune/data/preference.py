@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from shardtune.runtime.atomic import replaced_file
 from shardtune.runtime.log import print0, warn0
 
 from .collate import collate_rows, epoch_order
@@ -353,7 +354,6 @@ def _pairs_digest(prepared: PreferenceSplit) -> str:
 
 def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
     """The tokenized pairs as one .npz, written atomically (ranks of one node may write it at the same time)."""
-    from shardtune.runtime.atomic import replaced_file
 
     arrays = {name: getattr(prepared, name).flat for name in _PAIR_ARRAYS}
     if prepared.desirable is not None:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtune.inference.load import load_for_chat, resolve_paths
 from shardtune.runtime.atomic import replace_text
 from shardtune.runtime.log import print0
+from shardtune.training.modelcard import set_eval_section
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -147,8 +149,6 @@ def write_results(results: dict, out: Path, *, model_desc: str) -> tuple[Path, s
 
 def evaluate_model(args: EvalArguments) -> int:
     """Check everything that is cheap to check, load the model, run the tasks, write the results."""
-    from shardtune.inference.load import load_for_chat, resolve_paths
-    from shardtune.training.modelcard import set_eval_section
 
     tasks = split_tasks(args.tasks)
     base, adapter = resolve_paths(args.model_name_or_path, args.adapter)

@@ -7,6 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.precision import resolve_precision
+from shardtune.models import preflight
+from shardtune.models.modeling import resize_embeddings
+from shardtune.models.preflight import tokenizer_load_error
+from shardtune.models.weights import read_headers
 from shardtune.runtime.hub import is_hub_id
 from shardtune.runtime.log import print0
 from shardtune.training.run_dir import checkpoint_given_as_adapter
@@ -64,8 +69,6 @@ def _device_and_dtype():
     when training with that precision (shardtune.config.precision)."""
     import torch
 
-    from shardtune.config.precision import resolve_precision
-
     cuda = torch.cuda.is_available()
     bf16 = cuda and torch.cuda.is_bf16_supported()
     return ("cuda" if cuda else "cpu"), resolve_precision(bf16=bf16, fp16=cuda and not bf16, peft=True).storage
@@ -77,7 +80,6 @@ def _adapter_vocab_rows(model, adapter: str) -> int | None:
     path = Path(adapter) / "adapter_model.safetensors"
     if not path.is_file():
         return None
-    from shardtune.models.weights import read_headers
 
     names = [
         n for n, m in model.named_modules() if m is model.get_input_embeddings() or m is model.get_output_embeddings()
@@ -107,7 +109,6 @@ def _resize_for(model, tokenizer, adapter: str | None) -> None:
     """Give the base as many embedding rows as training did: the rows the adapter saved in full when it saved any,
     else training's own rule (len(tokenizer) rounded up, data.templates.padded_rows, by models.modeling.resize_embeddings):
     an adapter with trainable token rows holds rows up to that padded size, past len(tokenizer)."""
-    from shardtune.models.modeling import resize_embeddings
 
     current = model.get_input_embeddings().weight.shape[0]
     saved = _adapter_vocab_rows(model, adapter) if adapter else None
@@ -127,7 +128,6 @@ def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: b
     """Before any weight is read: the base's config and weights, and the tokenizer, can be read (one bounded hub
     request for a hub id), and the adapter's tensors fit the base (an adapter of another base would fail in
     peft's loader)."""
-    from shardtune.models import preflight
 
     config, problem = preflight.model_config_or_problem(base, trust_remote_code=trust_remote_code)
     problem = problem or (tokenizer and preflight.tokenizer_problem(tokenizer, "--tokenizer_name_or_path"))
@@ -168,8 +168,6 @@ def load_for_chat(
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_src, trust_remote_code=trust_remote_code)
     except Exception as e:  # a damaged tokenizer file: name its folder (tokenizers raises bare Exceptions)
-        from shardtune.models.preflight import tokenizer_load_error
-
         flag = (
             "--tokenizer_name_or_path" if tokenizer_name_or_path else "--adapter" if has_tok else "--model_name_or_path"
         )

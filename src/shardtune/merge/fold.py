@@ -33,6 +33,7 @@ from shardtune.merge.plan import (
     read_adapter_config,
 )
 from shardtune.models import weights
+from shardtune.models.preflight import adapter_base_problem
 from shardtune.models.weights import PendingTensor
 from shardtune.runtime import atomic
 from shardtune.runtime.hub import is_hub_id
@@ -92,7 +93,6 @@ def merge_adapter(
 
 def _check_adapter_fits(base: BaseCheckpoint, adapter: Path, base_name: str) -> None:
     """An adapter trained on another base is a user's mistake (exit 2), named before anything is written."""
-    from shardtune.models.preflight import adapter_base_problem
 
     text = base.config.get("text_config") or base.config
     problem = adapter_base_problem(

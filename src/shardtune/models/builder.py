@@ -17,6 +17,8 @@ from torch import nn
 from shardtune.config.arguments import RunConfig
 from shardtune.config.errors import ConfigError
 from shardtune.models import families, fastpath, modeling, quant
+from shardtune.models.dora import use_fast_dora
+from shardtune.models.fastpath import use_fast_dropout, use_fast_lora
 from shardtune.runtime.log import print0
 
 
@@ -227,8 +229,6 @@ def _use_fast_paths(model: nn.Module, spec: ModelSpec) -> None:
     """Same outputs and gradients as peft's forward, with fewer passes (docs/adapters.md, fastpath.py)."""
     if not spec.use_peft_lora:
         return
-    from shardtune.models.dora import use_fast_dora
-    from shardtune.models.fastpath import use_fast_dropout, use_fast_lora
 
     if spec.use_dora:
         use_fast_dora(model, peft_dropout=spec.dora_dropout == "peft")

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardtune.config import dtypes
 from shardtune.config.validation import tied_head_saved_problem
-from shardtune.data.templates import padded_rows
+from shardtune.data.templates import padded_rows, setup_tokenizer
 from shardtune.models import families, fastpath, quant, quant_experts, targets
 from shardtune.models.families import family_attention
 from shardtune.models.weights import causal_lm_class, layout_conversions, stacked_experts
@@ -63,8 +63,6 @@ def load_tokenizer(
 ):
     """Load the tokenizer and apply the chat template format; return (tokenizer, ids of tokens it added)."""
     from transformers import AutoTokenizer
-
-    from shardtune.data.templates import setup_tokenizer
 
     tok = AutoTokenizer.from_pretrained(
         tokenizer_name_or_path or model_name_or_path, trust_remote_code=trust_remote_code

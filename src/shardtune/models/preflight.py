@@ -12,8 +12,11 @@ import json
 import re
 from pathlib import Path
 
+from shardtune.config.run import load_run_config
 from shardtune.config.validation import chat_format_problem, unmatched_alternatives_warned
 from shardtune.models import targets
+from shardtune.models.modeling import _target_modules, check_4bit_layout
+from shardtune.models.weights import PEFT_PREFIX, read_headers, weight_file_problem
 from shardtune.runtime.hub import is_hub_id, is_transport_error
 from shardtune.runtime.log import warn0
 
@@ -269,7 +272,6 @@ def _matches(full: str, name: str) -> bool:
 def target_module_problems(model, spec: str, *, explicit: bool, model_name: str) -> list[str]:
     """Names in --lora_target_modules that match no adaptable layer (peft would skip them silently), refused with
     the model's linear layer names. Given by default rather than by the user, unmatched names are only warned of."""
-    from shardtune.models.modeling import _target_modules
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names == ["all-linear"]:
@@ -317,14 +319,12 @@ def adapter_tensor_shapes(adapter_dir: str | Path) -> dict[str, tuple[int, ...]]
     path = Path(adapter_dir).expanduser() / "adapter_model.safetensors"
     if not path.is_file():
         return {}
-    from shardtune.models.weights import read_headers
 
     return read_headers([path])[0]
 
 
 def _expected(key: str, shape: tuple, base: dict[str, tuple], vocab: int | None, fan_in_fan_out: bool):
     """(the base module an adapter tensor belongs to, its weight's shape or None, whether they fit)."""
-    from shardtune.models.weights import PEFT_PREFIX
 
     k = key.removeprefix(PEFT_PREFIX)
     markers = (
@@ -372,7 +372,6 @@ def adapter_base_problem(
     here (naming both models) instead of failing in peft's loader with a size-mismatch traceback. require_all=False
     accepts a missing top-level module (the tied head, which a checkpoint's files do not hold)."""
     adapter_dir = Path(adapter_dir)
-    from shardtune.models.weights import weight_file_problem
 
     weights_file = adapter_dir / "adapter_model.safetensors"
     if weights_file.is_file() and (problem := weight_file_problem(weights_file)):
@@ -473,7 +472,6 @@ def model_input_problems(cfg) -> list[str]:
 def _4bit_layout_problem(config, skeleton=None) -> str | None:
     """A family the 4-bit loader cannot read or run (shardtune.models.modeling.check_4bit_layout), said before any data
     is prepared."""
-    from shardtune.models.modeling import check_4bit_layout
 
     try:
         check_4bit_layout(config, skeleton)
@@ -486,6 +484,5 @@ def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
     """What `shardtune train` would refuse from its flags and the model's files, for `shardtune launch` to say
     before torchrun starts N processes that would each say it. Raises ConfigError for the flags. The output folder
     is left to rank 0 of the run: another machine's launcher may already have started writing to it."""
-    from shardtune.config.run import load_run_config
 
     return model_input_problems(load_run_config(train_argv, env=env))

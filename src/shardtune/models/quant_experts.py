@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from shardtune.models.targets import expert_parameters
 from shardtune.models.weights import checkpoint_files, expert_slices, read_headers
 
 # The flags transformers' use_experts_implementation sets on an experts module; without them the module's forward
@@ -95,7 +96,6 @@ class Experts4bit(nn.Module):
 def expert_parameters_4bit(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(experts module, parameter name) of every fused expert tensor to quantize; raises ValueError for an experts
     module whose forward forward_4bit cannot stand in for."""
-    from shardtune.models.targets import expert_parameters
 
     out = []
     for path in expert_parameters(model):

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtune.runtime.hub import is_hub_id
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # safetensors' header names of torch dtypes (the file format's own table; shardtune.config.dtypes has the user's names).
@@ -63,8 +65,6 @@ def checkpoint_files(model_name_or_path: str) -> list[Path]:
     path = Path(model_name_or_path).expanduser()
     if not path.is_dir():
         from huggingface_hub import snapshot_download
-
-        from shardtune.runtime.hub import is_hub_id
 
         if not is_hub_id(model_name_or_path):
             raise ValueError(f"{model_name_or_path}: no such folder; give a model folder or a hub id.")

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardtune.objectives.router_aux import sequence_mask
+from shardtune.parallel.adapters import disabled_adapter
+from shardtune.parallel.mesh import all_reduce_sum
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
 PAIR_METRICS = (
@@ -195,7 +197,6 @@ class PreferenceObjective(Objective):
             return None
         if "ref_logps" in batch:
             return batch["ref_logps"]
-        from shardtune.parallel.adapters import disabled_adapter
 
         # The frozen base is the reference: the same sharded weights, no second copy.
         with torch.no_grad(), disabled_adapter(model):
@@ -241,8 +242,6 @@ class KTOObjective(PreferenceObjective):
         return {"examples": int(valid.sum()), "desirable": desirable, "micro_batches": 1}
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
-        from shardtune.parallel.mesh import all_reduce_sum
-
         ref = self._reference(model, batch)  # [2B]: completions, then KL rows
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
         n = len(batch["pair_index"])

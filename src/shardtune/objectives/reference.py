@@ -18,8 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardtune.parallel.adapters import disabled_adapter, reshard
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.mesh import all_gather_objects
+from shardtune.runtime.atomic import replaced_file
 from shardtune.runtime.log import print0
 
 FORMAT = 1
@@ -50,8 +52,6 @@ def precompute_reference(
 
 @torch.no_grad()
 def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int, disable: bool) -> np.ndarray:
-    from shardtune.parallel.adapters import disabled_adapter, reshard
-
     was_training = model.training
     model.eval()
     local: list[tuple[int, float, float]] = []
@@ -116,7 +116,6 @@ def _load(path: Path | None, n_rows: int) -> np.ndarray | None:
 
 def _save(path: Path, values: np.ndarray) -> None:
     """Atomically (shardtune.runtime.atomic.replaced_file): ranks of one node may write the same file."""
-    from shardtune.runtime.atomic import replaced_file
 
     with replaced_file(path) as f:
         np.save(f, values)

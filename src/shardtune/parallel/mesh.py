@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardtune.parallel import context_parallel
 from shardtune.parallel.dims import ParallelDims
+from shardtune.runtime.parent import stop_with_parent
 
 
 @dataclass
@@ -51,8 +52,6 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
     A plain single process gets a 1-rank group, so that the same FSDP2 code path runs everywhere.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: stop if torchrun is killed (shardtune.runtime.parent)
-        from shardtune.runtime.parent import stop_with_parent
-
         stop_with_parent()
     if "RANK" not in os.environ:
         single = {

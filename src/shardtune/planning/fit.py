@@ -21,6 +21,7 @@ from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_process_fsdp_reason
 from shardtune.config.precision import resolve_precision
 from shardtune.data.templates import padded_rows
+from shardtune.models import families, fastpath, modeling
 from shardtune.objectives.loss import dropout_off, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
@@ -90,7 +91,6 @@ def trains_per_document(config: Any) -> bool:
     dict cannot be checked: shardtune's Llama-style default."""
     if isinstance(config, dict):
         return True
-    from shardtune.models import families, fastpath, modeling
 
     # families.family_attention's choice, without the log line it prints (plan's output may be JSON).
     attention = families._attention_choice(config, fastpath.register_attention())[0]

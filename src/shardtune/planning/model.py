@@ -13,6 +13,7 @@ from typing import Any
 
 from shardtune.config.errors import ConfigError
 from shardtune.planning.known_configs import known_config
+from shardtune.runtime.log import warn0
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
@@ -205,8 +206,6 @@ def _warn_uncounted_towers(config: Any, text_params: int) -> None:
     GPU in training; the planner counts the language model only."""
     whole = _real_param_count(config)
     if whole is not None and whole > text_params:
-        from shardtune.runtime.log import warn0
-
         warn0(
             f"{getattr(config, 'model_type', 'the model')}: its vision/audio towers ({(whole - text_params) / 1e6:.1f}M "
             "parameters, held frozen in training) are not counted in this plan; only the language model is."

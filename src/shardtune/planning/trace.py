@@ -31,7 +31,16 @@ from typing import Any
 import torch
 
 from shardtune.config.errors import ConfigError
-from shardtune.planning.allocator import Replay
+from shardtune.models import fastpath, quant
+from shardtune.models.builder import model_spec
+from shardtune.parallel.context_parallel import local_part
+from shardtune.parallel.fake import fake_process_group, track_peak, untracked_root
+from shardtune.parallel.fsdp import local_state_bytes
+from shardtune.parallel.loading import allocate_unread
+from shardtune.parallel.setup import build_sharded_model
+from shardtune.planning.allocator import Replay, replay
+from shardtune.planning.recorder import AllocationRecorder
+from shardtune.training.optimizers import build_optimizer
 
 # The tracker's categories, grouped. The tracker splits by when a tensor was made (forward and recomputation:
 # activations; backward: temporaries), not by what it is, and has no row for frozen weights.
@@ -141,9 +150,6 @@ def trace_step(
 ) -> TraceResult:
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks, with the frozen
     base replicated where `replicate_base` (the estimate's setting, `--frozen_base`)."""
-    from shardtune.models.builder import model_spec
-    from shardtune.parallel.fake import fake_process_group, untracked_root
-    from shardtune.parallel.setup import build_sharded_model
 
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -199,7 +205,6 @@ def _real_causal_bias():
     """torch's lower-right causal bias (context parallelism's attention of a document begun in an earlier chunk)
     is a tensor subclass, which cannot be made under the trace's dispatch modes: it is made outside them (it
     holds no data: SDPA reads its shape and variant, and builds any mask it needs on the queries' device)."""
-    from shardtune.models import fastpath
 
     original = fastpath.causal_lower_right
 
@@ -223,9 +228,6 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
     (see _tracked_step), which a real run frees. Two steps: the first creates the optimizer states (one
     micro-batch), the second repeats a steady step (two micro-batches when the run accumulates: the second holds
     every gradient from its start, and later ones repeat it); both shape what the allocator keeps cached."""
-    from shardtune.parallel.loading import allocate_unread
-    from shardtune.planning.allocator import replay
-    from shardtune.planning.recorder import AllocationRecorder
 
     t = cfg.train
     micro_batches = min(t.gradient_accumulation_steps, 2)
@@ -252,8 +254,6 @@ def _trace_built(model, cfg, info, n_tokens: int) -> TraceResult:
 
 
 def _optimizer(model, t):
-    from shardtune.training.optimizers import build_optimizer
-
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return build_optimizer(
         params,
@@ -279,8 +279,6 @@ def _stream_names(model, numbers: dict[object, int]) -> dict[int, str]:
 
 def _tracked_step(model, optimizer, batch, max_grad_norm: float, micro_batches: int) -> TraceResult:
     """One step's micro-batches under FSDP2's memory tracker: its peaks by category, and the state it leaves."""
-    from shardtune.models import quant
-    from shardtune.parallel.fake import track_peak
 
     micro = [lambda: _forward_backward(model, batch)] * (micro_batches - 1)
     micro.append(lambda: (_forward_backward(model, batch), _clip(model, max_grad_norm)))
@@ -336,7 +334,6 @@ def _context_parallel_part(model, batch: dict, info) -> dict:
     with rows of one document each, chunk 0 attends among its own positions and chunk 2·cp - 1 the whole row's
     gathered keys, the largest crossing part a row can have. The split runs on the host batch's real values; the
     part then enters the trace as fake tensors on the device."""
-    from shardtune.parallel.context_parallel import local_part
 
     with _real_tensors():
         local, model.cp_shard = local_part(batch, info, model)
@@ -369,8 +366,6 @@ def _optimizer_step(model, optimizer) -> None:
 
 
 def _state_bytes(model, optimizer) -> dict[str, int]:
-    from shardtune.parallel.fsdp import local_state_bytes
-
     out = dict(local_state_bytes(model))
     out["trainable_tensors"] = sum(1 for p in model.parameters() if p.requires_grad)
     out["optimizer"] = sum(

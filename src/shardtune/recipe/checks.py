@@ -5,19 +5,23 @@ from __future__ import annotations
 import torch
 
 from shardtune.config.arguments import RunConfig
+from shardtune.config.fsdp import fsdp1_only_notes
+from shardtune.inference.harness import check_tasks, split_tasks
 from shardtune.parallel import checkpoint
+from shardtune.parallel.mesh import broadcast_object
+from shardtune.planning.fit import frozen_base_choice, launch_from_env, warn_if_too_small
 from shardtune.recipe.state import saved_record
+from shardtune.runtime import hub
 from shardtune.runtime.log import print0, warn0
+from shardtune.training import optimizers, run_dir
+from shardtune.training.run_dir import identity_problem
+from shardtune.training.trackers import open_trackers, parse_report_to
 
 
 def preflight_run(cfg: RunConfig, info) -> str | None:
     """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
     the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
-    from shardtune.config.fsdp import fsdp1_only_notes
-    from shardtune.parallel.mesh import broadcast_object
-    from shardtune.runtime import hub
-    from shardtune.training import run_dir
 
     t = cfg.train
     repo_id, problem = None, None
@@ -43,8 +47,6 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
         if not problem:
             problem = _optimizer_and_resume_problem(cfg, info)
         if not problem and t.eval_harness_tasks:
-            from shardtune.inference.harness import check_tasks, split_tasks
-
             flags = ("--eval_harness_tasks", "--eval_harness_include_path")
             _, task_problems = check_tasks(split_tasks(t.eval_harness_tasks), t.eval_harness_include_path, flags)
             problem = "; ".join(task_problems) or None
@@ -53,8 +55,6 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
             if removed:
                 print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
         if info.device.type == "cuda" and not problem:
-            from shardtune.planning.fit import warn_if_too_small
-
             msg = warn_if_too_small(cfg, torch.cuda.get_device_properties(info.device).total_memory)
             if msg:
                 warn0(msg)
@@ -65,8 +65,6 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
 
 
 def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
-    from shardtune.training import optimizers
-
     t = cfg.train
     problems = optimizers.optimizer_problems(t.optim, info.device)
     if problems:
@@ -74,8 +72,6 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
     if not t.resume_from_checkpoint:
         return None
     try:
-        from shardtune.training.run_dir import identity_problem
-
         path = checkpoint.resolve(t.resume_from_checkpoint, t.output_dir)
         record = saved_record(cfg)
         other_run = identity_problem(path, record, t.resume_from_checkpoint)
@@ -96,8 +92,6 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
 def open_trackers_for_run(cfg: RunConfig, info) -> list:
     """The W&B/MLflow runs of --report_to, started on the main process before the data and model load, so that
     a tracker that cannot start stops every rank with its message (exit 2) and nothing has been spent."""
-    from shardtune.parallel.mesh import broadcast_object
-    from shardtune.training.trackers import open_trackers, parse_report_to
 
     trackers, problem = [], None
     if info.is_main:
@@ -117,8 +111,6 @@ def frozen_base_placement(cfg: RunConfig, info) -> str:
     """--frozen_base as this run applies it ("sharded" or "replicated"), decided on rank 0 from the plan and its
     GPU's memory (shardtune.planning.fit.frozen_base_choice) and sent to every rank, which must all place the base
     alike; the reason is logged once."""
-    from shardtune.parallel.mesh import broadcast_object
-    from shardtune.planning.fit import frozen_base_choice, launch_from_env
 
     choice = None
     if info.is_main:

@@ -7,23 +7,26 @@ import math
 from pathlib import Path
 
 from shardtune.config.arguments import RunConfig
+from shardtune.data import build_datasets
 from shardtune.data.cache import CACHE_FIX
+from shardtune.data.preference import build_preference_datasets
 from shardtune.objectives.loss import objective_spec
+from shardtune.parallel import mesh
+from shardtune.parallel.mesh import barrier
 from shardtune.runtime.atomic import DiskFullError, is_disk_full, sweep_stale
 from shardtune.runtime.log import print0
+from shardtune.training.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
 
 
 def prepare_data(cfg: RunConfig, tokenizer, info):
     """Rank 0 prepares the cache first; then each other node's local rank 0 reads it (a shared file system) or
     prepares its own (node-local disks); then the remaining ranks read their node's cache. Every rank then checks
     that it holds the same rows as rank 0."""
-    from shardtune.parallel.mesh import barrier
 
     d = cfg.data
     cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
     kind = objective_spec(cfg.train.objective).data
     if kind == "rows":
-        from shardtune.data import build_datasets
 
         def build():
             return build_datasets(
@@ -34,8 +37,6 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
                 chat_template_format=cfg.model.chat_template_format,
             )
     else:
-        from shardtune.data.preference import build_preference_datasets
-
         # KTO's KL rows: completions rotated within each global micro-batch.
         group = cfg.train.per_device_train_batch_size * info.dims.dp_size if kind == "kto" else None
 
@@ -81,10 +82,9 @@ def _disk_full_named(build, cache: str):
 def _check_same_rows(train, evals, dataset_name: str) -> None:
     """Nodes without a shared file system prepare their caches from their own copies of the data: compare the
     caches' content digests, so that a node with other files stops the run instead of training on other rows."""
-    from shardtune.parallel.mesh import all_gather_objects
 
     mine = [getattr(train, "digest", None), getattr(evals, "digest", None)]  # None for a streamed split: not compared
-    digests = all_gather_objects(mine)
+    digests = mesh.all_gather_objects(mine)
     differ = [r for r, x in enumerate(digests) if x != digests[0]]
     if differ:
         raise ValueError(
@@ -102,7 +102,6 @@ def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
 
 def steps_per_epoch_for(cfg: RunConfig, train_split, info) -> int:
     """Optimizer steps in one epoch of the split at this run's global batch; a stream's length is unknown."""
-    from shardtune.training.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
 
     t, dp = cfg.train, info.dims.dp_size
     if cfg.data.streaming:

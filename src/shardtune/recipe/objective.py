@@ -5,12 +5,12 @@ from __future__ import annotations
 from shardtune.config.arguments import RunConfig
 from shardtune.config.dtypes import name_of
 from shardtune.objectives import router_aux
+from shardtune.objectives.loss import build_objective, disable_dropout, dropout_off, kto_weight_advice
+from shardtune.objectives.reference import precompute_reference, weights_identity
 from shardtune.runtime.log import print0
 
 
 def _kto_advice(train_split, t) -> str | None:
-    from shardtune.objectives.loss import kto_weight_advice
-
     n_desirable = int(train_split.desirable.sum())
     return kto_weight_advice(n_desirable, len(train_split) - n_desirable, t.desirable_weight, t.undesirable_weight)
 
@@ -18,8 +18,6 @@ def _kto_advice(train_split, t) -> str | None:
 def setup_objective(cfg: RunConfig, model, splits: list, info, pad_id: int):
     """The objective of --objective; for a preference objective, dropout off (as TRL) and the reference
     log-probs precomputed unless the reference is the base with a fresh adapter disabled, each step."""
-    from shardtune.objectives.loss import build_objective, disable_dropout, dropout_off
-    from shardtune.objectives.reference import precompute_reference, weights_identity
 
     t, m = cfg.train, cfg.model
     objective = build_objective(

@@ -8,19 +8,21 @@ from pathlib import Path
 
 from shardtune.config.arguments import RunConfig
 from shardtune.config.dtypes import name_of
+from shardtune.merge.fold import merge_adapter
+from shardtune.parallel.gather import gather_full, gather_trainable
+from shardtune.parallel.mesh import all_gather_objects, barrier, broadcast_object
 from shardtune.runtime import atomic
+from shardtune.runtime.atomic import DiskFullError
 from shardtune.runtime.log import print0
+from shardtune.training.export import save_adapter, save_full_model
+from shardtune.training.modelcard import write_model_card
+from shardtune.training.trainer import evaluate_split, peak_memory_gb
 
 
 def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path:
     """Gather the adapter (or the whole model) and write it to output_dir in PEFT/transformers format.
     A full disk on rank 0 raises OSError(ENOSPC) on every rank (the others would wait at the next barrier)."""
     import errno
-
-    from shardtune.parallel.gather import gather_full, gather_trainable
-    from shardtune.parallel.mesh import broadcast_object
-    from shardtune.runtime.atomic import DiskFullError
-    from shardtune.training import export
 
     out = Path(cfg.train.output_dir)
     inner = model.model
@@ -29,10 +31,10 @@ def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path
     if info.is_main:
         try:
             if cfg.model.use_peft_lora:
-                export.save_adapter(inner, sd, tokenizer, out, step=step)
+                save_adapter(inner, sd, tokenizer, out, step=step)
             else:
                 # In the precision the run trained in (--bf16/--fp16 or the YAML's mixed_precision).
-                export.save_full_model(inner, sd, tokenizer, out, dtype=cfg.precision.export, step=step)
+                save_full_model(inner, sd, tokenizer, out, dtype=cfg.precision.export, step=step)
         except DiskFullError as e:
             problem = str(e)
     problem = broadcast_object(problem)
@@ -42,14 +44,10 @@ def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path
 
 
 def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
-    from shardtune.parallel.mesh import barrier
-
     out = write_weights(cfg, model, tokenizer, info, step)
     print0(f"{'Adapter' if cfg.model.use_peft_lora else 'Model'} written to {out}.")
     barrier()
     if cfg.train.merge_adapter and cfg.model.use_peft_lora and info.is_main:
-        from shardtune.merge.fold import merge_adapter
-
         # A low-precision run merges in its compute dtype; an fp32 one keeps the base's own dtype.
         low = cfg.precision.param_dtype
         dtype = None if low is None else name_of(low)
@@ -66,9 +64,6 @@ def export(cfg: RunConfig, model, tokenizer, info, step: int) -> Path:
 
 
 def finish(logger, cfg, model, eval_split, info, settings, state, runtime, out, objective) -> None:
-    from shardtune.parallel.mesh import all_gather_objects
-    from shardtune.training.trainer import evaluate_split, peak_memory_gb
-
     final_eval = {}
     if eval_split is not None and cfg.train.eval_strategy != "no":
         final_eval = evaluate_split(model, eval_split, objective, settings, info)
@@ -100,8 +95,6 @@ def _method(cfg: RunConfig) -> str:
 
 
 def write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
-    from shardtune.training.modelcard import write_model_card
-
     m, d, t = cfg.model, cfg.data, cfg.train
     hp = {
         "learning_rate": t.learning_rate,

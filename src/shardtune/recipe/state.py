@@ -8,7 +8,9 @@ from pathlib import Path
 from shardtune.config.arguments import RunConfig
 from shardtune.parallel import checkpoint
 from shardtune.recipe.output import write_weights
+from shardtune.runtime import hub
 from shardtune.runtime.log import print0, warn0
+from shardtune.training.run_dir import run_identity, trim_metrics
 from shardtune.training.trainer import LoopState
 
 
@@ -47,8 +49,6 @@ def save_checkpoint(
     if t.hub_strategy == "every_save":
         write_weights(cfg, model, tokenizer, info, s.step)  # the adapter (or model) as of this step, for the upload
     if info.is_main:
-        from shardtune.runtime import hub
-
         try:
             hub.push_checkpoint(
                 repo_id, path, t.output_dir, strategy=t.hub_strategy, hub_token=t.hub_token, step=s.step
@@ -80,8 +80,6 @@ def check_resumed_data(cfg: RunConfig, train_split) -> None:
         return  # no readable config: the checkpoint's own checks name the file
     saved, now = record.get("data_digest"), getattr(train_split, "digest", None)
     if saved and not now:  # this run's rows have no digest (streamed, pairs): the paths must match after all
-        from shardtune.training.run_dir import run_identity
-
         key = "data.dataset_name"
         before, after = (
             run_identity(record)[key],
@@ -121,8 +119,6 @@ def resume(cfg, model, optimizer, scheduler, info):
         warn0(note)
     state = LoopState(**loop)
     if info.is_main:
-        from shardtune.training.run_dir import trim_metrics
-
         dropped = trim_metrics(t.output_dir, state.step)
         if dropped:
             print0(f"metrics.jsonl: dropped {dropped} record(s) after step {state.step}, which this run redoes.")

@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shardtune.runtime.atomic import replaced_file
 from shardtune.runtime.log import print0, warn0
+from shardtune.training.trackers import parse_report_to
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -116,8 +118,6 @@ class RunLogger:
         disable_progress: bool = False,
         trackers: list | None = None,
     ):
-        from shardtune.training.trackers import parse_report_to
-
         self.output_dir = Path(output_dir)
         self.is_main = is_main
         self.total_steps = total_steps
@@ -427,7 +427,6 @@ def plot_run(output_dir: str | Path, records: list[dict] | None = None) -> Path:
     ax.set_title(f"{output_dir.resolve().name}" + (" (interrupted)" if interrupted else ""))
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper right")
     fig.tight_layout()
-    from shardtune.runtime.atomic import replaced_file
 
     path = output_dir / PLOT_FILE
     with replaced_file(path) as f:  # a viewer open on loss.png never sees half a file

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.data import templates
+from shardtune.runtime.atomic import replace_text
 from shardtune.runtime.hub import is_hub_id
 
 METHODS = {"lora": "LoRA", "qlora": "QLoRA", "dora": "DoRA", "full": "full"}
@@ -206,7 +207,6 @@ def set_eval_section(card_path: str | Path, table: str) -> Path:
         text = head + section + rest.split(EVAL_END, 1)[1].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    from shardtune.runtime.atomic import replace_text
 
     replace_text(path, text)
     return path

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardtune.models.quant import bitsandbytes_missing
 from shardtune.runtime.log import print0
 
 
@@ -182,8 +183,6 @@ def _bnb_adamw(paged: bool) -> Callable[..., torch.optim.Optimizer]:
 
 def _bnb_problems(optim: str) -> Callable[[torch.device], list[str]]:
     def problems(device: torch.device) -> list[str]:
-        from shardtune.models.quant import bitsandbytes_missing
-
         missing = bitsandbytes_missing(f"--optim {optim}")
         if missing:
             return [f"{missing[:-1]}, or use --optim adamw_torch."]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardtune.runtime.atomic import sweep_stale, temp_name
+from shardtune.runtime.atomic import replace_text, sweep_stale, temp_name
 from shardtune.runtime.log import warn0
 
 # What a finished or running shardtune run leaves in its output_dir.
@@ -254,8 +254,6 @@ def trim_metrics(output_dir: str, step: int) -> int:
             continue
         kept.append(line)
     if dropped:
-        from shardtune.runtime.atomic import replace_text
-
         replace_text(path, "".join(line + "\n" for line in kept))
     return dropped
 
