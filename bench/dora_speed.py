@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from shardtune.objectives.heads import token_loss
+
 RESULTS = Path(__file__).resolve().parent / "results" / "dora_speed.json"
 MODEL = {"vocab_size": 1024, "hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4}
 # forward: "peft" (peft's DoRA forward), "fast-peft" (shardtune's, --dora_dropout peft), "fast" (shardtune's
@@ -80,7 +82,7 @@ def _build(model_dir: str, variant: dict, dropout: float, rank: int, info):
 
 
 def _step(model, optimizer, batch) -> None:
-    loss, n = model(**batch)
+    loss, n = model(**batch, head=token_loss)
     (loss / n).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import speed
 
+from shardtune.objectives.heads import token_loss
+
 NUMERICS_LAYERS = 2
 # Roundings to bf16 along the path of one value through a Llama layer: the input norm's output, the q (or k or v)
 # projection, RoPE, the attention probabilities and output, o_proj, the residual add, the post-attention norm,
@@ -82,21 +84,23 @@ def target_logits(model, batch):
     """The logits at every target position, through the model's own forward (so that FSDP's hooks run): its loss
     chunks, recorded as they are computed."""
     import torch
-    import torch.nn.functional as F
+
+    from shardtune.objectives.heads import token_loss
 
     chunks = []
+    chunk_logits = model.chunk_logits
 
-    def record(h, y):
-        z = model.chunk_logits(h)
+    def record(h):
+        z = chunk_logits(h)
         chunks.append(z.float())
-        return F.cross_entropy(z, y, reduction="sum")
+        return z
 
-    model._chunk_loss = record  # an instance attribute: the class's method again after the del below
+    model.chunk_logits = record  # an instance attribute: the class's method again after the del below
     try:
         with torch.no_grad():
-            model(*batch)
+            model(*batch, head=token_loss)
     finally:
-        del model._chunk_loss
+        del model.chunk_logits
     return torch.cat(chunks)
 
 
@@ -149,7 +153,7 @@ def _time_step(model, batch, device: str, reps: int) -> float:
     """Median seconds of forward + backward of the loss (the first call picks kernels and is not counted)."""
     times = []
     for i in range(reps + 1):
-        speed._sync(device)
+        speed._sync(device, head=token_loss)
         t0 = time.perf_counter()
         total, n = model(*batch)
         (total / n).backward()

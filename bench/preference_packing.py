@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardtune.objectives.heads import sequence_logps
+
 
 def demo_lengths(n: int, tmp: Path) -> np.ndarray:
     from shardtune.commands.demo import build_tokenizer, write_preference_dataset
@@ -94,7 +96,7 @@ def _rows(seqs: list[list[int]], width: int) -> dict[str, torch.Tensor]:
 def _time(model, batches: list[dict]) -> float:
     t0 = time.perf_counter()
     for b in batches:
-        logps, _ = model(**b, per_sequence=True)
+        logps, _ = model(**b, head=sequence_logps)
         logps.sum().backward()
     return time.perf_counter() - t0
 

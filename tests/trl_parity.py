@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.heads import sequence_logps
 
 # The settings both sides share: fp32 on the CPU, no update (the first step's numbers are compared), no outputs.
 TRL_ARGS = {"max_length": 64, "report_to": "none", "use_cpu": True, "bf16": False, "learning_rate": 0.0}
@@ -29,7 +30,7 @@ def shardtune_first_step(objective, policy, ref, split, *, batch_size: int, pad_
     batch = next(iter(split.iterate(batch_size=batch_size, **kw)))
     inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
     with torch.no_grad():
-        batch["ref_logps"] = CausalLMForTraining(ref, chunk_size=16)(**inputs, per_sequence=True)[0]
+        batch["ref_logps"] = CausalLMForTraining(ref, chunk_size=16)(**inputs, head=sequence_logps)[0]
     model = CausalLMForTraining(policy, chunk_size=16)  # several chunks per batch
     totals = objective.counts(batch)
     loss, sums = objective.step(model, batch, totals, grad_scale=1.0)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.models import dora, modeling
 from shardtune.models.builder import ModelSpec
+from shardtune.objectives.heads import token_loss
 from shardtune.parallel import adapters
 from shardtune.parallel.fsdp import assert_sharded, shard_model
 from shardtune.parallel.mesh import init_distributed, shutdown
@@ -90,7 +91,7 @@ def _grads(model) -> dict[str, torch.Tensor | None]:
 
 def _train_step(model, batch) -> None:
     model.train()
-    loss, _ = model(**batch)
+    loss, _ = model(**batch, head=token_loss)
     loss.backward()
     model.eval()
 

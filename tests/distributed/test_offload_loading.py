@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from shardtune.objectives.heads import token_loss
+
 SEQ = 16
 
 
@@ -74,7 +76,7 @@ def _losses(model) -> list[float]:
     ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
     out = []
     for _ in range(3):
-        total, n = model(ids, torch.arange(SEQ).repeat(2, 1), ids)
+        total, n = model(ids, torch.arange(SEQ).repeat(2, 1), ids, head=token_loss)
         (total / n).backward()
         opt.step()
         opt.zero_grad()

@@ -34,8 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shardtune.commands.demo import build_tokenizer, write_preference_dataset
 from shardtune.data import setup_tokenizer
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.router_aux import family_router_aux, log_line
+from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import build_objective
-from shardtune.objectives.router_aux import family_router_aux, log_line
 from tests.conftest import train_records
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS, build_family_model, run_jobs
 from tests.mutation import Edit, plant
@@ -274,13 +275,13 @@ def test_soft_capping_is_in_the_logps(assets, family):
     batch = next(iter(train.iterate(batch_size=2, rank=0, world_size=1, epoch=0, seed=0, shuffle=False, pad_id=0)))
     head = CausalLMForTraining(model, chunk_size=16)
     with torch.no_grad():
-        ours = head(batch["input_ids"], batch["position_ids"], batch["labels"], per_sequence=True)[0]
+        ours = head(batch["input_ids"], batch["position_ids"], batch["labels"], head=sequence_logps)[0]
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
         labels = batch["labels"]
         token = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
         theirs = (token * (labels != -100)).sum(-1)
         head._transform = lambda z: z  # the raw head, without the cap
-        uncapped = head(batch["input_ids"], batch["position_ids"], batch["labels"], per_sequence=True)[0]
+        uncapped = head(batch["input_ids"], batch["position_ids"], batch["labels"], head=sequence_logps)[0]
     t = logps_tol(len(tok), float(theirs.abs().max()))
     torch.testing.assert_close(ours, theirs, rtol=0, atol=t)
     assert float((uncapped - theirs).abs().min()) > 10 * t
@@ -352,9 +353,9 @@ def test_tied_reference_with_trained_new_tokens_is_the_base(assets, family):
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        policy = model(ids, pos, labels, per_sequence=True)[0]
+        policy = model(ids, pos, labels, head=sequence_logps)[0]
         with disabled_adapter(model):
-            ref = model(ids, pos, labels, per_sequence=True)[0]
+            ref = model(ids, pos, labels, head=sequence_logps)[0]
             logits = model.model(input_ids=ids, position_ids=pos).logits.float()
     token = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     truth = (token * (labels != -100)).sum(-1)

@@ -340,7 +340,7 @@ class _Toy(nn.Module):
         self.w = nn.Parameter(torch.ones(4))
         self.nan_calls, self.calls = nan_calls, 0
 
-    def forward(self, input_ids, position_ids, labels):
+    def forward(self, input_ids, position_ids, labels, head=None):  # computes the SFT head itself
         self.calls += 1
         loss = (self.w * input_ids[:, :4].float()).sum()
         n = (labels != -100).sum()

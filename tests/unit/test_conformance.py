@@ -17,6 +17,7 @@ from transformers import CONFIG_MAPPING
 from shardtune.config.errors import ConfigError
 from shardtune.models import builder, families, fastpath
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.heads import token_loss
 
 SLICE = ["llama", "granite", "gemma2", "qwen2_moe", "falcon_h1", "gpt_oss", "llama4_text"]
 # fp32, tiny models, the same products summed in other orders: at most 5e-7 of the logits' largest magnitude on
@@ -69,7 +70,7 @@ def test_training_forward_is_the_models_own(model_type):
     with torch.no_grad():
         want = _own(model, docs[0], one_pos, attention)
         got = train.logits(docs[0], one_pos)[0]
-        loss, n = train(docs[0], one_pos, docs[0].roll(-1, 1))
+        loss, n = train(docs[0], one_pos, docs[0].roll(-1, 1), head=token_loss)
         alone = torch.cat([_own(model, d, torch.arange(d.shape[1])[None], attention) for d in docs])
         packed = train.logits(ids, pos)[0]
         own_packed = _own(model, ids, pos, attention)

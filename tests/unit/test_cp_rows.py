@@ -1,12 +1,12 @@
 """What context parallelism keeps per row besides the attention: which of a rank's positions are the rows' own
 (not padding added for the split), and the one-sequence rows' real tokens the router loss counts, read off the
-position ids at the row positions a rank holds (shardtune.objectives.router_aux.sequence_mask)."""
+position ids at the row positions a rank holds (shardtune.models.router_aux.sequence_mask)."""
 
 from __future__ import annotations
 
 import torch
 
-from shardtune.objectives.router_aux import sequence_mask
+from shardtune.models.router_aux import sequence_mask
 from shardtune.parallel import split
 from shardtune.parallel.context_parallel import local_shard
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardtune.models import fastpath, modeling
+from shardtune.objectives.heads import token_loss
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS
 from tests.tolerance import decoder_chain, tol
 
@@ -58,7 +59,7 @@ def test_chunked_loss_logits_are_the_familys_own(family):
     with torch.no_grad():
         want = model(input_ids=ids, position_ids=pos).logits[0].float()
         got = train.logits(ids, pos)[0]
-        loss, n = train(ids, pos, ids.roll(-1, 1))
+        loss, n = train(ids, pos, ids.roll(-1, 1), head=token_loss)
     # fp32: the family's forward and the chunked head compute the same logits; only the last steps (the head's
     # product, the scaling or capping, the log-sum-exp and the sum over 24 targets) may sum in another order.
     head = decoder_chain(hidden=HIDDEN, intermediate=FFN, layers=0, seq=0)

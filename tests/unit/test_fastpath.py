@@ -8,6 +8,7 @@ from torch import nn
 
 from shardtune.models import fastpath
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.heads import token_loss
 from tests.tolerance import tol
 
 # --- dropout -----------------------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def test_per_document_attention_matches_the_masked_attention(dtype, tol):
     results = []
     for model, per_doc in ((ref, False), (fast, True)):
         module = CausalLMForTraining(model, chunk_size=256, per_document_attention=per_doc)
-        loss, n = module(ids, pos, labels)
+        loss, n = module(ids, pos, labels, head=token_loss)
         loss.backward()
         results.append((loss.detach() / n, {k: p.grad for k, p in model.named_parameters()}))
     (want, want_g), (got, got_g) = results
@@ -168,7 +169,7 @@ def test_a_row_mask_is_built_only_for_a_family_that_masks_more(monkeypatch, chun
     monkeypatch.setattr(masking_utils, "sdpa_mask", lambda *a, **k: built.append(1) or sdpa_mask(*a, **k))
     pos = torch.stack([_positions(150, 20, 30, 100)])
     ids = torch.randint(0, 97, pos.shape, generator=torch.Generator().manual_seed(1))
-    CausalLMForTraining(model, chunk_size=256)(ids, pos, ids.roll(-1, 1))
+    CausalLMForTraining(model, chunk_size=256)(ids, pos, ids.roll(-1, 1), head=token_loss)
     assert bool(built) == chunked
     from shardtune.models import families
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.objectives.heads import token_loss
 from shardtune.training.trainer import train_step
 from tests.tolerance import tol
 
@@ -36,7 +37,7 @@ class _TinyLM(nn.Module):
         torch.manual_seed(0)
         self.embed, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
 
-    def forward(self, input_ids, position_ids, labels):
+    def forward(self, input_ids, position_ids, labels, head=None):  # computes the SFT head itself
         logits = self.head(torch.tanh(self.embed(input_ids)))
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum")
         return loss, (labels != -100).sum()
@@ -60,7 +61,7 @@ def test_two_micro_batches_give_the_gradient_of_the_token_mean(info):
 
     ref = _TinyLM()
     both = {k: torch.cat([b[k] for b in micro]) for k in micro[0]}
-    loss_sum, n = ref(**both)
+    loss_sum, n = ref(**both, head=token_loss)
     (loss_sum / n).backward()
     assert totals["targets"] == int(n) == 13
     # The same sums in another order: the head over HIDDEN, the softmax over VOCAB, the loss over 13 targets.

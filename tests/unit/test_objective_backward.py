@@ -9,6 +9,7 @@ import torch
 
 from shardtune.commands.demo import build_model
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import build_objective
 from tests.tolerance import unit_roundoff
 
@@ -40,7 +41,7 @@ def _batch(name: str, model) -> dict[str, torch.Tensor]:
     if name == "kto":
         batch["desirable"] = torch.tensor([True, False, True])
     with torch.no_grad():
-        logps, _ = model(**{k: batch[k] for k in ("input_ids", "position_ids", "labels")}, per_sequence=True)
+        logps, _ = model(**{k: batch[k] for k in ("input_ids", "position_ids", "labels")}, head=sequence_logps)
     # A reference that differs from the policy: nonzero log-ratios and KL estimate.
     batch["ref_logps"] = logps - torch.linspace(-1.0, 1.0, len(logps))
     return batch

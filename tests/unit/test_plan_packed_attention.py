@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from shardtune.models import families, fastpath, modeling
+from shardtune.objectives.heads import token_loss
 from shardtune.planning import ModelShape, estimate_memory
 from shardtune.planning import activations as act
 from shardtune.planning.fit import plan_inputs, plan_shape, trains_per_document
@@ -78,7 +79,7 @@ def _measure(dtype: torch.dtype, docs: list[int]) -> dict:
                layer.register_forward_hook(lambda *a, **k: hooks.__exit__(None, None, None), with_kwargs=True)]  # fmt: skip
     ids = torch.randint(0, VOCAB, (1, sum(docs)))
     pos = torch.cat([torch.arange(n) for n in docs])[None]
-    total, _ = train(ids, pos, ids)
+    total, _ = train(ids, pos, ids, head=token_loss)
     total.backward()
     for h in handles:
         h.remove()

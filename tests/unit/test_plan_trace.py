@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from shardtune.commands.plan import format_plan, format_trace, main, make_plan
+from shardtune.objectives.heads import token_loss
 from shardtune.planning import model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate
@@ -215,7 +216,7 @@ def _real_state_bytes(cfg, n_tokens: int, monkeypatch) -> dict[str, int]:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = build_optimizer(named, optim="adamw_torch", lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
         ids = torch.randint(0, n_tokens, (2, 16))
-        loss, _ = model(input_ids=ids, position_ids=torch.arange(16).expand(2, 16), labels=ids)
+        loss, _ = model(input_ids=ids, position_ids=torch.arange(16).expand(2, 16), labels=ids, head=token_loss)
         loss.backward()
         opt.step()
         held = local_state_bytes(model)

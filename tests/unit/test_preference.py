@@ -14,6 +14,7 @@ from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
 from shardtune.data.preference import tokenize_pair
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import PreferenceObjective, build_objective
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step
 
@@ -170,14 +171,14 @@ def test_disabled_adapter_gives_the_base_models_logps(tiny_assets, tok, pairs_di
     base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
     inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
     with torch.no_grad():
-        expected = CausalLMForTraining(base)(**inputs, per_sequence=True)[0]
+        expected = CausalLMForTraining(base)(**inputs, head=sequence_logps)[0]
     peft = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     model = CausalLMForTraining(peft)
     objective = build_objective("dpo", beta=0.1, loss_type="sigmoid", simpo_gamma=0.5)
     ref = objective._reference(model, batch)
     torch.testing.assert_close(ref, expected, rtol=0, atol=0)
     with torch.no_grad():
-        adapted = model(**inputs, per_sequence=True)[0]
+        adapted = model(**inputs, head=sequence_logps)[0]
     assert (adapted - expected).abs().max() > 1e-3  # the adapter is back on after the reference pass
     assert all(p.requires_grad for n, p in peft.named_parameters() if "lora_" in n)
 
@@ -191,7 +192,7 @@ def test_per_sequence_logps_equal_full_logits(tiny_assets, tok, pairs_dir):
         AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32), chunk_size=7
     )
     with torch.no_grad():
-        logps, n = model(batch["input_ids"], batch["position_ids"], batch["labels"], per_sequence=True)
+        logps, n = model(batch["input_ids"], batch["position_ids"], batch["labels"], head=sequence_logps)
         logits = model.logits(batch["input_ids"], batch["position_ids"])
     mask = batch["labels"] != -100
     token = torch.log_softmax(logits, -1).gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.router_aux import log_line
 from shardtune.objectives.loss import Objective
-from shardtune.objectives.router_aux import log_line
 from tests.tolerance import decoder_chain, tol
 
 VOCAB, HIDDEN, FFN, LAYERS, EXPERTS, TOP_K, SEQ, ROWS, PROMPT = 100, 32, 64, 2, 4, 2, 12, 3, 4

@@ -52,8 +52,6 @@ UPWARD = {
     "shardtune.config.validation": "checks the flags against the components' registries (data formats, 4-bit "
     "rules, objectives, optimizers, trackers), each the one home of its names",
     "shardtune.config.arguments": "the --objective and --optim help lists the objectives' and optimizers' registries",
-    "shardtune.models.modeling": "the training module computes the loss (chunked cross-entropy, the router's "
-    "balance term): it moves to objectives/ once the model returns hidden states",
 }
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from shardtune.models import modeling
+from shardtune.objectives.heads import token_loss
 from tests.tolerance import TINY, decoder_chain, tol
 from tests.unit.test_plan import _spawn_two
 
@@ -34,7 +35,7 @@ def _model(path) -> modeling.CausalLMForTraining:
 
 def test_a_batch_without_targets_gives_a_zero_loss_that_backpropagates(tiny_assets):
     model = _model(tiny_assets["model"])
-    loss, n = model(**_batch(0, targets=False))
+    loss, n = model(**_batch(0, targets=False), head=token_loss)
     assert int(n) == 0 and float(loss.detach()) == 0.0 and loss.requires_grad
     loss.backward()  # used to raise "element 0 of tensors does not require grad"
     grads = [p.grad for p in model.parameters() if p.requires_grad]
@@ -75,7 +76,7 @@ def test_two_ranks_one_without_targets_equal_one_process(tiny_assets):
     # One process with both ranks' rows: the loss summed over its targets, divided by their number.
     ref = _model(tiny_assets["model"])
     both = {k: torch.cat([_batch(0, True)[k], _batch(1, False)[k]]) for k in ("input_ids", "position_ids", "labels")}
-    loss_sum, n = ref(**both)
+    loss_sum, n = ref(**both, head=token_loss)
     (loss_sum / n).backward()
     mean = float(loss_sum.detach() / n)
     # A forward and backward over 4 rows of 12 positions and 22 targets, in another order of sums.

@@ -62,7 +62,7 @@ class ModelSpec:
     frozen_base: str = "sharded"
     torch_compile: bool = False
     loss_chunk_size: int = 1024
-    router_aux_loss_coef: float | None = None  # None: the config's (shardtune.objectives.router_aux)
+    router_aux_loss_coef: float | None = None  # None: the config's (shardtune.models.router_aux)
     # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
     packing: bool = False
     # Ranks each row's positions are split over (shardtune.parallel.split); the fast path's attention only.

@@ -13,16 +13,14 @@ import re
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardtune.config import dtypes
 from shardtune.config.validation import tied_head_saved_problem
 from shardtune.data.templates import padded_rows, setup_tokenizer
-from shardtune.models import families, fastpath, quant, quant_experts, targets
+from shardtune.models import families, fastpath, quant, quant_experts, router_aux, targets
 from shardtune.models.families import family_attention
 from shardtune.models.weights import causal_lm_class, layout_conversions, stacked_experts
-from shardtune.objectives import router_aux
 from shardtune.runtime.log import print0, warn0
 
 
@@ -389,8 +387,9 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 class CausalLMForTraining(nn.Module):
-    """Wraps a (PEFT) causal LM: runs the decoder, then the output head and cross-entropy in chunks of
-    positions, recomputing each chunk's logits in backward, so full fp32 [batch, seq, vocab] logits are never held.
+    """Wraps a (PEFT) causal LM: runs the decoder, then the objective's head (shardtune.objectives.heads) on its
+    output: the output head and the loss in chunks of positions, each chunk's logits recomputed in backward, so
+    full fp32 [batch, seq, vocab] logits are never held.
 
     That fast path is used where it is the model's own function (shardtune.models.families checks it on a tiny copy of
     the config: the decoder it calls, the head's logit transform, per-document attention); elsewhere the model's
@@ -398,9 +397,10 @@ class CausalLMForTraining(nn.Module):
     candidates); `packing`: whether rows hold several documents (None: maybe), which the fast path must keep
     apart to be chosen.
 
-    Labels are already shifted (labels[i] is the target of position i; -100 means none). Returns the summed
-    loss and the number of targets, so that the caller normalises over the whole global batch; with
-    `router_aux=True` also the forward's router load-balancing loss (shardtune.objectives.router_aux; None without one).
+    Labels are already shifted (labels[i] is the target of position i; -100 means none). What forward returns is
+    the objective's head's (shardtune.objectives.heads: the summed loss and the number of targets, so that the
+    caller normalises over the whole global batch, or per-row log-probs); with `router_aux=True` also the forward's
+    router load-balancing loss (models.router_aux; None without one).
     `router_aux_loss_coef` overrides the config's coefficient of that loss (None: the config's; 0: off).
     """
 
@@ -490,42 +490,17 @@ class CausalLMForTraining(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         labels: torch.Tensor,
-        per_sequence: bool = False,
+        *,
+        head,
         router_aux: bool = False,
         aux_mask: torch.Tensor | None = None,
     ):
-        """(sum of the targets' cross-entropies, their count) or, per_sequence, (log-prob, targets) per row; with
-        router_aux, the router load-balancing loss (over aux_mask's tokens, or all) as a third element."""
+        """What the objective's `head` (shardtune.objectives.heads) computes from the decoder's output and the
+        labels, inside the root's forward so that FSDP's hooks run; with router_aux, the router load-balancing loss
+        (over aux_mask's tokens, or all) appended."""
         h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux, aux_mask)
-        if per_sequence:  # a preference objective: through forward, so that FSDP's root hooks run
-            logps, n = self._sequence_logps(h, labels)
-            if self.cp_shard is not None:  # this rank's positions' terms: the rows' sums over the cp ranks
-                logps, n = self.cp_shard.sum_rows(logps), self.cp_shard.sum_rows(n)
-            return (logps, n, aux) if router_aux else (logps, n)
-        total, count = self._token_loss(h, labels)
-        return (total, count, aux) if router_aux else (total, count)
-
-    def _token_loss(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the targets' cross-entropies, number of targets), chunked over positions."""
-        h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-        keep = y != -100
-        if not keep.any():
-            # No target in this batch (--assistant_only_loss and no assistant turn in it): a loss of exactly zero
-            # that still runs through the head, so that backward reaches every parameter and this rank's FSDP
-            # reduce-scatters run like the other ranks'. Its gradient is zero (0 * finite), the sum unchanged.
-            return self._chunk_loss(h[:1], torch.zeros_like(y[:1])) * 0.0, keep.sum()
-        h, y = h[keep], y[keep]
-        total = h.new_zeros((), dtype=torch.float32)
-        for start in range(0, h.shape[0], self.chunk_size):
-            hc, yc = h[start : start + self.chunk_size], y[start : start + self.chunk_size]
-            if torch.is_grad_enabled():
-                total = total + torch.utils.checkpoint.checkpoint(self._chunk_loss, hc, yc, use_reentrant=False)
-            else:
-                total = total + self._chunk_loss(hc, yc)
-        return total, keep.sum()
-
-    def _chunk_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.chunk_logits(h), y, reduction="sum")
+        out = head(self, h, labels)
+        return (*out, aux) if router_aux else out
 
     def chunk_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The family's fp32 logits of a chunk of hidden states, as its own forward computes them (the head's
@@ -534,28 +509,6 @@ class CausalLMForTraining(nn.Module):
         if self.layout.path != "fast":
             return h.float()
         return self._transform(self._head(h).float())
-
-    def _sequence_logps(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of the targets' log-probs, number of targets) per row, through the same chunked head as the loss.
-
-        Positions are chunked over the whole batch as in forward; each chunk's log-probs are added to their rows.
-        """
-        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels).reshape(-1)
-        h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-        keep = y != -100
-        h, y, rows = h[keep], y[keep], rows[keep]
-        total = h.new_zeros(labels.shape[0], dtype=torch.float32)
-        for start in range(0, h.shape[0], self.chunk_size):
-            hc, yc = h[start : start + self.chunk_size], y[start : start + self.chunk_size]
-            if torch.is_grad_enabled():
-                lp = torch.utils.checkpoint.checkpoint(self._chunk_token_logps, hc, yc, use_reentrant=False)
-            else:
-                lp = self._chunk_token_logps(hc, yc)
-            total = total.index_add(0, rows[start : start + self.chunk_size], lp)
-        return total, torch.bincount(rows, minlength=labels.shape[0])
-
-    def _chunk_token_logps(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return -F.cross_entropy(self.chunk_logits(h), y, reduction="none")
 
     def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The fp32 logits the loss sees, [batch, seq, vocab] (the conformance check compares them with the

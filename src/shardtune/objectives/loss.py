@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.objectives.router_aux import sequence_mask
+from shardtune.models.router_aux import sequence_mask
+from shardtune.objectives.heads import sequence_logps, token_loss
 from shardtune.parallel.adapters import disabled_adapter
 from shardtune.parallel.mesh import all_reduce_sum
 
@@ -56,7 +57,7 @@ class Objective:
 
     def step(self, model: nn.Module, batch: dict, totals: dict[str, int], grad_scale: float):
         """The token cross-entropies / the global target count, plus, for a mixture of experts, coef × the
-        router load-balancing loss of this forward / the global number of micro-batches (objectives.router_aux).
+        router load-balancing loss of this forward / the global number of micro-batches (models.router_aux).
 
         The aux loss is a mean over one forward's positions (transformers adds coef × it to each forward's mean
         cross-entropy), so one micro-batch on one process gives transformers' loss exactly. Over G micro-batches
@@ -65,7 +66,10 @@ class Objective:
         losses). It is not the aux loss of the global batch as one forward (its expert fractions are per
         micro-batch), so the runs agree across ranks and accumulation only for the same micro-batches."""
         inputs = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
-        loss, _, aux = model(**inputs, router_aux=True) if _aux_coef(model) > 0 else (*model(**inputs), None)
+        if _aux_coef(model) > 0:
+            loss, _, aux = model(**inputs, head=token_loss, router_aux=True)
+        else:
+            (loss, _), aux = model(**inputs, head=token_loss), None
         sums = {"loss": loss.detach().double()}
         ce = loss / max(totals["targets"], 1)
         return (ce + _aux_term(model, aux, totals, sums)) * grad_scale, sums
@@ -100,10 +104,10 @@ def _aux_report(out: dict[str, float], sums: dict[str, float], totals: dict[str,
 def _policy(model: nn.Module, rows: dict, keep_rows: torch.Tensor):
     """(log-prob, targets, aux or None) per row of one-sequence rows; the router loss over their real tokens."""
     if _aux_coef(model) <= 0:
-        return (*model(**rows, per_sequence=True), None)
+        return (*model(**rows, head=sequence_logps), None)
     shard = getattr(model, "cp_shard", None)  # with context parallelism: the row positions the rank holds
     mask = sequence_mask(rows["position_ids"], keep_rows, None if shard is None else shard.row_index)
-    return model(**rows, per_sequence=True, router_aux=True, aux_mask=mask)
+    return model(**rows, head=sequence_logps, router_aux=True, aux_mask=mask)
 
 
 def _on_rows(model: nn.Module, shard, rows: slice) -> None:
@@ -126,7 +130,7 @@ class PairScores:
 
 class PreferenceObjective(Objective):
     """DPO, SimPO and ORPO on pairs: per-sequence log-probs from the model's chunked head (forward with
-    per_sequence=True), the reference's from the batch (`ref_logps`, computed in a first pass) or, for an adapter,
+    head=objectives.heads.sequence_logps), the reference's from the batch (`ref_logps`, computed in a first pass) or, for an adapter,
     from the same model with the adapter disabled under no_grad."""
 
     paired = True
@@ -204,7 +208,7 @@ class PreferenceObjective(Objective):
                 input_ids=batch["input_ids"],
                 position_ids=batch["position_ids"],
                 labels=batch["labels"],
-                per_sequence=True,
+                head=sequence_logps,
             )
         return ref
 
@@ -248,7 +252,7 @@ class KTOObjective(PreferenceObjective):
         whole = getattr(model, "cp_shard", None)
         with torch.no_grad():  # the KL term is detached (TRL): its rows need no graph
             _on_rows(model, whole, slice(n, None))
-            kl_logps, _ = model(**{k: v[n:] for k, v in inputs.items()}, per_sequence=True)
+            kl_logps, _ = model(**{k: v[n:] for k, v in inputs.items()}, head=sequence_logps)
         _on_rows(model, whole, slice(0, n))  # kept through the backward's recomputation
         logps, _, aux = _policy(model, {k: v[:n] for k, v in inputs.items()}, batch["pair_index"] >= 0)
         valid = (batch["pair_index"] >= 0).to(logps.dtype)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shardtune.objectives.heads import sequence_logps
 from shardtune.parallel.adapters import disabled_adapter, reshard
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.mesh import all_gather_objects
@@ -61,7 +62,7 @@ def _forward_pass(model: nn.Module, split, *, batch_size: int, info, pad_id: int
         for batch in split.iterate(**kw, shuffle=False, pad_id=pad_id, drop_last=False):
             rows = {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
             part, model.cp_shard = local_part(rows, info, model)  # the rows' sums on every cp rank
-            logps, _ = model(**{k: v.to(info.device) for k, v in part.items()}, per_sequence=True)
+            logps, _ = model(**{k: v.to(info.device) for k, v in part.items()}, head=sequence_logps)
             chosen, rejected = logps.double().cpu().chunk(2)
             for j, pair in enumerate(batch["pair_index"].tolist()):
                 if pair >= 0:

@@ -318,7 +318,7 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
 
 
 def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
-    """Per token, with the router load-balancing loss on (objectives.router_aux): every MoE block's router logits
+    """Per token, with the router load-balancing loss on (models.router_aux): every MoE block's router logits
     (E wide) are returned to the loss, whose softmax of each keeps its output for backward until the loss's
     backward runs (transformers' load_balancing_loss_func): both at the loss's forward, the softmaxes at its
     backward (counted there twice and once); freed before the blocks run backward."""

@@ -33,6 +33,7 @@ import torch
 from shardtune.config.errors import ConfigError
 from shardtune.models import fastpath, quant
 from shardtune.models.builder import model_spec
+from shardtune.objectives.heads import token_loss
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.fake import fake_process_group, track_peak, untracked_root
 from shardtune.parallel.fsdp import local_state_bytes
@@ -349,7 +350,7 @@ def _real_tensors():
 
 def _forward_backward(model, batch) -> None:
     """One micro-batch of shardtune.training.trainer's step, without its host reads (the token counts)."""
-    loss, _ = model(**batch)
+    loss, _ = model(**batch, head=token_loss)
     loss.backward()
 
 

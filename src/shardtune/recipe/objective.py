@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardtune.config.arguments import RunConfig
 from shardtune.config.dtypes import name_of
-from shardtune.objectives import router_aux
+from shardtune.models import router_aux
 from shardtune.objectives.loss import build_objective, disable_dropout, dropout_off, kto_weight_advice
 from shardtune.objectives.reference import precompute_reference, weights_identity
 from shardtune.runtime.log import print0

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
+from shardtune.objectives.heads import token_loss
 from shardtune.objectives.loss import Objective
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.mesh import DistInfo, all_gather_objects, all_reduce_sum
@@ -218,7 +219,7 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
     loss_sum, n_targets = 0.0, 0
     for batch in batches:
         batch, model.cp_shard = local_part(batch, info, model)
-        loss, n = model(**{k: v.to(info.device) for k, v in batch.items()})
+        loss, n = model(**{k: v.to(info.device) for k, v in batch.items()}, head=token_loss)
         loss_sum += float(loss)
         n_targets += int(n)
     total, count = all_reduce_sum([loss_sum, n_targets], info.device)
