@@ -86,6 +86,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ["tests/unit/test_grad_accumulation.py", PARITY_LORA],
     ),
+    _m(
+        "head_cp_rows_not_summed",
+        "normalisation",
+        "under context parallelism each rank's per-row log-probs (objectives.heads.sequence_logps) are its own "
+        "positions' sums, not the whole rows' over the cp ranks",
+        Edit(
+            "objectives/heads.py",
+            "    if shard is not None:\n        return shard.sum_rows(total), shard.sum_rows(n)",
+            "    if False:\n        return shard.sum_rows(total), shard.sum_rows(n)",
+        ),
+        ["tests/distributed/test_kto_cli.py::test_context_parallel_gives_the_numbers_of_one_process"],
+    ),
+    _m(
+        "head_no_targets_detached",
+        "normalisation",
+        "a micro-batch without targets (objectives.heads.token_loss) returns a constant zero that skips the head: "
+        "its rank's backward reaches no parameter",
+        Edit(
+            "objectives/heads.py",
+            "        return chunk_loss(h[:1], torch.zeros_like(y[:1])) * 0.0, keep.sum()",
+            "        return h.new_zeros((), dtype=torch.float32, requires_grad=True), keep.sum()",
+        ),
+        ["tests/unit/test_zero_targets.py"],
+    ),
     # ---------------------------------------------------------------- gradient scale
     _m(
         "grad_half_rank1",
