@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch
 
 from shardtune.models import families, fastpath, targets
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 
 RESULTS = ROOT / "bench" / "results" / "conformance.json"
 README = ROOT / "README.md"

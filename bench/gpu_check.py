@@ -181,7 +181,7 @@ def _context(a: argparse.Namespace, workdir: Path) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from shardtune.models.modeling import load_tokenizer
+    from shardtune.models.loading import load_tokenizer
 
     size = SIZES["tiny" if a.tiny else "1b"]
     assets = build_assets(workdir, size)

@@ -170,7 +170,7 @@ def check_attention(ctx: dict) -> dict:
     planted control, per-document SDPA with a cross-document leak, must fail the same comparison."""
     import torch
 
-    from shardtune.models import fastpath, modeling
+    from shardtune.models import fastpath, loading, training_module
 
     device = ctx["device"]
     batch = packed_batch(ctx, device)
@@ -183,9 +183,11 @@ def check_attention(ctx: dict) -> dict:
         not_run["flash_attn_varlen"] = "needs CUDA" if device != "cuda" else "flash_attn is not installed"
     logits, seconds, out = {}, {}, {}
     for name, (impl, per_doc) in variants.items():
-        base = modeling.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=impl,
+        base = loading.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=impl,
                                         trust_remote_code=False)  # fmt: skip
-        model = modeling.CausalLMForTraining(base.to(device).requires_grad_(True), per_document_attention=per_doc)
+        model = training_module.CausalLMForTraining(
+            base.to(device).requires_grad_(True), per_document_attention=per_doc
+        )
         logits[name] = target_logits(model, batch)
         seconds[name] = _time_step(model, batch, device, reps=3)
         if per_doc:
@@ -274,7 +276,7 @@ def check_qlora(ctx: dict) -> dict:
     bnb_or_skip()
     import torch
 
-    from shardtune.models import modeling, quant
+    from shardtune.models import loading, quant, training_module
     from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import init_distributed
     from shardtune.parallel.setup import build_sharded_model
@@ -282,9 +284,9 @@ def check_qlora(ctx: dict) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))  # fmt: skip
     info = init_distributed("FULL_SHARD")
-    qcfg = modeling.bnb_config(use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="bfloat16",
+    qcfg = loading.bnb_config(use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="bfloat16",
                                nested=True, storage_dtype_name="bfloat16")  # fmt: skip
-    attn = modeling.attn_implementation(False, ctx["device"])
+    attn = loading.attn_implementation(False, ctx["device"])
     # No new tokens: new embedding rows are initialised at random, differently here and in the reference.
     spec = ModelSpec(model_name_or_path=ctx["numerics_model"], dtype=torch.bfloat16, n_tokens=ctx["base_vocab"],
                      param_dtype=torch.bfloat16, attn_impl=attn, quantization_config=qcfg)  # fmt: skip
@@ -292,9 +294,9 @@ def check_qlora(ctx: dict) -> dict:
     batch = packed_batch(ctx, ctx["device"])
     got = target_logits(model, batch)
     deq = _dequantized(model)
-    ref_model = modeling.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=attn,
+    ref_model = loading.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=attn,
                                          trust_remote_code=False)  # fmt: skip
-    ref_model = modeling.CausalLMForTraining(_with_weights(ref_model, deq).to(ctx["device"]))
+    ref_model = training_module.CausalLMForTraining(_with_weights(ref_model, deq).to(ctx["device"]))
     result = compare(target_logits(ref_model, batch), got)
     planted = next(iter(deq))
     wrong = {**deq, planted: deq[planted] * 2}  # every block of one layer with its absmax doubled

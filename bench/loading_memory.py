@@ -75,7 +75,7 @@ def build_checkpoint(folder: Path, shape: dict) -> int:
 
 def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
     """One rank: shardtune's model setup, then this rank's peak RSS (rank 0 writes every rank's)."""
-    from shardtune.models import modeling
+    from shardtune.models import loading
     from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import all_gather_objects, init_distributed, shutdown
     from shardtune.parallel.setup import build_sharded_model
@@ -84,7 +84,7 @@ def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
     setup_logging("warning")
     torch.set_num_threads(1)
     info = init_distributed("FULL_SHARD")
-    qcfg = modeling.bnb_config(
+    qcfg = loading.bnb_config(
         use_4bit=four_bit,
         use_8bit=False,
         quant_type="nf4",

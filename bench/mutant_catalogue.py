@@ -606,7 +606,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adapter",
         "--lora_target_experts resolves the expert tensors but PEFT is never given them: attention-only LoRA trains "
         "(2 ranks still equal 1 process)",
-        Edit("models/modeling.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),
+        Edit("models/adapter.py", "        target_parameters=params,\n", "        target_parameters=None,\n"),
         [EXPERTS_E2E.format("two_ranks_match_one_process")],
     ),
     _m(
@@ -698,7 +698,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "With context parallelism, each rank's router load-balancing loss counts only its own part of the rows' "
         "tokens (the expert fractions of a part, not of the micro-batch)",
         Edit(
-            "models/modeling.py",
+            "models/training_module.py",
             "        if self.cp_shard is not None and isinstance(logits, tuple) and logits:  # the whole rows' tokens",
             "        if False:",
         ),

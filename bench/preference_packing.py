@@ -69,7 +69,7 @@ def build_model(tmp: Path):
 
     from shardtune.commands.demo import build_model as write_model
     from shardtune.models import fastpath
-    from shardtune.models.modeling import CausalLMForTraining
+    from shardtune.models.training_module import CausalLMForTraining
 
     write_model(tmp / "model", vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2)
     model = AutoModelForCausalLM.from_pretrained(

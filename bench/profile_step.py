@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from shardtune.models.modeling import load_tokenizer
+    from shardtune.models.loading import load_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     s = speed.Settings(model=a.model, warmup=a.warmup, steps=1, threads=a.threads)

@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(a._worker)
     import torch
 
-    from shardtune.models.modeling import load_tokenizer
+    from shardtune.models.loading import load_tokenizer
     from shardtune.runtime.cpu import bench_line, bench_record
 
     s = _settings(a)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import sequence_logps
 
 # The settings both sides share: fp32 on the CPU, no update (the first step's numbers are compared), no outputs.

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtune.models import dora, modeling
+from shardtune.models import adapter, dora, loading, training_module
 from shardtune.models.builder import ModelSpec
 from shardtune.objectives.heads import token_loss
 from shardtune.parallel import adapters
@@ -24,10 +24,10 @@ from shardtune.parallel.setup import build_sharded_model
 VOCAB, SEQ = 600, 12
 
 
-def _multi_adapter_model(base_dir: str, adapter_dir: str) -> modeling.CausalLMForTraining:
+def _multi_adapter_model(base_dir: str, adapter_dir: str) -> training_module.CausalLMForTraining:
     """Base + adapter `a` (trainable, active) + adapter `b` (loaded frozen), unsharded."""
-    base = modeling.load_base_model(base_dir, dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False)
-    pm = modeling.attach_adapter(
+    base = loading.load_base_model(base_dir, dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False)
+    pm = adapter.attach_adapter(
         base,
         lora_r=4,
         lora_alpha=8,
@@ -40,11 +40,11 @@ def _multi_adapter_model(base_dir: str, adapter_dir: str) -> modeling.CausalLMFo
         adapter_path=f"{adapter_dir}/a",
     )
     pm.load_adapter(f"{adapter_dir}/b", adapter_name="b")
-    return modeling.CausalLMForTraining(pm)
+    return training_module.CausalLMForTraining(pm)
 
 
-def _shard(model: modeling.CausalLMForTraining, info) -> modeling.CausalLMForTraining:
-    blocks = [m for m in model.modules() if isinstance(m, modeling.decoder_block_classes(model.model))]
+def _shard(model: training_module.CausalLMForTraining, info) -> training_module.CausalLMForTraining:
+    blocks = [m for m in model.modules() if isinstance(m, loading.decoder_block_classes(model.model))]
     shard_model(model, blocks=blocks, mesh=info.mesh, param_dtype=None)
     assert_sharded(model, info.world_size)
     return model
@@ -178,8 +178,8 @@ def continued(base_dir: str, adapter_dir: str, info) -> dict:
 
     sh = build_sharded_model(_spec(base_dir, f"{adapter_dir}/a"), info)
     sh.eval()
-    base = modeling.load_base_model(base_dir, dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False)
-    ref = modeling.CausalLMForTraining(PeftModel.from_pretrained(base, f"{adapter_dir}/a")).eval()
+    base = loading.load_base_model(base_dir, dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False)
+    ref = training_module.CausalLMForTraining(PeftModel.from_pretrained(base, f"{adapter_dir}/a")).eval()
     ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "position_ids": torch.arange(SEQ)[None]}
     want = _logits(ref, batch)

@@ -112,7 +112,7 @@ def unsharded(tiny_assets, two_adapters):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardtune.models.modeling import CausalLMForTraining
+    from shardtune.models.training_module import CausalLMForTraining
 
     base = AutoModelForCausalLM.from_pretrained(tiny_assets["model"], dtype=torch.float32)
     pm = PeftModel.from_pretrained(base, two_adapters / "a", adapter_name="a", is_trainable=True)

@@ -23,7 +23,7 @@ SEQ = 16
 
 
 def _qconfig():
-    from shardtune.models.modeling import bnb_config
+    from shardtune.models.loading import bnb_config
 
     return bnb_config(
         use_4bit=True,

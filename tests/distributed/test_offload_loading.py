@@ -24,7 +24,7 @@ SEQ = 16
 
 def _spec(model_dir: str, *, offload: bool, quantized: bool):
     from shardtune.models.builder import ModelSpec
-    from shardtune.models.modeling import bnb_config
+    from shardtune.models.loading import bnb_config
 
     qconfig = None
     if quantized:

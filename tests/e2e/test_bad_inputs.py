@@ -215,7 +215,7 @@ def test_all_linear_and_a_regex_still_select_modules(tiny_assets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from shardtune.models.modeling import _target_modules
+    from shardtune.models.adapter import _target_modules
 
     skeleton = preflight.meta_skeleton(AutoConfig.from_pretrained(tiny_assets["model"]))
     regex = r".*\.(q_proj|v_proj)"

@@ -286,14 +286,14 @@ def test_qlora_quantizes_gpt2_conv1d_as_transformers_does(tmp_path):
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    from shardtune.models import modeling
+    from shardtune.models import loading
 
     build_family_model("gpt2", tmp_path, 256)
-    config = modeling.bnb_config(
+    config = loading.bnb_config(
         use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="float32", nested=False,
         storage_dtype_name="float32",
     )  # fmt: skip
-    ours = modeling.load_base_model(
+    ours = loading.load_base_model(
         str(tmp_path), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=config
     )
     ref = dict(

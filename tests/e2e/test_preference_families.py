@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.commands.demo import build_tokenizer, write_preference_dataset
 from shardtune.data import setup_tokenizer
-from shardtune.models.modeling import CausalLMForTraining
 from shardtune.models.router_aux import family_router_aux, log_line
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import build_objective
 from tests.conftest import train_records

@@ -22,7 +22,7 @@ from shardtune.config.run import load_run_config
 from shardtune.data import templates
 from shardtune.data.sources import ACCEPTED
 from shardtune.models.builder import model_spec
-from shardtune.models.modeling import resize_embeddings
+from shardtune.models.loading import resize_embeddings
 from shardtune.objectives.loss import OBJECTIVES, dropout_off
 from shardtune.parallel.dims import STRATEGIES, ParallelDims
 from shardtune.planning import ModelShape, PlanInputs, estimate_memory

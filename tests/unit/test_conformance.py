@@ -16,7 +16,7 @@ from transformers import CONFIG_MAPPING
 
 from shardtune.config.errors import ConfigError
 from shardtune.models import builder, families, fastpath
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import token_loss
 
 SLICE = ["llama", "granite", "gemma2", "qwen2_moe", "falcon_h1", "gpt_oss", "llama4_text"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shardtune.models import fastpath, modeling
+from shardtune.models import fastpath, loading
 from shardtune.parallel import split
 from shardtune.parallel.context_parallel import local_shard
 
@@ -116,14 +116,14 @@ def test_the_layout_covers_every_query_once_and_keys_of_its_own_document():
 
 
 def test_flash_is_chosen_only_under_context_parallelism_in_16_bits(monkeypatch):
-    monkeypatch.setattr(modeling, "_flash_version", lambda: (2, 7))
+    monkeypatch.setattr(loading, "_flash_version", lambda: (2, 7))
     attn = fastpath.ATTENTION
-    assert modeling.context_parallel_attention("flash_attention_2", 1, torch.bfloat16) == ("flash_attention_2", False)
-    assert modeling.context_parallel_attention("flash_attention_2", 2, torch.bfloat16) == (attn, True)
-    assert modeling.context_parallel_attention("flash_attention_2", 2, torch.float32) == (attn, False)
-    assert modeling.context_parallel_attention(attn, 2, torch.bfloat16) == (attn, False)
-    monkeypatch.setattr(modeling, "_flash_version", lambda: (2, 0))
-    assert modeling.context_parallel_attention("flash_attention_2", 2, torch.float16) == (attn, False)
+    assert loading.context_parallel_attention("flash_attention_2", 1, torch.bfloat16) == ("flash_attention_2", False)
+    assert loading.context_parallel_attention("flash_attention_2", 2, torch.bfloat16) == (attn, True)
+    assert loading.context_parallel_attention("flash_attention_2", 2, torch.float32) == (attn, False)
+    assert loading.context_parallel_attention(attn, 2, torch.bfloat16) == (attn, False)
+    monkeypatch.setattr(loading, "_flash_version", lambda: (2, 0))
+    assert loading.context_parallel_attention("flash_attention_2", 2, torch.float16) == (attn, False)
 
 
 def test_a_forward_on_some_rows_reads_their_own_layout(reference_flash):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.models import fastpath, modeling
+from shardtune.models import families, fastpath, training_module
 from shardtune.objectives.heads import token_loss
 from tests.families import FAMILIES, FFN, HIDDEN, LAYERS
 from tests.tolerance import decoder_chain, tol
@@ -18,10 +18,10 @@ def _training_module(family: str):
     from transformers import AutoModelForCausalLM
 
     config = FAMILIES[family].config(256)
-    impl = modeling.family_attention(config, fastpath.register_attention())
+    impl = families.family_attention(config, fastpath.register_attention())
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=impl).eval()
-    return modeling.CausalLMForTraining(model), model, impl
+    return training_module.CausalLMForTraining(model), model, impl
 
 
 @pytest.mark.parametrize(
@@ -44,10 +44,10 @@ def test_packed_row_equals_documents_alone(family, impl):
 
 def test_soft_capped_attention_scores_choose_eager():
     config = FAMILIES["gemma3"].config(256)
-    assert modeling.family_attention(config, "shardtune_sdpa") == "shardtune_sdpa"
+    assert families.family_attention(config, "shardtune_sdpa") == "shardtune_sdpa"
     config.attn_logit_softcapping = 50.0
-    assert modeling.family_attention(config, "shardtune_sdpa") == "eager"
-    assert modeling.family_attention(config, "flash_attention_2") == "flash_attention_2"  # the user's explicit choice
+    assert families.family_attention(config, "shardtune_sdpa") == "eager"
+    assert families.family_attention(config, "flash_attention_2") == "flash_attention_2"  # the user's explicit choice
 
 
 @pytest.mark.parametrize("family", ["granite", "gemma2"])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from shardtune.models import fastpath
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import token_loss
 from tests.tolerance import tol
 

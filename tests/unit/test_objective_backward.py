@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardtune.commands.demo import build_model
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import build_objective
 from tests.tolerance import unit_roundoff

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardtune.models import families, fastpath, modeling
+from shardtune.models import families, fastpath, training_module
 from shardtune.objectives.heads import token_loss
 from shardtune.planning import ModelShape, estimate_memory
 from shardtune.planning import activations as act
@@ -48,7 +48,7 @@ def _training_module(dtype: torch.dtype):
     peft = get_peft_model(model, LoraConfig(r=LORA_R, lora_dropout=0.0, target_modules="all-linear"),
                           autocast_adapter_dtype=False)  # fmt: skip
     fastpath.use_fast_lora(peft)  # as the builder does
-    return modeling.CausalLMForTraining(peft, layout=families.Layout(decoder="")), layer
+    return training_module.CausalLMForTraining(peft, layout=families.Layout(decoder="")), layer
 
 
 def _measure(dtype: torch.dtype, docs: list[int]) -> dict:

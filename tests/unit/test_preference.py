@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
 from shardtune.data.preference import tokenize_pair
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import sequence_logps
 from shardtune.objectives.loss import PreferenceObjective, build_objective
 from tests.trl_parity import build_pairs, shardtune_first_step, trl_first_step

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from shardtune.config.errors import ConfigError
 from shardtune.config.precision import resolve_precision
 from shardtune.config.run import load_run_config
-from shardtune.models import modeling, quant
+from shardtune.models import loading, quant
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -37,7 +37,7 @@ def _bnb(quant_type="nf4", nested=True, storage=torch.bfloat16, compute=torch.bf
 
 
 def _load(path, qcfg, dtype, on_meta=False):
-    return modeling.load_base_model(
+    return loading.load_base_model(
         str(path), quantization_config=qcfg, dtype=dtype, attn_impl="sdpa", trust_remote_code=False, on_meta=on_meta
     )
 
@@ -171,7 +171,7 @@ def test_prepared_layers_keep_their_output(qmodel):
         after = model(input_ids=ids).logits
     # bitsandbytes rebuilt each weight's Params4bit from the state kept on its layer: the same numbers exactly.
     assert torch.equal(before, after)
-    _, total = modeling.count_parameters(model)
+    _, total = loading.count_parameters(model)
     assert total == sum(p.numel() for p in _plain_params(qmodel))  # values, not packed bytes
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.models import modeling, quant, targets
+from shardtune.models import adapter, loading, quant, targets
 from shardtune.models.quant_experts import Experts4bit
 from tests.unit.test_expert_lora import FUSED
 from tests.unit.test_targets import _model, _one_thread  # noqa: F401 - the tiny models, one thread (autouse)
@@ -55,7 +55,7 @@ OWN_FORWARD = ("llama4_text",)
 @pytest.mark.parametrize("model_type", [t for t in FUSED if t not in OWN_FORWARD])
 def test_4bit_experts_compute_what_transformers_computes_with_the_same_weights(model_type, tmp_path):
     ref = _saved(model_type, tmp_path)
-    ours = modeling.load_base_model(str(tmp_path), quantization_config=_bnb(nested=model_type != "mixtral"),
+    ours = loading.load_base_model(str(tmp_path), quantization_config=_bnb(nested=model_type != "mixtral"),
                                     dtype=torch.float32, attn_impl="eager", trust_remote_code=False)  # fmt: skip
     holders = {n: m for n, m in ours.named_modules() if isinstance(m, Experts4bit)}
     fused = targets.expert_parameters(ref)
@@ -92,8 +92,8 @@ def test_the_4bit_skeleton_has_the_shapes_of_the_loaded_model(tmp_path):
     _saved("qwen3_moe", tmp_path)
     kw = {"quantization_config": _bnb(nested=True), "dtype": torch.float32, "attn_impl": "eager",
           "trust_remote_code": False}  # fmt: skip
-    real = modeling.load_base_model(str(tmp_path), **kw)
-    meta = modeling.load_base_model(str(tmp_path), on_meta=True, **kw)
+    real = loading.load_base_model(str(tmp_path), **kw)
+    meta = loading.load_base_model(str(tmp_path), on_meta=True, **kw)
 
     def shapes(model):
         out = {}
@@ -116,7 +116,7 @@ def test_an_incomplete_expert_checkpoint_is_named(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"the checkpoint holds \d of the 4 experts of model\.layers\.\d+\.mlp\."
                                          r"experts\.gate_up_proj \(1 expert tensors incomplete\)"):  # fmt: skip
-        modeling.load_base_model(str(tmp_path), quantization_config=_bnb(nested=False), dtype=torch.float32,
+        loading.load_base_model(str(tmp_path), quantization_config=_bnb(nested=False), dtype=torch.float32,
                                  attn_impl="eager", trust_remote_code=False)  # fmt: skip
 
 
@@ -124,7 +124,7 @@ def test_experts_outside_transformers_experts_interface_are_refused_before_loadi
     model = _saved("llama4_text", tmp_path)
     with pytest.raises(ValueError, match=r"--use_4bit_quantization: Llama4TextExperts \(model\.layers\.0\.feed_forward"
                                          r"\.experts\) computes its experts in its own code"):  # fmt: skip
-        modeling.check_4bit_layout(model.config, model)
+        loading.check_4bit_layout(model.config, model)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
@@ -136,13 +136,13 @@ def test_expert_lora_on_4bit_experts_equals_peft_on_the_same_weights(model_type,
     from peft.tuners.lora import ParamWrapper
 
     ref = _saved(model_type, tmp_path)
-    ours = modeling.load_base_model(str(tmp_path), quantization_config=_bnb(nested=True), dtype=torch.float32,
+    ours = loading.load_base_model(str(tmp_path), quantization_config=_bnb(nested=True), dtype=torch.float32,
                                     attn_impl="eager", trust_remote_code=False)  # fmt: skip
     ref = _dequantized_reference(ref, ours)
     kw = {"lora_r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": "all-linear", "use_dora": False,
           "modules_to_save": None, "new_token_ids": [], "target_experts": True}  # fmt: skip
-    ours = modeling.attach_adapter(ours, **kw)
-    ref = modeling.attach_adapter(ref, **kw)
+    ours = adapter.attach_adapter(ours, **kw)
+    ref = adapter.attach_adapter(ref, **kw)
     wrappers = [n for n, m in ours.named_modules() if isinstance(m, ParamWrapper)]
     assert wrappers == [n for n, m in ref.named_modules() if isinstance(m, ParamWrapper)] and wrappers
     assert {k: v.shape for k, v in ours.state_dict().items() if "lora_" in k} == {
@@ -179,11 +179,11 @@ def test_a_conversion_the_loader_cannot_invert_is_refused(monkeypatch):
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
     model = _model("qwen3_moe")
-    modeling.check_4bit_layout(model.config, model)  # transformers' own rule for Qwen3-MoE: accepted
+    loading.check_4bit_layout(model.config, model)  # transformers' own rule for Qwen3-MoE: accepted
     other = WeightConverter(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
                             "mlp.experts.gate_up_proj", operations=[MergeModulelist(dim=0), Concatenate(dim=2)])  # fmt: skip
-    monkeypatch.setattr(modeling, "layout_conversions", lambda config: [other])
+    monkeypatch.setattr(loading, "layout_conversions", lambda config: [other])
     with pytest.raises(ValueError, match=r"checkpoints store mlp\.experts\.\*\.gate_proj\.weight, mlp\.experts\.\*"
                                          r"\.up_proj\.weight that transformers converts into mlp\.experts\.gate_up_proj"
                                          r" while loading in a way shardtune's 4-bit loader cannot invert"):  # fmt: skip
-        modeling.check_4bit_layout(model.config)
+        loading.check_4bit_layout(model.config)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardtune.commands.demo import write_preference_dataset
 from shardtune.data import setup_tokenizer
-from shardtune.models.modeling import CausalLMForTraining
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.loss import build_objective
 
 N_PAIRS = 6

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtune.models.modeling import CausalLMForTraining
 from shardtune.models.router_aux import log_line
+from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.loss import Objective
 from tests.tolerance import decoder_chain, tol
 

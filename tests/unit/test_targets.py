@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from shardtune.models import families, modeling, targets
+from shardtune.models import adapter, families, targets
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def test_remapped_leaf_names_are_left_out_only_where_peft_remaps_them(caplog):
     assert jamba.experts and not any("experts" in p for p in jamba.paths)
     # The run's log lists what got adapters, summarised by module-path pattern.
     with caplog.at_level("INFO"):
-        paths = modeling._target_modules("all-linear", _model("jamba"))
+        paths = adapter._target_modules("all-linear", _model("jamba"))
     assert paths == jamba.paths
     assert "LoRA targets (all-linear, " in caplog.text and "model.layers.*.mamba.in_proj (2)" in caplog.text
 

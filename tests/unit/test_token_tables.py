@@ -52,19 +52,19 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def trained(tmp_path_factory):
     """A LoRA adapter built as shardtune's training builds it (load, resize, attach), its trainable values moved
     as training would move them, and saved with shardtune's export."""
-    from shardtune.models import modeling
+    from shardtune.models import adapter, loading
 
     root = tmp_path_factory.mktemp("gemma4-tokens")
     tok = build_chat_tokenizer(root / "base")
     assert len(tok) == OLD
     build_family_model("gemma4", root / "base", OLD)
-    base = modeling.load_base_model(
+    base = loading.load_base_model(
         str(root / "base"), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=None
     )
     tok.add_special_tokens({"additional_special_tokens": NEW_TOKENS})
-    rows = modeling.resize_embeddings(base, len(tok))
+    rows = loading.resize_embeddings(base, len(tok))
     assert rows == ROWS
-    model = modeling.attach_adapter(
+    model = adapter.attach_adapter(
         base, lora_r=4, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", use_dora=False,
         modules_to_save=None, new_token_ids=list(range(OLD, ROWS)),
     )  # fmt: skip
@@ -201,7 +201,7 @@ def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
 
     from shardtune.commands.demo import build_tokenizer
     from shardtune.merge.fold import merge_adapter
-    from shardtune.models import modeling
+    from shardtune.models import adapter, loading
 
     config = transformers.Gemma3nTextConfig(
         vocab_size=604, vocab_size_per_layer_input=600, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -211,11 +211,11 @@ def test_gemma3n_trains_the_per_layer_rows_of_old_ids_past_its_table(tmp_path):
     )  # fmt: skip
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
-    base = modeling.load_base_model(
+    base = loading.load_base_model(
         str(tmp_path / "base"), dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False, quantization_config=None
     )
-    assert modeling.resize_embeddings(base, 606) == ROWS
-    model = modeling.attach_adapter(
+    assert loading.resize_embeddings(base, 606) == ROWS
+    model = adapter.attach_adapter(
         base, lora_r=4, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", use_dora=False,
         modules_to_save=None, new_token_ids=list(range(604, ROWS)),  # as the builder: every row the base lacks
     )  # fmt: skip

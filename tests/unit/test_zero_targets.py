@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from shardtune.models import modeling
+from shardtune.models import loading, training_module
 from shardtune.objectives.heads import token_loss
 from tests.tolerance import TINY, decoder_chain, tol
 from tests.unit.test_plan import _spawn_two
@@ -25,12 +25,12 @@ def _batch(seed: int, targets: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": torch.arange(SEQ).repeat(2, 1), "labels": labels}
 
 
-def _model(path) -> modeling.CausalLMForTraining:
+def _model(path) -> training_module.CausalLMForTraining:
     torch.manual_seed(0)
-    base = modeling.load_base_model(
-        str(path), dtype=torch.float32, attn_impl=modeling.attn_implementation(False, "cpu"), trust_remote_code=False
+    base = loading.load_base_model(
+        str(path), dtype=torch.float32, attn_impl=loading.attn_implementation(False, "cpu"), trust_remote_code=False
     )
-    return modeling.CausalLMForTraining(base)
+    return training_module.CausalLMForTraining(base)
 
 
 def test_a_batch_without_targets_gives_a_zero_loss_that_backpropagates(tiny_assets):

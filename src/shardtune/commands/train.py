@@ -21,7 +21,7 @@ from shardtune.config.arguments import ARG_CLASSES, RunConfig, interval_steps
 from shardtune.config.errors import ConfigError
 from shardtune.config.run import load_run_config, precision_line
 from shardtune.inference.harness import EvalArguments, evaluate_model
-from shardtune.models import modeling
+from shardtune.models import loading
 from shardtune.models.builder import model_spec
 from shardtune.models.preflight import model_input_problems, tokenizer_load_error
 from shardtune.parallel import checkpoint, setup
@@ -286,7 +286,7 @@ def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) 
 def _load_tokenizer(cfg: RunConfig):
     m = cfg.model
     try:
-        return modeling.load_tokenizer(
+        return loading.load_tokenizer(
             m.model_name_or_path,
             tokenizer_name_or_path=m.tokenizer_name_or_path,
             chat_template_format=m.chat_template_format,

@@ -377,7 +377,7 @@ def _path_problems(cfg: RunConfig) -> list[str]:
 
 # ---------------------------------------------------------------- a tied head in --modules_to_save
 # Checked against the model: from its meta skeleton before loading (models.preflight), and where the adapter is
-# attached (shardtune.models.modeling), which knows every added row.
+# attached (shardtune.models.adapter), which knows every added row.
 #
 # On a model whose output head is its input embedding (tie_word_embeddings), the rows of added tokens are trained as
 # PEFT trainable tokens on the embedding, and PEFT ties them to the head by wrapping the head too. A head that

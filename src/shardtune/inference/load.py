@@ -9,7 +9,7 @@ from typing import Any
 
 from shardtune.config.precision import resolve_precision
 from shardtune.models import preflight
-from shardtune.models.modeling import resize_embeddings
+from shardtune.models.loading import resize_embeddings
 from shardtune.models.preflight import tokenizer_load_error
 from shardtune.models.weights import read_headers
 from shardtune.runtime.hub import is_hub_id
@@ -107,7 +107,7 @@ def _trainable_token_rows(adapter: str) -> int:
 
 def _resize_for(model, tokenizer, adapter: str | None) -> None:
     """Give the base as many embedding rows as training did: the rows the adapter saved in full when it saved any,
-    else training's own rule (len(tokenizer) rounded up, data.templates.padded_rows, by models.modeling.resize_embeddings):
+    else training's own rule (len(tokenizer) rounded up, data.templates.padded_rows, by models.loading.resize_embeddings):
     an adapter with trainable token rows holds rows up to that padded size, past len(tokenizer)."""
 
     current = model.get_input_embeddings().weight.shape[0]

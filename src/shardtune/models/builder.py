@@ -16,7 +16,7 @@ from torch import nn
 
 from shardtune.config.arguments import RunConfig
 from shardtune.config.errors import ConfigError
-from shardtune.models import families, fastpath, modeling, quant
+from shardtune.models import adapter, families, fastpath, loading, quant, training_module
 from shardtune.models.dora import use_fast_dora
 from shardtune.models.fastpath import use_fast_dropout, use_fast_lora
 from shardtune.runtime.log import print0
@@ -68,7 +68,7 @@ class ModelSpec:
     # Ranks each row's positions are split over (shardtune.parallel.split); the fast path's attention only.
     context_parallel: int = 1
     # With context parallelism: its attention as one flash-attention varlen call (CUDA, flash_attn installed),
-    # or SDPA per part (modeling.context_parallel_attention).
+    # or SDPA per part (loading.context_parallel_attention).
     cp_varlen: bool = False
     # False: read no weights; the model is built and sharded on meta and returned there, for the caller to
     # allocate with `loading.allocate_unread` (`shardtune plan --trace` does it under fake tensors).
@@ -79,10 +79,10 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
     """The spec of a run: its model flags, its FSDP settings and its precision (decided once, cfg.precision)."""
     m, t, f = cfg.model, cfg.train, cfg.fsdp
     precision = cfg.precision
-    attn, cp_varlen = modeling.context_parallel_attention(
-        modeling.attn_implementation(m.use_flash_attn, device_type), t.context_parallel_size, precision.compute
+    attn, cp_varlen = loading.context_parallel_attention(
+        loading.attn_implementation(m.use_flash_attn, device_type), t.context_parallel_size, precision.compute
     )
-    qcfg = modeling.bnb_config(
+    qcfg = loading.bnb_config(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
         quant_type=m.bnb_4bit_quant_type,
@@ -131,14 +131,14 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
 
 def build_training_module(
     spec: ModelSpec, *, on_meta: bool, quantize_device: torch.device | None
-) -> tuple[modeling.CausalLMForTraining, list[nn.Module]]:
+) -> tuple[training_module.CausalLMForTraining, list[nn.Module]]:
     """The unsharded training module and its decoder blocks (the units FSDP shards and checkpointing recomputes).
 
     on_meta: build a skeleton on the meta device (no weights read); quantize_device: where 4-bit weights are
     quantized while they are read (CUDA), or None."""
     layout = training_layout(spec)  # before any weight is read: a refusal costs nothing
     # Step 2: real weights, or a skeleton on meta.
-    base = modeling.load_base_model(
+    base = loading.load_base_model(
         spec.model_name_or_path,
         dtype=spec.dtype,
         attn_impl=spec.attn_impl,
@@ -149,7 +149,7 @@ def build_training_module(
     )
     # Step 3: resize for new tokens, attach the adapter, freeze the base.
     old_rows = base.get_input_embeddings().weight.shape[0]
-    new_rows = modeling.resize_embeddings(base, spec.n_tokens)
+    new_rows = loading.resize_embeddings(base, spec.n_tokens)
     # Train and save every row the base checkpoint lacks (new tokens and the padding to a multiple of 8, whose
     # output logits still enter the softmax), so the adapter reproduces the trained model after reload.
     spec.new_token_ids = sorted(set(spec.new_token_ids) | set(range(old_rows, new_rows)))
@@ -162,7 +162,7 @@ def build_training_module(
     # Step 4: activation checkpointing inside each decoder block.
     if spec.gradient_checkpointing:
         _enable_checkpointing(model, spec)
-    train_module = modeling.CausalLMForTraining(
+    train_module = training_module.CausalLMForTraining(
         model,
         chunk_size=spec.loss_chunk_size,
         per_document_attention=not spec.torch_compile,
@@ -170,7 +170,7 @@ def build_training_module(
         router_aux_loss_coef=spec.router_aux_loss_coef,
         cp_varlen=spec.cp_varlen,
     )
-    block_types = modeling.decoder_block_classes(model, spec.transformer_cls_to_wrap)
+    block_types = loading.decoder_block_classes(model, spec.transformer_cls_to_wrap)
     blocks = [m for m in train_module.modules() if isinstance(m, block_types)]
     if spec.torch_compile:
         for b in blocks:
@@ -186,7 +186,7 @@ def training_layout(spec: ModelSpec) -> families.Layout:
 
     config = AutoConfig.from_pretrained(spec.model_name_or_path, trust_remote_code=spec.trust_remote_code)
     attn = families.family_attention(config, spec.attn_impl)
-    verdict = families.verdict(config, attn, modeling.CausalLMForTraining)
+    verdict = families.verdict(config, attn, training_module.CausalLMForTraining)
     layout = verdict.layout(spec.packing)
     print0(families.summary(verdict, layout, spec.packing))
     if spec.packing and not verdict.packing_ok(layout):
@@ -241,7 +241,7 @@ def _attach(base: nn.Module, spec: ModelSpec) -> nn.Module:
         for p in base.parameters():
             p.requires_grad_(True)
         return base
-    model = modeling.attach_adapter(
+    model = adapter.attach_adapter(
         base,
         lora_r=spec.lora_r,
         lora_alpha=spec.lora_alpha,

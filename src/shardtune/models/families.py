@@ -2,7 +2,7 @@
 
 shardtune does not run a causal LM's own forward when it trains: it runs the decoder (with per-document
 attention over packed rows, shardtune.models.fastpath) and then the output head on chunks of hidden states
-(modeling.CausalLMForTraining). That is the model's function only where the decoder is the module the fast path
+(training_module.CausalLMForTraining). That is the model's function only where the decoder is the module the fast path
 calls, the head's output transform (logit scaling, muP multipliers, soft-capping) is one shardtune applies, and
 the attention it substitutes masks what the family's own mask does (sliding windows, chunked attention).
 Packed rows are the model's function on each document alone only where every mixer keeps documents apart
@@ -318,7 +318,7 @@ _CACHE: dict[str, Verdict] = {}
 
 def verdict(config, attn_impl: str, training_cls) -> Verdict:
     """The conformance verdict of `config` when trained with `attn_impl` by `training_cls`
-    (modeling.CausalLMForTraining), from a check on its tiny copy; cached per shrunk config."""
+    (training_module.CausalLMForTraining), from a check on its tiny copy; cached per shrunk config."""
     key = cache_key(config, attn_impl)
     if key not in _CACHE:
         try:

@@ -320,7 +320,7 @@ def _context_parallel_attention(q, k, v, shard: split.CPShard, dropout: float, s
     # without a part that reads them: the all-gather and its backward's reduce-scatter are collectives, and a rank
     # that skipped either (no gather, or no gradient reaching it) would leave the others waiting.
     gathered = [shard.gather(k), shard.gather(v)]
-    if shard.varlen is not None:  # flash-attention (modeling.context_parallel_attention chose it)
+    if shard.varlen is not None:  # flash-attention (loading.context_parallel_attention chose it)
         return _varlen_attention(q, k, v, gathered, shard.varlen, dropout, scaling)
     used = any(p.key_start is not None for parts in shard.rows for p in parts)
     rows = []

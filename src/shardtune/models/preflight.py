@@ -15,7 +15,8 @@ from pathlib import Path
 from shardtune.config.run import load_run_config
 from shardtune.config.validation import chat_format_problem, unmatched_alternatives_warned
 from shardtune.models import targets
-from shardtune.models.modeling import _target_modules, check_4bit_layout
+from shardtune.models.adapter import _target_modules
+from shardtune.models.loading import check_4bit_layout
 from shardtune.models.weights import PEFT_PREFIX, read_headers, weight_file_problem
 from shardtune.runtime.hub import is_hub_id, is_transport_error
 from shardtune.runtime.log import warn0
@@ -470,7 +471,7 @@ def model_input_problems(cfg) -> list[str]:
 
 
 def _4bit_layout_problem(config, skeleton=None) -> str | None:
-    """A family the 4-bit loader cannot read or run (shardtune.models.modeling.check_4bit_layout), said before any data
+    """A family the 4-bit loader cannot read or run (shardtune.models.loading.check_4bit_layout), said before any data
     is prepared."""
 
     try:

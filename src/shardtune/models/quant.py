@@ -1,7 +1,7 @@
 """4-bit frozen bases (bitsandbytes) under FSDP2.
 
 - `quantization_problems`: flag combinations that would train wrongly, refused before loading.
-- `load_4bit_into`: turns the model's meta skeleton (built by shardtune.models.modeling) into 4-bit layers and fills it
+- `load_4bit_into`: turns the model's meta skeleton (built by shardtune.models.loading) into 4-bit layers and fills it
   tensor by tensor from the safetensors files (shardtune.models.weights), quantizing each linear weight as soon as it is
   read, so the whole bf16 model is never in memory. On ranks that receive their shards from rank 0 it reads
   nothing (packed shapes, quantization state on meta).
@@ -123,7 +123,7 @@ def load_4bit_into(
     on_meta: bool = False,
     quantize_device: torch.device | None = None,
 ) -> nn.Module:
-    """Make a meta skeleton (shardtune.models.modeling.build_skeleton) a 4-bit model whose linear weights are quantized
+    """Make a meta skeleton (shardtune.models.loading.build_skeleton) a 4-bit model whose linear weights are quantized
     one tensor at a time while the checkpoint is read; returns it.
 
     dtype is the dtype the checkpoint is cast to before quantizing (as transformers does) and that of the

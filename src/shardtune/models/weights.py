@@ -6,7 +6,7 @@
   (`load_checkpoint_into`, used by the 4-bit loader), renaming the family's stored names to its modules';
 - writing shards one tensor at a time with their index (`ShardWriter`, used by `shardtune merge`).
 
-Used by models.modeling and models.quant (loading) and shardtune.merge (merging); imports none of them.
+Used by models.loading and models.quant (loading) and shardtune.merge (merging); imports none of them.
 """
 
 from __future__ import annotations

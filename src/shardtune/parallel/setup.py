@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.config.fsdp import single_process_fsdp_reason
-from shardtune.models import modeling, quant
+from shardtune.models import loading, quant, training_module
 from shardtune.models.builder import ModelSpec, build_training_module
 from shardtune.parallel.fsdp import assert_sharded, shard_model, without_fsdp
 from shardtune.parallel.loading import (
@@ -37,7 +37,9 @@ from shardtune.runtime import hooks
 from shardtune.runtime.log import print0
 
 
-def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "fsdp") -> modeling.CausalLMForTraining:
+def build_sharded_model(
+    spec: ModelSpec, info: DistInfo, single_process: str = "fsdp"
+) -> training_module.CausalLMForTraining:
     """Steps 2-7 of the setup order; returns the sharded training module (the plain one when `use_fsdp` says one
     process runs without FSDP; `single_process` is fsdp_settings' setting, "fsdp" keeping FSDP everywhere)."""
     fsdp, why = use_fsdp(spec, info, single_process)
@@ -68,7 +70,7 @@ def build_sharded_model(spec: ModelSpec, info: DistInfo, single_process: str = "
     shards = info.dims.shard_size
     replicated = fsdp and spec.frozen_base == "replicated"
     assert_sharded(train_module, shards)
-    trainable, total = modeling.count_parameters(train_module)
+    trainable, total = loading.count_parameters(train_module)
     print0(
         f"Model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.3f}M trainable "
         f"({100 * trainable / max(total, 1):.3f}%), {len(blocks)} blocks "

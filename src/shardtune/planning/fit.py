@@ -21,7 +21,7 @@ from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_process_fsdp_reason
 from shardtune.config.precision import resolve_precision
 from shardtune.data.templates import padded_rows
-from shardtune.models import families, fastpath, modeling
+from shardtune.models import families, fastpath, training_module
 from shardtune.objectives.loss import dropout_off, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
@@ -96,7 +96,7 @@ def trains_per_document(config: Any) -> bool:
     attention = families._attention_choice(config, fastpath.register_attention())[0]
     if attention != fastpath.ATTENTION:
         return False
-    verdict = families.verdict(config, attention, modeling.CausalLMForTraining)
+    verdict = families.verdict(config, attention, training_module.CausalLMForTraining)
     return verdict.layout(True).path == "fast"
 
 
@@ -156,7 +156,7 @@ def plan_inputs(
         loss_chunk_tokens=loss_chunk_tokens,
         replicate_base=replicates_base(model, launch.world_size, launch.offload),
         context_parallel=train.context_parallel_size,
-        # compiled blocks take transformers' masked attention (modeling.CausalLMForTraining, per_document_attention)
+        # compiled blocks take transformers' masked attention (training_module.CausalLMForTraining, per_document_attention)
         per_document_attention=not train.torch_compile,
         fsdp=launch.world_size > 1
         or single_process_fsdp_reason(
