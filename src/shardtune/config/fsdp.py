@@ -37,7 +37,7 @@ class FSDPSettings:
     parallelism: dict[str, str] | None = None
     # One process (world size 1), SHARDTUNE_FSDP_SINGLE_PROCESS: "auto" trains the plain module without fully_shard
     # where that path is verified and saves memory (not with fsdp_offload_params, which is FSDP2's offload, nor for
-    # mixed-precision full fine-tuning: shardtune.parallel.setup.use_fsdp); "fsdp" keeps FSDP; "no_fsdp" skips it
+    # mixed-precision full fine-tuning: shardtune.parallel.parallelize.use_fsdp); "fsdp" keeps FSDP; "no_fsdp" skips it
     # but with fsdp_offload_params.
     single_process: str = "auto"
 
@@ -121,7 +121,7 @@ SINGLE_PROCESS_CHOICES = ("auto", "fsdp", "no_fsdp")
 
 def single_process_fsdp_reason(setting: str, *, offload: bool, full_mixed_precision: bool) -> str | None:
     """Why one process keeps FSDP, or None when it trains the plain module (the rule `shardtune train` applies,
-    shardtune.parallel.setup.use_fsdp, and the planner plans): "setting" (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp),
+    shardtune.parallel.parallelize.use_fsdp, and the planner plans): "setting" (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp),
     "offload" (fsdp_offload_params is FSDP2's CPUOffloadPolicy), "full_mixed_precision" (auto, full fine-tuning
     computing fp32 weights in bf16/fp16: FSDP holds one block's copy at a time, the plain module all of them)."""
     if setting == "fsdp":

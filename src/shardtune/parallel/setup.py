@@ -14,18 +14,16 @@
 7. Assert nothing is left on meta and every rank holds 1/N of each sharded tensor.
 
 Steps 2-4 are the model builder (models.builder, which knows nothing of ranks); this module decides which ranks
-read weights and does 5-7.
+read weights and does 5-7, step 5 through `parallel.parallelize` (the one place a parallel axis is applied).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from shardtune.config.fsdp import single_process_fsdp_reason
 from shardtune.models import loading, quant, training_module
 from shardtune.models.builder import ModelSpec, build_training_module
-from shardtune.parallel.fsdp import assert_sharded, shard_model, without_fsdp
+from shardtune.parallel.fsdp import assert_sharded
 from shardtune.parallel.loading import (
     broadcast_quant_states,
     materialize_from_rank0,
@@ -33,6 +31,7 @@ from shardtune.parallel.loading import (
     take_full_tensors,
 )
 from shardtune.parallel.mesh import DistInfo, all_gather_objects
+from shardtune.parallel.parallelize import parallelize, use_fsdp
 from shardtune.runtime import hooks
 from shardtune.runtime.log import print0
 
@@ -57,10 +56,7 @@ def build_sharded_model(
     quantize_device = info.device if info.device.type == "cuda" else None
     train_module, blocks = build_training_module(spec, on_meta=on_meta, quantize_device=quantize_device)
     full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_local_main else None
-    if fsdp:
-        _shard(train_module, blocks, spec, info)
-    else:
-        without_fsdp(train_module, blocks=blocks, param_dtype=spec.param_dtype)
+    parallelize(train_module, blocks, spec, info, fsdp)
     if not fsdp or spec.frozen_base == "replicated":  # packed weights that FSDP does not manage
         quant.drop_quant_state_keys(train_module)
     if not spec.read_weights:
@@ -79,72 +75,7 @@ def build_sharded_model(
     )
     if spec.quantization_config is not None:
         _report_4bit(train_module, 1 if replicated else shards, spec.offload)
-    if info.dims.cp > 1:
-        print0(
-            f"Context parallelism: each row split over {info.dims.cp} ranks ({2 * info.dims.cp} chunks, zigzag), "
-            f"{info.dims.dp_size} batch(es) per step; keys and values all-gathered per layer, documents kept apart."
-        )
     return train_module
-
-
-def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool, str]:
-    """Whether to `fully_shard`, and the one line saying why. Several processes always shard. One process skips
-    FSDP unless told to keep it (single_process "fsdp") or unless it needs FSDP itself: fsdp_offload_params is
-    FSDP2's CPUOffloadPolicy, and a model built without weights (`shardtune plan --trace`) is traced by FSDP2's
-    memory tracker. "auto" also keeps it for mixed-precision full fine-tuning (below); "no_fsdp" does not."""
-    if info.world_size > 1:
-        return True, f"FSDP: {info.world_size} processes shard the model."
-    if not spec.read_weights:
-        return True, "FSDP at world size 1: the traced step runs under FSDP2's memory tracker."
-    reason = single_process_fsdp_reason(
-        single_process, offload=spec.offload, full_mixed_precision=_casts_every_weight(spec)
-    )
-    if reason == "setting":
-        return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
-    if reason == "offload":
-        return True, "FSDP at world size 1: fsdp_offload_params keeps the weights in host RAM through FSDP2's offload."
-    if reason == "full_mixed_precision":
-        # Without FSDP the compute-dtype copies live from forward to the end of backward (fsdp.MixedPrecisionCasts):
-        # a few MiB of adapters, but the whole model in full fine-tuning, where FSDP gathers one block at a time.
-        return True, (
-            "FSDP at world size 1: full fine-tuning computes every fp32 weight in "
-            f"{str(spec.param_dtype).removeprefix('torch.')}, and FSDP holds one block's copy at a time "
-            "(SHARDTUNE_FSDP_SINGLE_PROCESS=no_fsdp trains without it, holding the whole model's copy)."
-        )
-    return False, (
-        "No FSDP at world size 1: the plain module trains with FSDP2's mixed-precision numerics and without its "
-        "all-gather and reduce-scatter copies (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp keeps FSDP)."
-    )
-
-
-def _casts_every_weight(spec: ModelSpec) -> bool:
-    return not spec.use_peft_lora and spec.param_dtype not in (None, torch.float32)
-
-
-def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo) -> None:
-    """Step 5: shard each block, then the root.
-
-    fsdp_offload_params: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer step in
-    host RAM. Pinned (for asynchronous copies) on CUDA; on a CPU-only machine the same policy runs unpinned, so
-    the offload path (host shards, offloaded gradients, the step on CPU tensors) is the one the tests exercise."""
-    if spec.offload and info.device.type != "cuda":
-        print0(
-            "fsdp_offload_params: on a CPU-only machine the shards already live in host RAM; FSDP2's offload policy "
-            "runs without pinned memory."
-        )
-    shard_model(
-        train_module,
-        blocks=blocks,
-        mesh=info.mesh,
-        param_dtype=spec.param_dtype,
-        sharding_strategy=spec.sharding_strategy,
-        offload=spec.offload,
-        pin_memory=info.device.type == "cuda",
-        forward_prefetch=spec.forward_prefetch,
-        backward_prefetch=spec.backward_prefetch,
-        reshard_after_forward=spec.reshard_after_forward,
-        replicate_frozen=spec.frozen_base == "replicated",
-    )
 
 
 def _fill(train_module: nn.Module, spec: ModelSpec, info: DistInfo, full_tensors, node) -> None:

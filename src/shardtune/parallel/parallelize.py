@@ -1,0 +1,99 @@
+"""The run's parallel axes applied to the built training module, each in one place and in this order (torchtitan's
+parallelize functions are the model): after the builder (models.builder: weights, adapter, checkpointing; no
+ranks) and before the shards are filled (parallel.setup).
+
+1. Context parallelism (`ParallelDims.cp`): nothing to wrap. The builder chose an attention that reads a split
+   (SDPA per part, or one flash-attention varlen call) and refused a family it cannot split; the trainer hands each
+   micro-batch's split to the module (`parallel.context_parallel.local_part`); FSDP's shard group spans
+   dp_shard x cp (`ParallelDims.shard_size`). Here: the line that says so.
+2. Tensor parallelism (`ParallelDims.tp`, 1 today): a tp axis would shard the blocks' linear layers on the tp
+   submesh here, before FSDP, which then takes the data-parallel submesh.
+3. Data parallelism: `fully_shard` each decoder block, then the root, over the shard mesh (the frozen base left
+   out with `--frozen_base replicated`), or, for one process that skips FSDP (`use_fsdp`), the plain module with
+   FSDP2's mixed-precision numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtune.config.fsdp import single_process_fsdp_reason
+from shardtune.models.builder import ModelSpec
+from shardtune.parallel.fsdp import shard_model, without_fsdp
+from shardtune.parallel.mesh import DistInfo
+from shardtune.runtime.log import print0
+
+
+def parallelize(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo, fsdp: bool) -> None:
+    """Apply the context-, tensor- and data-parallel axes, in that order (`fsdp`: use_fsdp's answer)."""
+    dims = info.dims
+    if dims.cp > 1 and spec.read_weights:  # (a traced plan prints its own report)
+        print0(
+            f"Context parallelism: each row split over {dims.cp} ranks ({2 * dims.cp} chunks, zigzag), "
+            f"{dims.dp_size} batch(es) per step; keys and values all-gathered per layer, documents kept apart."
+        )
+    if fsdp:
+        _shard(train_module, blocks, spec, info)
+    else:
+        without_fsdp(train_module, blocks=blocks, param_dtype=spec.param_dtype)
+
+
+def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool, str]:
+    """Whether to `fully_shard`, and the one line saying why. Several processes always shard. One process skips
+    FSDP unless told to keep it (single_process "fsdp") or unless it needs FSDP itself: fsdp_offload_params is
+    FSDP2's CPUOffloadPolicy, and a model built without weights (`shardtune plan --trace`) is traced by FSDP2's
+    memory tracker. "auto" also keeps it for mixed-precision full fine-tuning (below); "no_fsdp" does not."""
+    if info.world_size > 1:
+        return True, f"FSDP: {info.world_size} processes shard the model."
+    if not spec.read_weights:
+        return True, "FSDP at world size 1: the traced step runs under FSDP2's memory tracker."
+    reason = single_process_fsdp_reason(
+        single_process, offload=spec.offload, full_mixed_precision=_casts_every_weight(spec)
+    )
+    if reason == "setting":
+        return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
+    if reason == "offload":
+        return True, "FSDP at world size 1: fsdp_offload_params keeps the weights in host RAM through FSDP2's offload."
+    if reason == "full_mixed_precision":
+        # Without FSDP the compute-dtype copies live from forward to the end of backward (fsdp.MixedPrecisionCasts):
+        # a few MiB of adapters, but the whole model in full fine-tuning, where FSDP gathers one block at a time.
+        return True, (
+            "FSDP at world size 1: full fine-tuning computes every fp32 weight in "
+            f"{str(spec.param_dtype).removeprefix('torch.')}, and FSDP holds one block's copy at a time "
+            "(SHARDTUNE_FSDP_SINGLE_PROCESS=no_fsdp trains without it, holding the whole model's copy)."
+        )
+    return False, (
+        "No FSDP at world size 1: the plain module trains with FSDP2's mixed-precision numerics and without its "
+        "all-gather and reduce-scatter copies (SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp keeps FSDP)."
+    )
+
+
+def _casts_every_weight(spec: ModelSpec) -> bool:
+    return not spec.use_peft_lora and spec.param_dtype not in (None, torch.float32)
+
+
+def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo) -> None:
+    """Step 5: shard each block, then the root.
+
+    fsdp_offload_params: FSDP2's CPUOffloadPolicy keeps the sharded parameters, gradients and optimizer step in
+    host RAM. Pinned (for asynchronous copies) on CUDA; on a CPU-only machine the same policy runs unpinned, so
+    the offload path (host shards, offloaded gradients, the step on CPU tensors) is the one the tests exercise."""
+    if spec.offload and info.device.type != "cuda":
+        print0(
+            "fsdp_offload_params: on a CPU-only machine the shards already live in host RAM; FSDP2's offload policy "
+            "runs without pinned memory."
+        )
+    shard_model(
+        train_module,
+        blocks=blocks,
+        mesh=info.mesh,
+        param_dtype=spec.param_dtype,
+        sharding_strategy=spec.sharding_strategy,
+        offload=spec.offload,
+        pin_memory=info.device.type == "cuda",
+        forward_prefetch=spec.forward_prefetch,
+        backward_prefetch=spec.backward_prefetch,
+        reshard_after_forward=spec.reshard_after_forward,
+        replicate_frozen=spec.frozen_base == "replicated",
+    )
