@@ -8,6 +8,7 @@ check run it). It is the one place that sets up the process before the command t
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import os
 import signal
@@ -62,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        import difflib
-
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" Did you mean `shardtune {close[0]}`?" if close else ""
         print(f"shardtune: unknown command {name!r}.{hint}\n\n{_usage()}", file=sys.stderr)

@@ -5,9 +5,16 @@ Nothing here touches the network. Tests use the same builders with smaller sizes
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from shardtune.commands.chat import generate_reply
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
@@ -195,7 +202,6 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 1024):
     It has `<s>`, `</s>` and `<unk>` like Llama-2, and no chat tokens, so a chat template format
     (chatml, zephyr) adds its tokens and resizes the embeddings as it would on a real base model.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -358,8 +364,6 @@ def _answers(model_dir: Path, adapter: Path | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """`shardtune demo`: build the demo assets, answer before, fine-tune on 2 CPU processes with FSDP, answer after."""
-    import argparse
-    import sys
 
     ap = argparse.ArgumentParser(prog="shardtune demo", description=main.__doc__)
     ap.add_argument("--workdir", default="shardtune-demo", help="Where the model, data and outputs go.")
@@ -412,10 +416,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch_train(cmd: list[str], root: Path, nproc: int) -> int:
     """Run `cmd` (a torchrun command line) with the demo's FSDP settings on CPU."""
-    import os
-    import subprocess
-
-    import yaml
 
     yaml_path = root / "fsdp_config_cpu.yaml"
     yaml_path.write_text(yaml.safe_dump({**DEMO_FSDP_YAML, "num_processes": nproc}, sort_keys=False))
@@ -427,7 +427,6 @@ def _launch_train(cmd: list[str], root: Path, nproc: int) -> int:
 def _preference_demo(assets: dict[str, Path], root: Path, nproc: int, epochs: float | None) -> int:
     """DPO with a LoRA adapter on pairs of a right answer and one that repeats the question's word; shows which answer the model prefers on
     held-out questions before and after, and the eval reward accuracy as training goes."""
-    import sys
 
     data = write_preference_dataset(root / "pairs", n_train=800, n_test=64, seed=1, copies=True)
     out = root / "output-dpo"

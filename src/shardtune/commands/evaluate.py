@@ -6,6 +6,7 @@ The flags and the command; the harness run is shardtune.inference.harness's.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 from shardtune.inference.harness import EVAL_EXTRA, EvalArguments, evaluate_model
@@ -25,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging("info")
     args = parse_eval_args(argv)
-    import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
         error(

@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env, parallelism_plan
@@ -174,8 +176,6 @@ def _omp_threads(use_cpu: bool, nproc_per_node: int) -> str:
     if os.environ.get("OMP_NUM_THREADS"):
         return os.environ["OMP_NUM_THREADS"]
     if use_cpu:
-        import psutil
-
         return str(max(1, (psutil.cpu_count(logical=False) or 1) // nproc_per_node))
     return "1"
 

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import (
     FSDPSettings,
@@ -239,7 +241,6 @@ def read_accelerate_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises ConfigError listing every problem (missing file, not FSDP, unknown keys, invalid values).
     """
-    import yaml
 
     p = Path(path)
     if not p.is_file():

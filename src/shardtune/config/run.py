@@ -13,9 +13,11 @@ import difflib
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from transformers import HfArgumentParser
 
 from shardtune.config import dtypes
@@ -83,7 +85,6 @@ _JSON_FIELDS = ("gradient_checkpointing_kwargs",)
 
 def _field_types(classes: tuple) -> dict[str, set[str]]:
     """Each field's type names, e.g. {"max_train_samples": {"int", "None"}}."""
-    import typing
 
     out = {}
     for cls in classes:
@@ -125,8 +126,6 @@ def _coerce(key: str, value: Any, types: set[str]) -> tuple[Any, str | None]:
 
 
 def _read_file(path: str) -> Any:
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"config file {path} does not exist"])

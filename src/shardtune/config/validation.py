@@ -6,7 +6,9 @@ tied head in --modules_to_save (tied_head_saved_problem) lives here, checked aga
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import re
 from pathlib import Path
 
 from shardtune.config.arguments import STEP_INTERVALS, DataArguments, RunConfig, TrainArguments
@@ -235,7 +237,6 @@ def _report_to_problems(report_to: str) -> list[str]:
 
 def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[str]:
     """--eval_harness_*: lm_eval installed and the task folder there (task names are checked in the preflight)."""
-    import importlib.util
 
     if not tasks:
         return ["--eval_harness_include_path needs --eval_harness_tasks."] if include_path else []
@@ -307,7 +308,6 @@ _RANGES = (
 
 def _range_problems(cfg: RunConfig) -> list[str]:
     """Numbers outside the range where they mean anything, each with the range (math.isfinite: nan passes < and >)."""
-    import math
 
     out = []
     for part, name, lo, hi, lo_ok, hi_ok in _RANGES:
@@ -459,7 +459,6 @@ def regex_alternative_warnings(pattern: str, module_names: list[str], leaf_names
     """One line per alternative of a --lora_target_modules regular expression that makes no module match (PEFT
     full-matches the expression against module paths, so a misspelt alternative is skipped silently): the
     expression with only that alternative left in its place matches none of `module_names`."""
-    import re
 
     out = []
     for body, end, spans in _alternations(pattern):

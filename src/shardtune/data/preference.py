@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -365,7 +366,6 @@ def _save_pairs(path: Path, prepared: PreferenceSplit) -> None:
 
 def _load_pairs(path: Path) -> PreferenceSplit | None:
     """The cached pairs, or None when absent or unreadable (then they are tokenized again)."""
-    import zipfile
 
     from .packing import RaggedRows
 

@@ -12,6 +12,7 @@ card (README.md).
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,6 @@ def check_tasks(
 ) -> tuple[Any, list[str]]:
     """(task manager, problems): each unknown task named with the closest known names; `flags` name the tasks
     and include-path flags in the messages."""
-    import difflib
 
     tasks_flag, include_flag = flags
     if include_path and not Path(include_path).expanduser().is_dir():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from shardtune.config import dtypes
 from shardtune.merge.experts import ExpertLora, parameter_wrappers, wrapper_edits
@@ -139,8 +140,6 @@ def load_adapter_weights(adapter: Path) -> dict[str, torch.Tensor]:
         path = adapter / name
         if path.exists():
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
                 return load_file(str(path))
             return torch.load(path, map_location="cpu", weights_only=True)
     raise ValueError(f"--adapter {adapter}: no {' or '.join(ADAPTER_WEIGHTS)} there.")

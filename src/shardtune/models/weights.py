@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shardtune.runtime.hub import is_hub_id
@@ -119,7 +120,6 @@ def _safetensors_problem(path: Path, size: int) -> str | None:
 def _named_errors(path: Path) -> Iterator[None]:
     """safetensors' errors (SafetensorError) as a ValueError naming the file and the fix: a damaged file found
     while reading is a bad input, not a traceback. Other errors (a full disk while writing) pass unchanged."""
-    from safetensors import SafetensorError
 
     try:
         yield
@@ -130,7 +130,6 @@ def _named_errors(path: Path) -> Iterator[None]:
 def read_headers(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
     """({name: shape}, {name: dtype}) of every tensor in the shards, from their headers (no weight is read).
     A dtype this table does not know reads as uint8 (raw bytes)."""
-    from safetensors import safe_open
 
     shapes, dtypes = {}, {}
     for file in files:
@@ -146,7 +145,6 @@ def read_headers(files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[st
 def open_shard(path: Path, *, pread: bool = False) -> Iterator[Any]:
     """One shard, memory-mapped (its pages are released when the block ends), or with pread: each tensor read
     into its own memory, returned once the tensor is dropped."""
-    from safetensors import safe_open
 
     backend = {"backend": "pread"} if pread else {}
     with _named_errors(path), safe_open(str(path), framework="pt", device="cpu", **backend) as f:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -278,8 +280,6 @@ def _real_param_count(config: Any) -> int | None:
 def all_linear_layers(model: Any) -> tuple[tuple[str, int, int, int], ...]:
     """What `all-linear` wraps on `model`, as training picks it (shardtune.models.targets, by module path): one
     (pattern with layer indices as *, fan_in, fan_out, count) per distinct pattern and shape."""
-    import re
-    from collections import Counter
 
     from shardtune.models.targets import plan_all_linear  # lazily: torch and peft, only when a model is built
 

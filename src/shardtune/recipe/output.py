@@ -3,6 +3,7 @@ the model cards."""
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -22,7 +23,6 @@ from shardtune.training.trainer import evaluate_split, peak_memory_gb
 def write_weights(cfg: RunConfig, model, tokenizer, info, step: int = 0) -> Path:
     """Gather the adapter (or the whole model) and write it to output_dir in PEFT/transformers format.
     A full disk on rank 0 raises OSError(ENOSPC) on every rank (the others would wait at the next barrier)."""
-    import errno
 
     out = Path(cfg.train.output_dir)
     inner = model.model

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,7 +134,6 @@ def save_synced(obj, path: Path) -> None:
 def replaced_file(path: str | Path, mode: str = "wb") -> Iterator:
     """Write `path` whole or not at all: into a unique hidden sibling, fsynced, then renamed over `path`. A reader
     never sees half a file, and two processes writing the same file (ranks of one node) never mix their bytes."""
-    import uuid
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

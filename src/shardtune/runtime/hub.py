@@ -3,6 +3,9 @@ command uses), and uploads, checked when the run starts so that a run fails in s
 
 from __future__ import annotations
 
+import importlib
+import json
+import threading
 from collections.abc import Collection
 from pathlib import Path
 
@@ -81,7 +84,6 @@ def preflight(
 def _hub_call(fn, what: str, endpoint: str, timeout_s: float):
     """fn() in a daemon thread, so that a hub that never answers cannot hold the run (the HTTP client has no
     timeout of its own); errors become ValueErrors that say whether the hub was unreachable or refused."""
-    import threading
 
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -122,7 +124,6 @@ def _hub_call(fn, what: str, endpoint: str, timeout_s: float):
 def is_transport_error(e: BaseException) -> bool:
     """Connection, DNS, TLS and proxy failures of huggingface_hub's HTTP client: httpx2 (huggingface_hub 2.x) or
     httpx (1.x), whose errors are not OSErrors (requests', in older releases, are)."""
-    import importlib
 
     for client in ("httpx2", "httpx"):
         try:
@@ -195,7 +196,6 @@ def push_checkpoint(
         raise ValueError(f"--hub_strategy {strategy!r}: use one of {', '.join(CHECKPOINT_STRATEGIES)}.")
     if strategy == "end":
         return []
-    import json
 
     from huggingface_hub import CommitOperationAdd, HfApi
 

@@ -19,12 +19,15 @@ W&B and MLflow runs (`--report_to wandb,mlflow`) get the same records through `s
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from shardtune.runtime.atomic import replaced_file
 from shardtune.runtime.log import print0, warn0
@@ -49,7 +52,6 @@ _RESERVED = ("type", "step", "time", "elapsed_s")
 
 def _require(module: str, what: str):
     """Import an optional dependency, or raise an ImportError that names the pip extra to install."""
-    import importlib
 
     try:
         return importlib.import_module(module)
@@ -207,8 +209,6 @@ class RunLogger:
         if not self.is_main or self.disable_progress:
             return
         if self._bar is None:
-            from tqdm.auto import tqdm
-
             # A resumed run starts the bar where it resumed, so that its rate and ETA are right.
             self._bar = tqdm(
                 total=self.total_steps, initial=max(step - 1, 0), desc="training", dynamic_ncols=True, file=sys.stderr

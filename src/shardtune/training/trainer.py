@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -231,7 +232,6 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
