@@ -12,7 +12,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,6 +78,22 @@ class PreparedSplit:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    # The split protocol the trainer reads (as PreferenceSplit's): steps per epoch, a rank's batches, the log line.
+    def num_batches(self, *, batch_size: int, world_size: int, drop_last: bool = True) -> int:
+        return num_batches(self, batch_size=batch_size, world_size=world_size, drop_last=drop_last)
+
+    def iterate(self, **kwargs) -> Iterator[dict]:
+        """This rank's batches of rows (shardtune.data.collate.iterate_batches)."""
+        return iterate_batches(self, **kwargs)
+
+    def summary(self, evals: PreparedSplit | None, max_length: int) -> str:
+        st = self.stats
+        return (
+            f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {max_length} tokens "
+            f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
+            f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
+        )
 
 
 def build_datasets(

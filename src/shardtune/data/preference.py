@@ -66,6 +66,11 @@ class PreferenceSplit:
     def __len__(self) -> int:
         return len(self.input_ids) // 2
 
+    def summary(self, evals: PreferenceSplit | None, max_length: int) -> str:
+        """The run's data line (the tokenizing pass's own line said the rest)."""
+        unit = "examples" if "desirable" in self.stats else "pairs"
+        return f"Data: {self.stats['pairs']} {unit}; eval {unit}: {len(evals) if evals is not None else 0}."
+
     def num_batches(self, *, batch_size: int, world_size: int, drop_last: bool = True) -> int:
         """Steps per epoch in global batches of batch_size × world_size pairs."""
         per_step = batch_size * world_size

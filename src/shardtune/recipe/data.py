@@ -55,16 +55,7 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
     _check_same_rows(train, evals, d.dataset_name)
     if d.streaming:
         return train, evals
-    st = train.stats
-    if "pairs" in st:  # preference pairs (or KTO examples): their own log line said the rest
-        unit = "examples" if "desirable" in st else "pairs"
-        print0(f"Data: {st['pairs']} {unit}; eval {unit}: {len(evals) if evals is not None else 0}.")
-        return train, evals
-    print0(
-        f"Data: {st.get('documents')} documents → {st.get('rows')} rows of up to {d.max_length} tokens "
-        f"({st.get('truncated', 0)} truncated, {st.get('dropped', 0)} dropped); "
-        f"eval rows: {len(evals.input_ids) if evals is not None else 0}."
-    )
+    print0(train.summary(evals, d.max_length))
     return train, evals
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import resource
@@ -14,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches, num_batches
+from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches
 from shardtune.objectives.heads import token_loss
 from shardtune.objectives.loss import Objective
 from shardtune.parallel.context_parallel import local_part
@@ -102,9 +101,7 @@ class StopFlag:
 
 
 def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, grad_accum: int) -> int:
-    if hasattr(split, "num_batches"):  # preference pairs batch themselves (shardtune.data.preference)
-        return split.num_batches(batch_size=batch_size, world_size=world_size) // grad_accum
-    return num_batches(split, batch_size=batch_size, world_size=world_size) // grad_accum
+    return split.num_batches(batch_size=batch_size, world_size=world_size) // grad_accum
 
 
 def _micro_batches(split: PreparedSplit, settings: LoopSettings, info: DistInfo, state: LoopState) -> Iterator[dict]:
@@ -123,7 +120,7 @@ def _micro_batches(split: PreparedSplit, settings: LoopSettings, info: DistInfo,
         return
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
-        it = (split.iterate if hasattr(split, "iterate") else functools.partial(iterate_batches, split))(
+        it = split.iterate(
             batch_size=settings.batch_size,
             rank=info.dims.dp_rank,
             world_size=info.dims.dp_size,
