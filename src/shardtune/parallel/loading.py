@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.models.quant import packed_modules, quant_state_tensors
 from shardtune.models.weights import release_free_memory
@@ -171,6 +171,7 @@ def _scatter_rows(
         dist.broadcast(buf, src=node.src, group=node.group)
         param.copy_(buf)
         return
+    check_row_sharded(param)
     mesh, rows, rest = param.device_mesh, param.shape[0], tuple(param.shape[1:])
     shards = mesh.size(_shard_dim(mesh))  # the shard group's size, not the world's
     chunk = -(-rows // shards)
@@ -189,6 +190,19 @@ def _scatter_rows(
     dist.scatter(out, pieces, src=node.src, group=node.group)
     if not direct:
         local.copy_(out[: local.shape[0]])  # in place: the shard keeps its storage (and its pinning)
+
+
+def check_row_sharded(param: DTensor) -> None:
+    """Refuse a placement the row scatter would fill wrong: it sends each rank rows [i·c, (i+1)·c) of the full
+    tensor, which is the rank's shard only for FSDP2's placements, Shard(0) along the shard dimension and
+    Replicate along the others (a tensor-parallel axis would shard other dimensions: its loading lands here)."""
+    want = [Shard(0) if d == _shard_dim(param.device_mesh) else Replicate() for d in range(param.device_mesh.ndim)]
+    if list(param.placements) != want:
+        raise NotImplementedError(
+            f"loading from each node's rank 0 fills FSDP2's row shards ({want}); a parameter of shape "
+            f"{tuple(param.shape)} is placed {list(param.placements)}: set cpu_ram_efficient_loading false so that "
+            "every rank reads its own copy."
+        )
 
 
 def _padded_rows(full: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
