@@ -153,9 +153,9 @@ def _time_step(model, batch, device: str, reps: int) -> float:
     """Median seconds of forward + backward of the loss (the first call picks kernels and is not counted)."""
     times = []
     for i in range(reps + 1):
-        speed._sync(device, head=token_loss)
+        speed._sync(device)
         t0 = time.perf_counter()
-        total, n = model(*batch)
+        total, n = model(*batch, head=token_loss)
         (total / n).backward()
         speed._sync(device)
         if i:
