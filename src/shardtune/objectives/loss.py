@@ -344,10 +344,6 @@ class ObjectiveSpec:
     drops_dropout: bool | None = None
 
     @property
-    def dropout_off_by_flag(self) -> bool:
-        return self.data != "rows" if self.drops_dropout is None else self.drops_dropout
-
-    @property
     def rows_per_example(self) -> int:
         """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)
         and for a KTO example (its completion and its KL row)."""
@@ -376,7 +372,8 @@ def rows_per_example(objective: str) -> int:
 def dropout_off(objective: str, disable_dropout: bool) -> bool:
     """Whether a run of `objective` with --disable_dropout `disable_dropout` trains without dropout: the one rule the
     run (recipe.objective) and the planner (LoRA dropout's masks) read."""
-    return disable_dropout and objective_spec(objective).dropout_off_by_flag
+    spec = objective_spec(objective)
+    return disable_dropout and (spec.data != "rows" if spec.drops_dropout is None else spec.drops_dropout)
 
 
 def build_objective(objective: str, **knobs) -> Objective:

@@ -196,7 +196,8 @@ def check_row_sharded(param: DTensor) -> None:
     """Refuse a placement the row scatter would fill wrong: it sends each rank rows [i·c, (i+1)·c) of the full
     tensor, which is the rank's shard only for FSDP2's placements, Shard(0) along the shard dimension and
     Replicate along the others (a tensor-parallel axis would shard other dimensions: its loading lands here)."""
-    want = [Shard(0) if d == _shard_dim(param.device_mesh) else Replicate() for d in range(param.device_mesh.ndim)]
+    shard_dim = _shard_dim(param.device_mesh)
+    want = [Shard(0) if d == shard_dim else Replicate() for d in range(param.device_mesh.ndim)]
     if list(param.placements) != want:
         raise NotImplementedError(
             f"loading from each node's rank 0 fills FSDP2's row shards ({want}); a parameter of shape "
