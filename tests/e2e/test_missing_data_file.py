@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config
 from shardtune.data.sources import FILE_BUILDERS, load_split
+from shardtune.recipe.run_config import load_run_config
 from tests.conftest import ROOT, train_args
 from tests.e2e.test_bad_inputs import _main, _model_copy, _snapshot
 

@@ -77,8 +77,8 @@ def test_refused_before_anything_is_read_when_chatml_adds_tokens(assets, tmp_pat
     assert rc == 2 and line.startswith(f"- {REFUSAL}") and FIX in line, line
     assert not (tmp_path / "out").exists()
     # Without added tokens (the tokenizer's own template), the head trained in full is PEFT's plain case: not refused.
-    from shardtune.config.run import load_run_config
     from shardtune.models.preflight import model_input_problems
+    from shardtune.recipe.run_config import load_run_config
 
     cfg = load_run_config(_argv(assets, tmp_path / "out", "lm_head", chat_template_format="auto")[1:])
     assert not [p for p in model_input_problems(cfg) if "modules_to_save" in p]

@@ -9,7 +9,8 @@ import shlex
 import pytest
 
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config, parse_args
+from shardtune.config.run import parse_args
+from shardtune.recipe.run_config import load_run_config
 
 GUIDE_LORA = """--seed 100 --model_name_or_path "meta-llama/Llama-2-70b-hf" --dataset_name "smangrul/ultrachat-10k-chatml"
 --chat_template_format "chatml" --add_special_tokens False --append_concat_token False --splits "train,test"

@@ -15,9 +15,9 @@ from transformers import AutoTokenizer
 import shardtune.data.prepare as prepare_mod
 from shardtune.commands.demo import build_tokenizer, write_chat_dataset
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config
 from shardtune.data import build_datasets, iterate_batches, setup_tokenizer
 from shardtune.data.packing import best_fit_decreasing, build_rows, fit_documents
+from shardtune.recipe.run_config import load_run_config
 from tests.conftest import build_data
 
 

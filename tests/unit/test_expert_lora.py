@@ -9,9 +9,9 @@ import torch
 from transformers import CONFIG_MAPPING
 
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config
 from shardtune.merge.experts import ExpertLora, expert_factors
 from shardtune.models import families, targets
+from shardtune.recipe.run_config import load_run_config
 from tests.unit.test_targets import _model, _one_thread  # noqa: F401 - the tiny models, one thread (autouse)
 
 # Fused-expert families of transformers (3-D expert tensors), with where their routers are parameters.

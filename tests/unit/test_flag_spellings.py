@@ -10,10 +10,11 @@ import pytest
 from torch import nn
 
 from shardtune.config import run as config
-from shardtune.config import validation
 from shardtune.config.arguments import interval_steps
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config, parse_args, precision_line
+from shardtune.config.run import parse_args, precision_line
+from shardtune.models import targets
+from shardtune.recipe.run_config import load_run_config
 
 BASE = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]
 FSDP_BF16 = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
@@ -34,7 +35,7 @@ def _refused(*flags, env=None) -> str:
 def warnings(monkeypatch) -> list[str]:
     seen: list[str] = []
     monkeypatch.setattr(config, "warn0", seen.append)
-    monkeypatch.setattr(validation, "warn0", seen.append)
+    monkeypatch.setattr(targets, "warn0", seen.append)
     return seen
 
 

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config
 from shardtune.parallel.fsdp import frozen_parameters
 from shardtune.planning import PlanInputs, estimate_memory, model_state_bytes_per_rank
 from shardtune.planning.fit import AUTO_REPLICATE_MARGIN, frozen_base_choice, plan_inputs, plan_shape
@@ -19,6 +18,7 @@ from shardtune.planning.known_configs import KNOWN_CONFIGS
 from shardtune.planning.model import load_model_config
 from shardtune.planning.report import Launch
 from shardtune.planning.state import GiB
+from shardtune.recipe.run_config import load_run_config
 
 MODEL = "meta-llama/Llama-3.1-8B"  # a config shardtune knows without the hub
 

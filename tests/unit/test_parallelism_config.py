@@ -14,7 +14,7 @@ import yaml
 from shardtune.commands.launch import build_launch
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config
+from shardtune.recipe.run_config import load_run_config
 
 TRAIN = ["--model_name_or_path", "org/model", "--dataset_name", "org/data"]
 

@@ -219,7 +219,7 @@ def test_plan_counts_two_rows_per_pair_and_names_the_reference(tiny_assets, caps
 
 def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir):
     from shardtune.config.errors import ConfigError
-    from shardtune.config.run import load_run_config
+    from shardtune.recipe.run_config import load_run_config
 
     base = ["--model_name_or_path", str(tiny_assets["model"]), "--dataset_name", str(pairs_dir)]
     with pytest.raises(ConfigError) as e:
@@ -228,8 +228,8 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
         )
     text = str(e.value)
     assert "--packing does not apply to --objective orpo" in text and "set --packing False" in text
-    assert "--loss_type only apply to --objective dpo" in text and "--beta must be > 0" in text
-    with pytest.raises(ConfigError, match="--loss_type only apply to --objective dpo"):
+    assert "--loss_type only applies to --objective dpo" in text and "--beta must be > 0" in text
+    with pytest.raises(ConfigError, match="--loss_type only applies to --objective dpo"):
         load_run_config([*base, "--loss_type", "ipo"], env={})
     assert load_run_config([*base, "--objective", "dpo", "--loss_type", "ipo"], env={}).train.loss_type == "ipo"
     with pytest.raises(ConfigError) as e:
@@ -241,6 +241,48 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
         load_run_config([*base, "--objective", "simpo", "--precompute_ref_log_probs", "True"], env={})
     cfg = load_run_config([*base, "--objective", "kto", "--desirable_weight", "1.33"], env={})
     assert (cfg.train.desirable_weight, cfg.train.undesirable_weight) == (1.33, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("objective", "flags", "said"),
+    [
+        ("dpo", ["--simpo_gamma", "1.0"], "--simpo_gamma only applies to --objective simpo; remove it or set it."),
+        ("sft", ["--beta", "0.5"], "--beta only applies to --objective dpo or simpo or orpo or kto; remove it or set "
+         "one of them."),  # fmt: skip
+        ("orpo", ["--precompute_ref_log_probs", "True"], "--precompute_ref_log_probs only applies to --objective dpo "
+         "or kto; remove it or set one of them."),  # fmt: skip
+    ],
+)
+def test_a_knob_the_objective_does_not_read_is_refused(tiny_assets, pairs_dir, objective, flags, said):
+    """Each objective's spec names the knobs it reads (ObjectiveSpec.knobs): any other knob set away from its default
+    would change nothing, and is refused naming the objectives that read it."""
+    from shardtune.config.errors import ConfigError
+    from shardtune.recipe.run_config import load_run_config
+
+    base = ["--model_name_or_path", str(tiny_assets["model"]), "--dataset_name", str(pairs_dir)]
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*base, "--objective", objective, *flags], env={})
+    assert e.value.problems == [said]
+    reader = {"--simpo_gamma": "simpo", "--beta": "orpo", "--precompute_ref_log_probs": "kto"}[flags[0]]
+    assert load_run_config([*base, "--objective", reader, *flags], env={}).train.objective == reader
+
+
+def test_a_plugin_objective_that_names_no_knobs_may_read_any(tiny_assets, pairs_dir, monkeypatch, capsys):
+    """A registered objective without `knobs` receives every knob (build(**knobs)), so none is refused for it; it is
+    listed among the readers of every knob, and in --help."""
+    from shardtune.config.errors import ConfigError
+    from shardtune.objectives.loss import OBJECTIVES, ObjectiveSpec
+    from shardtune.recipe.run_config import load_run_config
+
+    monkeypatch.setitem(OBJECTIVES, "mine", ObjectiveSpec("mine", OBJECTIVES["sft"].build, help="a plugin's"))
+    base = ["--model_name_or_path", str(tiny_assets["model"]), "--dataset_name", str(pairs_dir)]
+    cfg = load_run_config([*base, "--objective", "mine", "--simpo_gamma", "2", "--beta", "3"], env={})
+    assert (cfg.train.simpo_gamma, cfg.train.beta) == (2.0, 3.0)
+    with pytest.raises(ConfigError, match="--simpo_gamma only applies to --objective simpo or mine;"):
+        load_run_config([*base, "--objective", "dpo", "--simpo_gamma", "2"], env={})
+    with pytest.raises(SystemExit):
+        load_run_config(["--help"], env={})
+    assert "kto: unpaired prompt/completion/label rows; mine: a plugin's." in " ".join(capsys.readouterr().out.split())
 
 
 def test_tensorboard_tags_are_trls(tmp_path):

@@ -8,8 +8,8 @@ from safetensors.torch import load_file, save_file
 
 from shardtune.config.errors import ConfigError
 from shardtune.config.precision import resolve_precision
-from shardtune.config.run import load_run_config
 from shardtune.models import loading, quant
+from shardtune.recipe.run_config import load_run_config
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -9,8 +9,8 @@ import torch
 from shardtune.config.arguments import RunConfig
 from shardtune.config.errors import ConfigError
 from shardtune.config.precision import Precision
-from shardtune.config.run import load_run_config
 from shardtune.models.quant import quantization_problems
+from shardtune.recipe.run_config import load_run_config
 
 pytest.importorskip("bitsandbytes")  # without it the 4-bit checks only say that it is missing
 

@@ -9,8 +9,8 @@ from torch import nn
 
 from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.fsdp import FSDPSettings
-from shardtune.config.run import validate
 from shardtune.planning import PlanInputs, estimate_memory
+from shardtune.recipe.run_config import validate
 from shardtune.training import optimizers
 
 LLAMA_7B = {

@@ -48,11 +48,7 @@ LEAVES = (
     "shardtune.runtime.atomic",
 )
 # Modules that still import a later role, each with why; an entry that no longer needs it is removed.
-UPWARD = {
-    "shardtune.config.validation": "checks the flags against the components' registries (data formats, 4-bit "
-    "rules, objectives, optimizers, trackers), each the one home of its names",
-    "shardtune.config.arguments": "the --objective and --optim help lists the objectives' and optimizers' registries",
-}
+UPWARD: dict[str, str] = {}
 
 
 def _modules() -> dict[str, Path]:

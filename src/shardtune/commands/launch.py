@@ -197,6 +197,20 @@ def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune",
     return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run, process_env=world)
 
 
+def _train_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
+    """What `shardtune train` would refuse from its flags and the model's files, said before torchrun starts N
+    processes that would each say it. The output folder is left to rank 0 of the run: another machine's launcher
+    may already have started writing to it."""
+    # Imported here, both: the checks load torch and transformers, which --dry_run and --help do not need.
+    from shardtune.models.preflight import model_input_problems
+    from shardtune.recipe.run_config import load_run_config  # (start-up time, as the line above)
+
+    try:
+        return model_input_problems(load_run_config(train_argv, env=env))
+    except ConfigError as e:
+        return e.problems
+
+
 def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shardtune", "train")) -> int:
     """`shardtune launch`: start `entry` with the train flags on N processes per machine through torchrun."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -212,15 +226,7 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         print(shlex.join(plan.cmd))
         return 0
     if tuple(entry) == ("-m", "shardtune", "train"):
-        # Imported here: the preflight loads transformers, which --dry_run and --help do not need.
-        from shardtune.models.preflight import launch_problems
-
-        try:
-            problems = launch_problems(
-                _parser().parse_known_args(argv)[1], {**os.environ, **plan.env, **plan.process_env}
-            )
-        except ConfigError as e:
-            problems = e.problems
+        problems = _train_problems(_parser().parse_known_args(argv)[1], {**os.environ, **plan.env, **plan.process_env})
         if problems:
             print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
             return 2

@@ -22,7 +22,6 @@ from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig,
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, context_parallel_size, single_process_setting
 from shardtune.config.run import parse_args
-from shardtune.config.validation import validate
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -39,6 +38,7 @@ from shardtune.planning.recommend import longest_sequences, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
 from shardtune.planning.trace import trace_step
+from shardtune.recipe.run_config import flag_choices, run_problems
 from shardtune.training import optimizers
 
 _UNITS = {
@@ -173,12 +173,10 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
 
 def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments) -> None:
     """The training flags' own checks, except that planning needs no dataset."""
-    try:
-        validate(RunConfig(model, data, train, FSDPSettings()), check_paths=False)
-    except ConfigError as e:
-        problems = [p for p in e.problems if not p.startswith("--dataset_name")]
-        if problems:
-            raise ConfigError(problems) from None
+    problems = run_problems(RunConfig(model, data, train, FSDPSettings()), check_paths=False)
+    problems = [p for p in problems if not p.startswith("--dataset_name")]
+    if problems:
+        raise ConfigError(problems)
 
 
 def _check_context_parallel(cp: int, launch: Launch) -> None:
@@ -188,7 +186,7 @@ def _check_context_parallel(cp: int, launch: Launch) -> None:
 
 def make_plan(argv: list[str]) -> Plan:
     """Parse `shardtune plan`'s flags, read config.json and estimate; raises ConfigError for user mistakes."""
-    model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan")
+    model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan", choices=flag_choices())
     if not model.model_name_or_path:
         raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
     _validate(model, data, train)

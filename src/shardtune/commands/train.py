@@ -19,7 +19,7 @@ from shardtune.cli import run_command
 from shardtune.config import cuda_allocator
 from shardtune.config.arguments import ARG_CLASSES, RunConfig, interval_steps
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import load_run_config, precision_line
+from shardtune.config.run import precision_line
 from shardtune.inference.harness import EvalArguments, evaluate_model
 from shardtune.models import loading
 from shardtune.models.builder import model_spec
@@ -28,6 +28,7 @@ from shardtune.parallel import checkpoint, setup
 from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.mesh import all_gather_objects, init_distributed, is_peer_failure, shutdown
 from shardtune.recipe import checks, data, objective, output, state
+from shardtune.recipe.run_config import load_run_config
 from shardtune.runtime import hooks, hub
 from shardtune.runtime.atomic import DiskFullError, is_disk_full
 from shardtune.runtime.cpu import bf16_check

@@ -1,6 +1,6 @@
 """The flags of `shardtune train` (named as in the reference training script and transformers' TrainingArguments)
 as dataclasses, and `RunConfig`, which holds them with the FSDP settings of the launch and decides the run's
-precision. Parsing is shardtune.config.run, checking shardtune.config.validation.
+precision. Parsing is shardtune.config.run, the configuration's own checks shardtune.config.validation.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from typing import Any
 
 from shardtune.config.fsdp import FSDPSettings
 from shardtune.config.precision import Precision, resolve_precision
-from shardtune.objectives.loss import OBJECTIVES
-from shardtune.training import optimizers
 
 
 def _f(default: Any, help: str, aliases: list[str] | None = None, choices: list[str] | None = None):
@@ -145,14 +143,6 @@ class DataArguments:
     )
 
 
-def _objectives_help() -> str:
-    """'sft: ...; dpo, simpo, orpo: ...; kto: ...' from the registry, names with the same help together."""
-    by_help: dict[str, list[str]] = {}
-    for name, spec in OBJECTIVES.items():
-        by_help.setdefault(spec.help, []).append(name)
-    return "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items()) + "."
-
-
 @dataclass
 class TrainArguments:
     output_dir: str = _f("output", "Where the adapter or model, metrics and checkpoints are written.")
@@ -171,7 +161,8 @@ class TrainArguments:
     lr_scheduler_type: str = _f("linear", "Any transformers scheduler: linear, cosine, constant, ...")
     warmup_steps: int = _f(0, "Linear warmup steps.")
     warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps (used when --warmup_steps is 0).")
-    optim: str = _f("adamw_torch", f"{optimizers.names()}.")
+    # The registry's names are added to the help when the parser is built (shardtune.recipe.run_config.flag_help).
+    optim: str = _f("adamw_torch", "The optimizer")
     bf16: bool = _f(False, "bf16 weights and compute (the frozen base is held in bf16).")
     fp16: bool = _f(False, "fp16 compute.")
     gradient_checkpointing: bool = _f(False, "Recompute each decoder block's activations in backward.")
@@ -237,8 +228,8 @@ class TrainArguments:
     )
     # Preference tuning: what is minimised, with TRL's DPOConfig/CPOConfig names for the knobs (docs/preference.md).
     # No argparse choices: objectives registered after import (objectives.loss.register_objective) are valid too;
-    # validation checks the name against the registry.
-    objective: str = _f("sft", _objectives_help())
+    # the registry checks the name, and its names are added to the help when the parser is built.
+    objective: str = _f("sft", "What a step minimises")
     beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's, ORPO's and KTO's beta.")
     loss_type: str = _f("sigmoid", "--objective dpo: sigmoid (DPO) or ipo.", choices=["sigmoid", "ipo"])
     simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")

@@ -1,9 +1,11 @@
 """Typed run configuration: command-line flags (named as in the reference training script), a single
 .json/.yaml file, and the FSDP settings that `accelerate launch` or `shardtune launch` pass through the
-environment. `load_run_config` returns one validated `RunConfig` and reports every problem at once.
+environment. `parse_run_config` returns one `RunConfig`; shardtune.recipe.run_config.load_run_config checks it
+whole (the configuration's own checks, shardtune.config.validation, and each component's of the flags it defines)
+and reports every problem at once.
 
-The flags are defined in shardtune.config.arguments, the checks in shardtune.config.validation, the FSDP settings in
-shardtune.config.fsdp; this module parses and is the import point for all of them.
+The flags are defined in shardtune.config.arguments, the FSDP settings in shardtune.config.fsdp; this module parses
+and is the import point for both.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,6 @@ from shardtune.config import dtypes
 from shardtune.config.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import FSDPSettings, context_parallel_size, fsdp_settings_from_env, parallelism_plan
-from shardtune.config.validation import validate
 from shardtune.runtime.log import warn0
 
 __all__ = [
@@ -38,9 +40,8 @@ __all__ = [
     "explicit_flags",
     "join_negative_values",
     "known_flags",
-    "load_run_config",
     "parse_args",
-    "validate",
+    "parse_run_config",
 ]
 
 
@@ -267,10 +268,21 @@ def explicit_flags(argv: list[str]) -> frozenset[str]:
     return frozenset(aliases.get(n, n) for n in names)
 
 
-def parse_args(argv: list[str] | None = None, extra: tuple = (), prog: str = "shardtune train") -> tuple:
-    """Parse flags (or a single .json/.yaml file) into (ModelArguments, DataArguments, TrainArguments, *extra)."""
+def parse_args(
+    argv: list[str] | None = None,
+    extra: tuple = (),
+    prog: str = "shardtune train",
+    choices: Mapping[str, str] | None = None,
+) -> tuple:
+    """Parse flags (or a single .json/.yaml file) into (ModelArguments, DataArguments, TrainArguments, *extra).
+
+    choices: {flag: its values, said in --help}, for flags whose values a component's registry holds (the
+    caller that knows the registries gives them: shardtune.recipe.run_config.flag_choices)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
+    for action in parser._actions:  # argparse keeps no public list of the actions it was given
+        if action.dest in (choices or {}):
+            action.help = f"{action.help}: {choices[action.dest]}"
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         parsed = _parse_file(parser, argv[0], extra)
     else:
@@ -354,10 +366,15 @@ def precision_line(cfg: RunConfig) -> str:
     return line
 
 
-def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> RunConfig:
-    """Flags + environment → validated RunConfig (raises ConfigError listing every problem)."""
+def parse_run_config(
+    argv: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    choices: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Flags + the launcher's environment → RunConfig, with the launch's parallel sizes checked (ConfigError);
+    every other check is shardtune.recipe.run_config.load_run_config's. `choices`: as parse_args'."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    model, data, train = parse_args(argv)
+    model, data, train = parse_args(argv, choices=choices)
     env = os.environ if env is None else env
     fsdp = fsdp_settings_from_env(env)
     # accelerate's parallelism_config (PARALLELISM_CONFIG_*, from any launcher): the strategy its sizes mean, or why not.
@@ -369,9 +386,7 @@ def load_run_config(argv: list[str] | None = None, env: dict[str, str] | None = 
     problems = _context_parallel(train, fsdp, world, local, explicit)
     if problems:
         raise ConfigError(problems)
-    cfg = RunConfig(model, data, train, fsdp, explicit=explicit)
-    validate(cfg)
-    return cfg
+    return RunConfig(model, data, train, fsdp, explicit=explicit)
 
 
 def _context_parallel(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:

@@ -1,53 +1,40 @@
-"""Checks of a run's flags that need no files but the ones named (`validate`): every problem at once, each naming
-its flag and the fix. The model's files are checked later, before loading, by shardtune.models.preflight; the rule for a
-tied head in --modules_to_save (tied_head_saved_problem) lives here, checked against the model there and in modeling.
+"""The configuration's own checks of a run's flags (`flag_problems`): ranges, flags that exclude or need each other,
+the files the flags name; each problem names its flag and the fix. A flag whose values a component defines (the
+data formats, the objectives, the optimizers, the trackers, the 4-bit rules) is checked by that component, and
+shardtune.recipe.run_config gathers every check, so that a run hears of every problem at once. The model's files are
+checked later, before loading, by shardtune.models.preflight.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
-import re
 from pathlib import Path
 
 from shardtune.config.arguments import STEP_INTERVALS, DataArguments, RunConfig, TrainArguments
 from shardtune.config.dtypes import canonical as dtype_canonical
-from shardtune.config.errors import ConfigError
-from shardtune.data.sources import ACCEPTED, is_hub_dataset
-from shardtune.data.templates import CHAT_FORMATS
-from shardtune.models.quant import quantization_problems
-from shardtune.objectives.loss import OBJECTIVES
 from shardtune.runtime.hub import is_hub_id
-from shardtune.runtime.log import warn0
-from shardtune.training import optimizers
-from shardtune.training.trackers import missing_packages, parse_report_to
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainArguments)}
 
 
 def _split(s: str | None) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
 
 
-def validate(cfg: RunConfig, check_paths: bool = True) -> None:
-    """Report every problem at once, each naming its flag and the fix."""
+def flag_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
+    """Every problem the configuration itself finds, each naming its flag and the fix; `check_paths`: also that
+    the model and adapter folders the flags name exist."""
     p = _required_problems(cfg)
     p += _adapter_problems(cfg)
     p += _training_problems(cfg)
     p += _corpus_problems(cfg.data, cfg.train)
-    p += _report_to_problems(cfg.train.report_to)
     p += _eval_harness_problems(cfg.train.eval_harness_tasks, cfg.train.eval_harness_include_path)
     p += _split_problems(cfg)
-    p += _preference_problems(cfg)
     if cfg.model.adapter_path and not cfg.model.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
-    p += _quantization_problems(cfg)
     p += _context_parallel_problems(cfg)
     if check_paths:
         p += _path_problems(cfg)
-    if p:
-        raise ConfigError(p)
+    return p
 
 
 def _context_parallel_problems(cfg: RunConfig) -> list[str]:
@@ -69,13 +56,11 @@ def _context_parallel_problems(cfg: RunConfig) -> list[str]:
 
 
 def _required_problems(cfg: RunConfig) -> list[str]:
-    """The model and the data, and flags that exclude each other."""
-    m, d, t = cfg.model, cfg.data, cfg.train
+    """The model, and flags that exclude each other (the data is shardtune.data.sources.dataset_problems')."""
+    m, t = cfg.model, cfg.train
     p = []
     if not m.model_name_or_path:
         p.append("--model_name_or_path is required: a hub id or a local model folder.")
-    if not d.dataset_name:
-        p.append(f"--dataset_name is required: {ACCEPTED}.")
     if m.use_4bit_quantization and m.use_8bit_quantization:
         p.append("--use_4bit_quantization and --use_8bit_quantization are both set; choose one.")
     if t.bf16 and t.fp16:
@@ -145,7 +130,7 @@ def _adapter_problems(cfg: RunConfig) -> list[str]:
 
 
 def _training_problems(cfg: RunConfig) -> list[str]:
-    """Batch sizes, lengths, numeric ranges, the length of the run and the optimizer (shardtune.training.optimizers)."""
+    """Batch sizes, lengths, numeric ranges and the length of the run."""
     m, d, t = cfg.model, cfg.data, cfg.train
     p = []
     if m.use_unsloth:
@@ -163,8 +148,6 @@ def _training_problems(cfg: RunConfig) -> list[str]:
         p.append("set --num_train_epochs > 0 or --max_steps > 0.")
     if not 0 <= t.warmup_ratio < 1:
         p.append(f"--warmup_ratio must be in [0, 1) (got {t.warmup_ratio}).")
-    if t.optim not in optimizers.OPTIMIZERS:
-        p.append(f"--optim {t.optim!r} is not supported; use {optimizers.names()}.")
     return p
 
 
@@ -197,17 +180,6 @@ def _split_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
-def _quantization_problems(cfg: RunConfig) -> list[str]:
-    m = cfg.model
-    return quantization_problems(
-        use_4bit=m.use_4bit_quantization,
-        use_8bit=m.use_8bit_quantization,
-        quant_storage_dtype=m.bnb_4bit_quant_storage_dtype,
-        precision=cfg.precision,
-        fsdp_enabled=cfg.fsdp.enabled,
-    )
-
-
 def _corpus_problems(d: DataArguments, t: TrainArguments) -> list[str]:
     """--streaming, --packing_window, --dataset_num_proc."""
     p = []
@@ -225,14 +197,6 @@ def _corpus_problems(d: DataArguments, t: TrainArguments) -> list[str]:
         for f in epoch_flags
     ]
     return p
-
-
-def _report_to_problems(report_to: str) -> list[str]:
-    """--report_to: known tracker names, and their packages installed (checked here, before any loading)."""
-    try:
-        return missing_packages(parse_report_to(report_to))
-    except ValueError as e:
-        return [str(e)]
 
 
 def _eval_harness_problems(tasks: str | None, include_path: str | None) -> list[str]:
@@ -327,157 +291,12 @@ def _range_problems(cfg: RunConfig) -> list[str]:
     return out
 
 
-def _preference_problems(cfg: RunConfig) -> list[str]:
-    d, t = cfg.data, cfg.train
-    if t.objective not in OBJECTIVES:
-        return [f"--objective {t.objective!r} is not one of {', '.join(OBJECTIVES)}."]
-    p = []
-    by_objective = {"dpo": ("loss_type",), "kto": ("desirable_weight", "undesirable_weight")}
-    for objective, flags in by_objective.items():
-        changed = [f"--{n}" for n in flags if getattr(t, n) != _DEFAULTS[n]]
-        if changed and t.objective != objective:
-            p.append(f"{', '.join(changed)} only apply to --objective {objective}; remove them or set it.")
-    if t.objective not in ("dpo", "kto") and t.precompute_ref_log_probs:
-        p.append(
-            "--precompute_ref_log_probs only applies to --objective dpo or kto (the others need no reference); "
-            "remove it."
-        )
-    if OBJECTIVES[t.objective].data == "rows":  # token rows, like SFT: the data flags all apply
-        return p
-    if t.beta <= 0:
-        p.append(f"--beta must be > 0 (got {t.beta}).")
-    if d.streaming:
-        p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
-    if d.completion_only_loss is False:
-        p.append(
-            f"--completion_only_loss False does not apply to --objective {t.objective} (only the completions count); "
-            "remove it."
-        )
-    for flag in ("packing", "assistant_only_loss", "append_concat_token"):
-        if getattr(d, flag):
-            p.append(
-                f"--{flag} does not apply to --objective {t.objective} (pairs are rows of their own and only the "
-                f"completions count); set --{flag} False."
-            )
-    return p
-
-
 def _path_problems(cfg: RunConfig) -> list[str]:
     p = []
-    mp, dn = cfg.model.model_name_or_path, cfg.data.dataset_name
+    mp = cfg.model.model_name_or_path
     if mp and not is_hub_id(mp) and not (Path(mp).expanduser() / "config.json").exists():
         p.append(f"--model_name_or_path {mp}: no config.json there; give a model folder or a hub id.")
-    if dn and not is_hub_dataset(dn) and not Path(dn).expanduser().exists():
-        p.append(f"--dataset_name {dn}: no such file or folder; give {ACCEPTED}.")
     ap = cfg.model.adapter_path
     if ap and not (Path(ap).expanduser() / "adapter_config.json").exists():
         p.append(f"--adapter_path {ap}: no adapter_config.json there.")
     return p
-
-
-# ---------------------------------------------------------------- a tied head in --modules_to_save
-# Checked against the model: from its meta skeleton before loading (models.preflight), and where the adapter is
-# attached (shardtune.models.adapter), which knows every added row.
-#
-# On a model whose output head is its input embedding (tie_word_embeddings), the rows of added tokens are trained as
-# PEFT trainable tokens on the embedding, and PEFT ties them to the head by wrapping the head too. A head that
-# --modules_to_save also trains in full is a wrapper PEFT cannot wrap: it failed inside PEFT at the first step
-# ("TrainableTokensLayer wraps an unknown layer type"). With the embedding saved in full as well, no token rows are
-# needed (both are trained in full, as two copies; a merged model is untied), and without added rows the head alone
-# is trained in full as PEFT does on any model.
-
-
-def tied_head_saved_problem(model, modules_to_save: list[str] | None, *, adds_rows: bool) -> str | None:
-    """Why --modules_to_save cannot train this model's output head in full, or None.
-
-    model: the base before the adapter (a meta skeleton is enough); adds_rows: the run adds embedding rows (new
-    tokens, or padding to a multiple of 8)."""
-    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
-    if not adds_rows or out is None or out.weight is not emb.weight:
-        return None
-    names = {id(m): n.split(".")[-1] for n, m in model.named_modules() if m is emb or m is out}
-    emb_name, out_name = names.get(id(emb), "embed_tokens"), names.get(id(out), "lm_head")
-    full = set(modules_to_save or [])
-    if out_name not in full or emb_name in full:
-        return None
-    return (
-        f"--modules_to_save {out_name}: this model ties its output head to its input embedding, and the added "
-        f"tokens' rows are trained on the tied {emb_name} and {out_name} (PEFT trainable tokens), which cannot also "
-        f"train {out_name} in full. Use --modules_to_save {emb_name},{out_name} (both trained in full and saved in "
-        f"the adapter; a merged model is untied), or leave {out_name} out (the new tokens' rows are still trained)."
-    )
-
-
-def chat_format_problem(model, modules_to_save: str | None, chat_template_format: str) -> str | None:
-    """tied_head_saved_problem for a run whose --chat_template_format chatml or zephyr adds its tokens."""
-    names = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()]
-    return tied_head_saved_problem(model, names, adds_rows=chat_template_format in CHAT_FORMATS)
-
-
-# ---------------------------------------------------------------- a regular expression in --lora_target_modules
-
-
-def _alternations(pattern: str) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """Each alternation of `pattern` (the whole pattern, or a group holding `|`): (where its alternatives begin,
-    where they end, each alternative's span). Escapes and character classes are skipped, as re reads them."""
-    stack: list[tuple[int, list[int]]] = [(-1, [])]  # (position of the group's "(", its "|" positions)
-    found, i, in_class = [], 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 if pattern[i + 1 : i + 2] != "]" else 2  # "[]...]": the first ] is a member
-            continue
-        elif c == "(":
-            stack.append((i, []))
-        elif c == ")" and len(stack) > 1:
-            start, bars = stack.pop()
-            if bars:
-                found.append((start, i, bars))
-        elif c == "|":
-            stack[-1][1].append(i)
-        i += 1
-    if stack[0][1]:
-        found.append((-1, len(pattern), stack[0][1]))
-    out = []
-    for start, end, bars in found:
-        body = start + 1  # where the alternatives begin: after "(" (and "?:"), or at 0 for the whole pattern
-        if start >= 0 and pattern.startswith("?:", body):
-            body += 2
-        edges = [body, *(b + 1 for b in bars)]
-        ends = [*bars, end]
-        out.append((body, end, list(zip(edges, ends, strict=True))))
-    return out
-
-
-def regex_alternative_warnings(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
-    """One line per alternative of a --lora_target_modules regular expression that makes no module match (PEFT
-    full-matches the expression against module paths, so a misspelt alternative is skipped silently): the
-    expression with only that alternative left in its place matches none of `module_names`."""
-
-    out = []
-    for body, end, spans in _alternations(pattern):
-        for a, b in spans:
-            alone = pattern[:body] + pattern[a:b] + pattern[end:]
-            try:
-                compiled = re.compile(alone)
-            except re.error:
-                continue
-            if not any(compiled.fullmatch(n) for n in module_names):
-                out.append(
-                    f"--lora_target_modules '{pattern}': its alternative '{pattern[a:b]}' matches no module (PEFT "
-                    f"skips it); the model's layers are named {', '.join(leaf_names)}."
-                )
-    return out
-
-
-def unmatched_alternatives_warned(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
-    """Warn of regex_alternative_warnings' lines; an expression that matches some module has no problem ([])."""
-    for line in regex_alternative_warnings(pattern, module_names, leaf_names):
-        warn0(line)
-    return []

@@ -20,7 +20,7 @@ from pathlib import Path
 from shardtune.runtime.hub import is_hub_id
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# What --dataset_name may name, for the messages that refuse a name (here and in shardtune.config.validation).
+# What --dataset_name may name, for the messages that refuse a name.
 ACCEPTED = (
     f"an existing {'/'.join(FILE_BUILDERS)} file, a folder saved with save_to_disk, a folder of <split>.<ext> "
     "files, or a hub dataset id"
@@ -32,6 +32,15 @@ def is_hub_dataset(dataset_name: str) -> bool:
     a name ending in a data file's suffix (any case) taken as a file, so that a missing `train.jsonl` is refused
     as a missing file (by validation, before the model loads) instead of being looked up on the hub."""
     return is_hub_id(dataset_name, file_suffixes=FILE_BUILDERS)
+
+
+def dataset_problems(dataset_name: str | None, *, check_paths: bool = True) -> list[str]:
+    """--dataset_name given, and (with `check_paths`) a local name that exists, checked with the run's flags."""
+    if not dataset_name:
+        return [f"--dataset_name is required: {ACCEPTED}."]
+    if check_paths and not is_hub_dataset(dataset_name) and not Path(dataset_name).expanduser().exists():
+        return [f"--dataset_name {dataset_name}: no such file or folder; give {ACCEPTED}."]
+    return []
 
 
 @dataclass(frozen=True)

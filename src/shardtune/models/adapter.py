@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardtune.config.validation import tied_head_saved_problem
 from shardtune.models import quant_experts, targets
 from shardtune.models.loading import BASE_ROWS_ATTR
 from shardtune.runtime.log import print0
@@ -63,7 +62,7 @@ def attach_adapter(
         print0(line)
     params = plan.names or None
     mts = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()] or None
-    problem = tied_head_saved_problem(model, mts, adds_rows=bool(new_token_ids))
+    problem = targets.tied_head_saved_problem(model, mts, adds_rows=bool(new_token_ids))
     if problem:  # said by the preflight before loading when the chat format adds the rows; here for any other way
         raise ValueError(problem)
     tti = None

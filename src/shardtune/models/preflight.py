@@ -12,8 +12,6 @@ import json
 import re
 from pathlib import Path
 
-from shardtune.config.run import load_run_config
-from shardtune.config.validation import chat_format_problem, unmatched_alternatives_warned
 from shardtune.models import targets
 from shardtune.models.adapter import _target_modules
 from shardtune.models.loading import check_4bit_layout
@@ -284,7 +282,7 @@ def target_module_problems(model, spec: str, *, explicit: bool, model_name: str)
         except re.error as e:
             return [f"--lora_target_modules {names[0]!r} is not a valid regular expression ({e})."]
         if any(pattern.fullmatch(n) for n in layers):
-            return unmatched_alternatives_warned(names[0], layers, _linear_names(model))
+            return targets.unmatched_alternatives_warned(names[0], layers, _linear_names(model))
         missing = names
     else:
         missing = [n for n in names if not any(_matches(full, n) for full in layers)]
@@ -466,7 +464,7 @@ def model_input_problems(cfg) -> list[str]:
                 skeleton, m.lora_target_parameters, experts=m.lora_target_experts
             )
             problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
-            problems.append(chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))
+            problems.append(targets.chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))
     return [p for p in problems if p]
 
 
@@ -479,11 +477,3 @@ def _4bit_layout_problem(config, skeleton=None) -> str | None:
     except ValueError as e:
         return str(e)
     return None
-
-
-def launch_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
-    """What `shardtune train` would refuse from its flags and the model's files, for `shardtune launch` to say
-    before torchrun starts N processes that would each say it. Raises ConfigError for the flags. The output folder
-    is left to rank 0 of the run: another machine's launcher may already have started writing to it."""
-
-    return model_input_problems(load_run_config(train_argv, env=env))

@@ -15,6 +15,10 @@ wraps exactly those (a list target matches a module whose path equals it). What 
   them: such a path would become the experts' tensors when the adapter is reloaded;
 - the experts' fused 3-D tensors are parameters, not linear layers: never targets of all-linear. A 3-D parameter
   of a convolution (an SSM's conv1d) is not an expert.
+
+Two rules on the targets a user names live here too: a tied output head in --modules_to_save
+(`tied_head_saved_problem`), and each alternative of a --lora_target_modules regular expression that matches no
+module (`regex_alternative_warnings`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from shardtune.data.templates import CHAT_FORMATS
+from shardtune.runtime.log import warn0
 
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _ROUTER_NAME = re.compile(r"(gate|router)", re.IGNORECASE)
@@ -234,4 +241,112 @@ def parameter_target_problems(model: nn.Module, spec: str | None, *, experts: bo
         plan_parameters(model, spec, experts=experts)
     except ValueError as e:
         return [str(e)]
+    return []
+
+
+# ---------------------------------------------------------------- a tied head in --modules_to_save
+# Checked against the model: from its meta skeleton before loading (models.preflight), and where the adapter is
+# attached (models.adapter), which knows every added row.
+#
+# On a model whose output head is its input embedding (tie_word_embeddings), the rows of added tokens are trained as
+# PEFT trainable tokens on the embedding, and PEFT ties them to the head by wrapping the head too. A head that
+# --modules_to_save also trains in full is a wrapper PEFT cannot wrap: it failed inside PEFT at the first step
+# ("TrainableTokensLayer wraps an unknown layer type"). With the embedding saved in full as well, no token rows are
+# needed (both are trained in full, as two copies; a merged model is untied), and without added rows the head alone
+# is trained in full as PEFT does on any model.
+
+
+def tied_head_saved_problem(model, modules_to_save: list[str] | None, *, adds_rows: bool) -> str | None:
+    """Why --modules_to_save cannot train this model's output head in full, or None.
+
+    model: the base before the adapter (a meta skeleton is enough); adds_rows: the run adds embedding rows (new
+    tokens, or padding to a multiple of 8)."""
+    emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if not adds_rows or out is None or out.weight is not emb.weight:
+        return None
+    names = {id(m): n.split(".")[-1] for n, m in model.named_modules() if m is emb or m is out}
+    emb_name, out_name = names.get(id(emb), "embed_tokens"), names.get(id(out), "lm_head")
+    full = set(modules_to_save or [])
+    if out_name not in full or emb_name in full:
+        return None
+    return (
+        f"--modules_to_save {out_name}: this model ties its output head to its input embedding, and the added "
+        f"tokens' rows are trained on the tied {emb_name} and {out_name} (PEFT trainable tokens), which cannot also "
+        f"train {out_name} in full. Use --modules_to_save {emb_name},{out_name} (both trained in full and saved in "
+        f"the adapter; a merged model is untied), or leave {out_name} out (the new tokens' rows are still trained)."
+    )
+
+
+def chat_format_problem(model, modules_to_save: str | None, chat_template_format: str) -> str | None:
+    """tied_head_saved_problem for a run whose --chat_template_format chatml or zephyr adds its tokens."""
+    names = [s.strip() for s in (modules_to_save or "").split(",") if s.strip()]
+    return tied_head_saved_problem(model, names, adds_rows=chat_template_format in CHAT_FORMATS)
+
+
+# ---------------------------------------------------------------- a regular expression in --lora_target_modules
+
+
+def _alternations(pattern: str) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Each alternation of `pattern` (the whole pattern, or a group holding `|`): (where its alternatives begin,
+    where they end, each alternative's span). Escapes and character classes are skipped, as re reads them."""
+    stack: list[tuple[int, list[int]]] = [(-1, [])]  # (position of the group's "(", its "|" positions)
+    found, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 if pattern[i + 1 : i + 2] != "]" else 2  # "[]...]": the first ] is a member
+            continue
+        elif c == "(":
+            stack.append((i, []))
+        elif c == ")" and len(stack) > 1:
+            start, bars = stack.pop()
+            if bars:
+                found.append((start, i, bars))
+        elif c == "|":
+            stack[-1][1].append(i)
+        i += 1
+    if stack[0][1]:
+        found.append((-1, len(pattern), stack[0][1]))
+    out = []
+    for start, end, bars in found:
+        body = start + 1  # where the alternatives begin: after "(" (and "?:"), or at 0 for the whole pattern
+        if start >= 0 and pattern.startswith("?:", body):
+            body += 2
+        edges = [body, *(b + 1 for b in bars)]
+        ends = [*bars, end]
+        out.append((body, end, list(zip(edges, ends, strict=True))))
+    return out
+
+
+def regex_alternative_warnings(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
+    """One line per alternative of a --lora_target_modules regular expression that makes no module match (PEFT
+    full-matches the expression against module paths, so a misspelt alternative is skipped silently): the
+    expression with only that alternative left in its place matches none of `module_names`."""
+
+    out = []
+    for body, end, spans in _alternations(pattern):
+        for a, b in spans:
+            alone = pattern[:body] + pattern[a:b] + pattern[end:]
+            try:
+                compiled = re.compile(alone)
+            except re.error:
+                continue
+            if not any(compiled.fullmatch(n) for n in module_names):
+                out.append(
+                    f"--lora_target_modules '{pattern}': its alternative '{pattern[a:b]}' matches no module (PEFT "
+                    f"skips it); the model's layers are named {', '.join(leaf_names)}."
+                )
+    return out
+
+
+def unmatched_alternatives_warned(pattern: str, module_names: list[str], leaf_names: list[str]) -> list[str]:
+    """Warn of regex_alternative_warnings' lines; an expression that matches some module has no problem ([])."""
+    for line in regex_alternative_warnings(pattern, module_names, leaf_names):
+        warn0(line)
     return []

@@ -342,6 +342,9 @@ class ObjectiveSpec:
     # Whether --disable_dropout (on by default) turns the model's dropout off for this objective, as TRL's preference
     # trainers do: the policy and the reference then see the same network. None: for preference data, not token rows.
     drops_dropout: bool | None = None
+    # The knob flags (KNOBS) it reads: a run that sets another is refused, since the flag would change nothing.
+    # None: it may read any of them (a plugin that does not say; build() receives them all).
+    knobs: tuple[str, ...] | None = None
 
     @property
     def rows_per_example(self) -> int:
@@ -357,6 +360,54 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
     """Make `spec.name` a valid --objective: the trainer, the planner and the data preparation read it from here."""
     OBJECTIVES[spec.name] = spec
     return spec
+
+
+# The flags an objective may read, beside the data flags: `build(**knobs)` receives the first five by name.
+KNOBS = ("beta", "loss_type", "simpo_gamma", "desirable_weight", "undesirable_weight", "precompute_ref_log_probs")
+
+
+def objective_problems(train, data, defaults: dict) -> list[str]:
+    """--objective against the registry, and the flags it leaves unread: a knob set away from its default (in
+    `defaults`) that the objective does not read, each with the objectives that do; for preference data, the
+    token-row flags that do not apply. `train`, `data`: the run's TrainArguments and DataArguments."""
+    t, d = train, data
+    if t.objective not in OBJECTIVES:
+        return [f"--objective {t.objective!r} is not one of {', '.join(OBJECTIVES)}."]
+    spec = OBJECTIVES[t.objective]
+    unread: dict[tuple[str, ...], list[str]] = {}
+    for knob in KNOBS:
+        if spec.knobs is not None and knob not in spec.knobs and getattr(t, knob) != defaults[knob]:
+            readers = tuple(n for n, s in OBJECTIVES.items() if s.knobs is None or knob in s.knobs)
+            unread.setdefault(readers, []).append(f"--{knob}")
+    p = [
+        f"{', '.join(flags)} only appl{'ies' if len(flags) == 1 else 'y'} to --objective {' or '.join(readers)}; "
+        f"remove {'it' if len(flags) == 1 else 'them'} or set {'it' if len(readers) == 1 else 'one of them'}."
+        for readers, flags in unread.items()
+    ]
+    if spec.data != "rows":
+        p += _preference_data_problems(t, d)
+    return p
+
+
+def _preference_data_problems(t, d) -> list[str]:
+    """Flags of token rows that preference data (pairs, KTO rows) cannot honour, and --beta's range there."""
+    p = []
+    if t.beta <= 0:
+        p.append(f"--beta must be > 0 (got {t.beta}).")
+    if d.streaming:
+        p.append(f"--streaming True is not supported with --objective {t.objective} yet; set --streaming False.")
+    if d.completion_only_loss is False:
+        p.append(
+            f"--completion_only_loss False does not apply to --objective {t.objective} (only the completions count); "
+            "remove it."
+        )
+    for flag in ("packing", "assistant_only_loss", "append_concat_token"):
+        if getattr(d, flag):
+            p.append(
+                f"--{flag} does not apply to --objective {t.objective} (pairs are rows of their own and only the "
+                f"completions count); set --{flag} False."
+            )
+    return p
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
@@ -376,13 +427,28 @@ def dropout_off(objective: str, disable_dropout: bool) -> bool:
     return disable_dropout and (spec.data != "rows" if spec.drops_dropout is None else spec.drops_dropout)
 
 
+def objectives_help() -> str:
+    """'sft: ...; dpo, simpo, orpo: ...; kto: ...' from the registry, names with the same help together (the help
+    of --objective, filled when the parser is built, so that a plugin's objective is listed too)."""
+    by_help: dict[str, list[str]] = {}
+    for name, spec in OBJECTIVES.items():
+        by_help.setdefault(spec.help, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in by_help.items()) + "."
+
+
 def build_objective(objective: str, **knobs) -> Objective:
     """The objective named by --objective, given the knobs (sft: the chunked cross-entropy)."""
     return objective_spec(objective).build(**knobs)
 
 
-register_objective(ObjectiveSpec("sft", lambda **_: Objective(), help="cross-entropy on the text"))
-for _name in ("dpo", "simpo", "orpo"):
+register_objective(ObjectiveSpec("sft", lambda **_: Objective(), help="cross-entropy on the text", knobs=()))
+# Each preference objective's knobs: DPO's loss type and its reference (precomputed or not), SimPO's margin.
+_PAIR_KNOBS = {
+    "dpo": ("beta", "loss_type", "precompute_ref_log_probs"),
+    "simpo": ("beta", "simpo_gamma"),
+    "orpo": ("beta",),
+}
+for _name, _knobs in _PAIR_KNOBS.items():
     register_objective(
         ObjectiveSpec(
             _name,
@@ -391,6 +457,7 @@ for _name in ("dpo", "simpo", "orpo"):
             ),
             data="pairs",
             help="preference tuning on prompt/chosen/rejected pairs",
+            knobs=_knobs,
         )
     )
 register_objective(
@@ -401,5 +468,6 @@ register_objective(
         ),
         data="kto",
         help="unpaired prompt/completion/label rows",
+        knobs=("beta", "desirable_weight", "undesirable_weight", "precompute_ref_log_probs"),
     )
 )

@@ -47,6 +47,11 @@ def names() -> str:
     return ", ".join(n[:-1]) + f" or {n[-1]}" if len(n) > 1 else n[0]
 
 
+def name_problems(name: str) -> list[str]:
+    """--optim against the registry (read when the run's flags are checked, before anything loads)."""
+    return [] if name in OPTIMIZERS else [f"--optim {name!r} is not supported; use {names()}."]
+
+
 def get(name: str) -> OptimizerSpec:
     if name not in OPTIMIZERS:
         raise ValueError(f"--optim {name!r} is not supported; use {names()}.")

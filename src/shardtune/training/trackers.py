@@ -47,6 +47,15 @@ def parse_report_to(value: str | list[str] | None) -> list[str]:
     return [n for n in dict.fromkeys(names) if n != "none"]
 
 
+def report_to_problems(report_to: str | list[str] | None) -> list[str]:
+    """--report_to: known tracker names, and their packages installed (checked with the run's flags, before any
+    loading)."""
+    try:
+        return missing_packages(parse_report_to(report_to))
+    except ValueError as e:
+        return [str(e)]
+
+
 def missing_packages(names: list[str]) -> list[str]:
     """One line per tracker whose package is not installed, naming the package and the pip command."""
     out = []
