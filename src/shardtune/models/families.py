@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardtune.models import fastpath
+from shardtune.models.targets import EXPERT_COUNT_KEYS
 from shardtune.models.weights import causal_lm_class
 from shardtune.runtime.log import print0
 
@@ -59,7 +60,7 @@ _SIZES: dict[str, int] = {
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), KV_HEADS),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "decoder_ffn_dim"), FFN),
     **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "v_head_dim"), HEAD_DIM),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(EXPERT_COUNT_KEYS, EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k"), TOP_K),
     **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size"), 32),
     **dict.fromkeys(("sliding_window", "attention_chunk_size", "sliding_window_size", "window_size"), WINDOW),

@@ -32,7 +32,9 @@ from torch import nn
 from shardtune.data.templates import CHAT_FORMATS
 from shardtune.runtime.log import warn0
 
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# The config keys families name their number of routed experts with (the conformance check's tiny copies shrink
+# the same keys).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _ROUTER_NAME = re.compile(r"(gate|router)", re.IGNORECASE)
 
 
@@ -64,7 +66,7 @@ def summarise(paths: list[str]) -> str:
 
 def num_experts(config) -> int:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in _EXPERT_COUNT_KEYS:
+    for key in EXPERT_COUNT_KEYS:
         n = getattr(cfg, key, None)
         if isinstance(n, int) and n > 1:
             return n
