@@ -15,7 +15,6 @@ import torch
 import yaml
 
 from shardtune.config.accelerate import accelerate_env, fsdp_settings_from_yaml, read_accelerate_yaml
-from shardtune.config.arguments import TrainArguments
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env
 from shardtune.data import templates

@@ -380,13 +380,18 @@ def objective_problems(train, data, defaults: dict) -> list[str]:
             readers = tuple(n for n, s in OBJECTIVES.items() if s.knobs is None or knob in s.knobs)
             unread.setdefault(readers, []).append(f"--{knob}")
     p = [
-        f"{', '.join(flags)} only appl{'ies' if len(flags) == 1 else 'y'} to --objective {' or '.join(readers)}; "
+        f"{', '.join(flags)} only appl{'ies' if len(flags) == 1 else 'y'} to --objective {_either(readers)}; "
         f"remove {'it' if len(flags) == 1 else 'them'} or set {'it' if len(readers) == 1 else 'one of them'}."
         for readers, flags in unread.items()
     ]
     if spec.data != "rows":
         p += _preference_data_problems(t, d)
     return p
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def _preference_data_problems(t, d) -> list[str]:
