@@ -17,9 +17,9 @@ import torch
 
 from shardtune.cli import run_command
 from shardtune.config import cuda_allocator
-from shardtune.config.arguments import ARG_CLASSES, RunConfig, interval_steps
+from shardtune.config.arguments import RunConfig, interval_steps
 from shardtune.config.errors import ConfigError
-from shardtune.config.run import precision_line
+from shardtune.config.run import build_parser, precision_line
 from shardtune.inference.harness import EvalArguments, evaluate_model
 from shardtune.models import loading
 from shardtune.models.builder import model_spec
@@ -28,7 +28,7 @@ from shardtune.parallel import checkpoint, setup
 from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.mesh import all_gather_objects, init_distributed, is_peer_failure, shutdown
 from shardtune.recipe import checks, data, objective, output, state
-from shardtune.recipe.run_config import load_run_config
+from shardtune.recipe.run_config import flag_choices, load_run_config
 from shardtune.runtime import hooks, hub
 from shardtune.runtime.atomic import DiskFullError, is_disk_full
 from shardtune.runtime.cpu import bf16_check
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def command(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        from transformers import HfArgumentParser
-
-        HfArgumentParser(ARG_CLASSES, prog="shardtune train").print_help()
+        build_parser(choices=flag_choices()).print_help()
         return 0
     setup_logging("info")
     stopper = STOP.install()  # until the training loop installs its own: a signal stops the run at once

@@ -268,6 +268,19 @@ def explicit_flags(argv: list[str]) -> frozenset[str]:
     return frozenset(aliases.get(n, n) for n in names)
 
 
+def build_parser(
+    extra: tuple = (), prog: str = "shardtune train", choices: Mapping[str, str] | None = None
+) -> HfArgumentParser:
+    """The parser of the train flags (and `extra` argument classes). choices: {flag: its values, said in --help},
+    for flags whose values a component's registry holds (the caller that knows the registries gives them:
+    shardtune.recipe.run_config.flag_choices)."""
+    parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
+    for action in parser._actions:  # argparse keeps no public list of the actions it was given
+        if action.dest in (choices or {}):
+            action.help = f"{action.help}: {choices[action.dest]}"
+    return parser
+
+
 def parse_args(
     argv: list[str] | None = None,
     extra: tuple = (),
@@ -276,13 +289,9 @@ def parse_args(
 ) -> tuple:
     """Parse flags (or a single .json/.yaml file) into (ModelArguments, DataArguments, TrainArguments, *extra).
 
-    choices: {flag: its values, said in --help}, for flags whose values a component's registry holds (the
-    caller that knows the registries gives them: shardtune.recipe.run_config.flag_choices)."""
+    choices: as build_parser's."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((*ARG_CLASSES, *extra), prog=prog, allow_abbrev=False)
-    for action in parser._actions:  # argparse keeps no public list of the actions it was given
-        if action.dest in (choices or {}):
-            action.help = f"{action.help}: {choices[action.dest]}"
+    parser = build_parser(extra, prog, choices)
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         parsed = _parse_file(parser, argv[0], extra)
     else:
