@@ -32,7 +32,8 @@ FSDP_ENV = {
 
 
 def _args(assets, out: Path, *extra: str, dropout: float = 0.1, steps: int = 6) -> list[str]:
-    """A LoRA run (with dropout, so that the RNG state matters) of `steps` steps, a checkpoint every 2 steps."""
+    """A LoRA run (with dropout, so that the RNG state matters) of `steps` steps, a checkpoint every 2 steps (unless
+    `extra` gives --save_strategy)."""
     return [
         "train",
         "--model_name_or_path", str(assets["model"]),
@@ -51,7 +52,7 @@ def _args(assets, out: Path, *extra: str, dropout: float = 0.1, steps: int = 6) 
         "--gradient_accumulation_steps", "2",
         *(["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", str(dropout),
            "--lora_target_modules", "all-linear"] if "--use_peft_lora" not in extra else []),
-        "--save_steps", "2",
+        *(["--save_steps", "2"] if "--save_strategy" not in extra else []),
         "--output_dir", str(out),
         *extra,
     ]  # fmt: skip

@@ -297,6 +297,38 @@ def test_full_fine_tuning_refuses_explicit_adapter_flags(tmp_path):
         load_run_config([run], env={})
 
 
+# A flag that means something only while another setting is on: (the flag with a value, the setting that turns it
+# on, the fix the message names).
+DEPENDENT = [
+    (["--dora_dropout", "peft"], ["--use_dora", "True"], "--use_dora True"),
+    (["--use_nested_quant", "True"], ["--use_4bit_quantization", "True"], "--use_4bit_quantization True"),
+    (["--bnb_4bit_compute_dtype", "bfloat16"], ["--use_4bit_quantization", "True"], "--use_4bit_quantization True"),
+    (["--bnb_4bit_quant_type", "fp4"], ["--use_4bit_quantization", "True"], "--use_4bit_quantization True"),
+    (["--use_reentrant", "True"], ["--gradient_checkpointing", "True"], "--gradient_checkpointing True"),
+    (["--checkpoint_every_n_layers", "2"], ["--gradient_checkpointing", "True"], "--gradient_checkpointing True"),
+    (["--packing_window", "50"], ["--streaming", "True", "--max_steps", "5"], "--streaming True"),
+    (["--eval_steps", "10"], ["--eval_strategy", "steps"], "--eval_strategy steps"),
+    (["--save_steps", "10", "--save_strategy", "epoch"], ["--save_strategy", "steps"], "--save_strategy steps"),
+    (["--logging_steps", "3", "--logging_strategy", "no"], ["--logging_strategy", "steps"], "--logging_strategy steps"),
+    (
+        ["--save_total_limit", "2", "--save_strategy", "no"],
+        ["--save_strategy", "epoch"],
+        "--save_strategy steps (or epoch)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flag", "switch", "fix"), DEPENDENT, ids=[d[0][0] for d in DEPENDENT])
+def test_a_flag_whose_setting_is_off_is_refused_naming_the_setting(flag, switch, fix):
+    """It would change nothing (transformers and the reference script ignore it): refused naming what turns it on,
+    accepted with that; its default value alone is never refused."""
+    base = [*REQUIRED, "--use_peft_lora", "True", "--splits", "train,test"]
+    with pytest.raises(ConfigError) as e:
+        load_run_config([*base, *flag], env={})
+    assert e.value.problems == [f"{flag[0]} {flag[1]} only applies with {fix}: add it, or remove {flag[0]}."]
+    assert flag[0][2:] in load_run_config([*base, *flag, *switch], env={}).explicit
+
+
 def test_help_does_not_offer_8bit_loading():
     from shardtune.config.arguments import ModelArguments
 

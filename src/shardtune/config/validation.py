@@ -7,11 +7,13 @@ checked later, before loading, by shardtune.models.preflight.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
+from collections.abc import Callable
 from pathlib import Path
 
-from shardtune.config.arguments import STEP_INTERVALS, DataArguments, RunConfig, TrainArguments
+from shardtune.config.arguments import STEP_INTERVALS, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.dtypes import canonical as dtype_canonical
 from shardtune.runtime.hub import is_hub_id
 
@@ -32,6 +34,7 @@ def flag_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
     if cfg.model.adapter_path and not cfg.model.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
     p += _context_parallel_problems(cfg)
+    p += _dependent_problems(cfg)
     if check_paths:
         p += _path_problems(cfg)
     return p
@@ -245,6 +248,50 @@ ADAPTER_FLAGS = (
     "modules_to_save",
     "adapter_name",
 )
+# Flags that mean something only while another setting is on: (part, flag, whether that setting is on, the flag
+# that turns it on). Set away from its default while that setting is off, such a flag would change nothing
+# (transformers and the reference script ignore it silently): refused with the fix.
+_DEPENDENT: tuple[tuple[str, str, Callable[[RunConfig], bool], str], ...] = (
+    ("model", "dora_dropout", lambda c: c.model.use_dora, "--use_dora True"),
+    *(
+        ("model", name, lambda c: c.model.use_4bit_quantization, "--use_4bit_quantization True")
+        for name in (
+            "use_nested_quant",
+            "bnb_4bit_compute_dtype",
+            "bnb_4bit_quant_storage_dtype",
+            "bnb_4bit_quant_type",
+        )
+    ),
+    *(
+        (part, name, lambda c: c.activation_checkpointing, "--gradient_checkpointing True")
+        for part, name in (("model", "use_reentrant"), ("train", "checkpoint_every_n_layers"))
+    ),
+    ("data", "packing_window", lambda c: c.data.streaming, "--streaming True"),
+    ("train", "logging_steps", lambda c: c.train.logging_strategy == "steps", "--logging_strategy steps"),
+    ("train", "eval_steps", lambda c: c.train.eval_strategy == "steps", "--eval_strategy steps"),
+    ("train", "save_steps", lambda c: c.train.save_strategy == "steps", "--save_strategy steps"),
+    ("train", "save_total_limit", lambda c: c.train.save_strategy != "no", "--save_strategy steps (or epoch)"),
+)
+_DEFAULT_OF = {
+    (part, f.name): f.default
+    for part, cls in (("model", ModelArguments), ("data", DataArguments), ("train", TrainArguments))
+    for f in dataclasses.fields(cls)
+}
+
+
+def _dependent_problems(cfg: RunConfig) -> list[str]:
+    """A flag of _DEPENDENT set while the setting it belongs to is off, each naming what turns that on (an adapter's
+    flags without an adapter are _adapter_problems')."""
+    p = []
+    for part, name, on, switch in _DEPENDENT:
+        value = getattr(getattr(cfg, part), name)
+        if value == _DEFAULT_OF[part, name] or on(cfg) or (name in ADAPTER_FLAGS and not cfg.model.use_peft_lora):
+            continue
+        shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        p.append(f"--{name} {shown} only applies with {switch}: add it, or remove --{name}.")
+    return p
+
+
 # (flag, lowest, highest, lowest allowed itself, highest allowed itself); None: unbounded on that side.
 _RANGES = (
     ("train", "desirable_weight", 0, None, False, False),
