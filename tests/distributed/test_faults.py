@@ -170,6 +170,56 @@ def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
     assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
 
 
+def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(tiny_assets, tmp_path):
+    """SIGTERM to `shardtune launch` only (a `kill`, a scheduler that signals the job's first process): it passes
+    the stop to torchrun, which passes it to both workers; they finish the step, save and exit, and the launch waits
+    for them and exits 3, leaving no process (it used to die at once, leaving the workers to save unwaited)."""
+    import psutil
+
+    out = tmp_path / "run"
+    flags = _args(tiny_assets, out, "--save_steps", "1000", steps=400)[1:]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
+    root = Path(__file__).resolve().parents[2]
+    with (tmp_path / "run.log").open("w") as log:
+        launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+        metrics = out / "metrics.jsonl"
+        while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+            time.sleep(0.05)
+        (agent,) = psutil.Process(launch.pid).children()
+        tree = [agent.pid, *(p.pid for p in agent.children())]
+        launch.send_signal(signal.SIGTERM)
+        assert _wait(launch, timeout=60) == 3
+        assert _gone(tree, within_s=0.5) == []  # the launch returned after its whole tree was gone
+    text = (tmp_path / "run.log").read_text()
+    assert text.count("Stop requested (SIGTERM): saving a checkpoint, then stopping.") == 1  # rank 0's line
+    last = train_records(out)[-1]["step"]
+    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
+def test_a_stop_before_torchrun_starts_is_one_line_and_starts_nothing(tiny_assets, tmp_path, monkeypatch, capsys):
+    """A stop while `shardtune launch` checks the flags and the model: one line naming what it was doing, exit 3,
+    torchrun never started."""
+    from shardtune.commands import launch
+
+    def stopped(*_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in this frame
+        raise AssertionError("SIGTERM did not stop the launch")
+
+    started = []
+    monkeypatch.setattr(launch, "_train_problems", stopped)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: started.append(a))
+    flags = _args(tiny_assets, tmp_path / "run", steps=2)[1:]
+    config = Path(__file__).resolve().parents[2] / "configs" / "fsdp_config_cpu.yaml"
+    before = signal.getsignal(signal.SIGTERM)
+    assert launch.main(["--config_file", str(config), *flags]) == 3
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "shardtune launch: stopped by SIGTERM while checking the flags and the model's files; no process was started."
+    ]
+    assert started == [] and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_a_launched_child_gets_sigterm_when_the_launcher_dies(tmp_path):
     """`shardtune launch` starts torchrun with child_preexec: killing the launcher with -9 ends its child."""
     import psutil

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env, parallelism_plan
 from shardtune.runtime.parent import child_preexec
+from shardtune.runtime.stop import STOPPED_EXIT_CODE, StopHandler, Stopped
 
 _RDZV_BACKENDS = ("static", "c10d")
 
@@ -225,17 +227,47 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         print("\n".join(f"{k}={v}" for k, v in sorted(plan.env.items())))
         print(shlex.join(plan.cmd))
         return 0
-    if tuple(entry) == ("-m", "shardtune", "train"):
-        problems = _train_problems(_parser().parse_known_args(argv)[1], {**os.environ, **plan.env, **plan.process_env})
-        if problems:
-            print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
-            return 2
+    stopper = StopHandler().install()  # a stop before torchrun starts: one line, exit 3, nothing started
+    try:
+        if tuple(entry) == ("-m", "shardtune", "train"):
+            stopper.at("checking the flags and the model's files")
+            env = {**os.environ, **plan.env, **plan.process_env}
+            problems = _train_problems(_parser().parse_known_args(argv)[1], env)
+            if problems:
+                print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
+                return 2
+        stopper.at("starting torchrun")
+        return _run_torchrun(plan)
+    except Stopped as e:
+        print(f"shardtune launch: stopped by {e.signal_name} while {e.stage}; no process was started.", file=sys.stderr)
+        return STOPPED_EXIT_CODE
+    finally:
+        stopper.restore()
 
+
+def _run_torchrun(plan: LaunchPlan) -> int:
+    """Start torchrun and wait for it. A stop signal is then passed on to torchrun, which passes it to every
+    worker: they finish the step, save a checkpoint and exit 3, and this process waits for them rather than ending
+    first (a scheduler that signals only the job's first process would otherwise clean up the workers while they
+    save). A signal sent to the whole process group (Ctrl-C in a terminal, a group kill) reaches torchrun twice,
+    which it takes as one stop. A stopped launch exits 3."""
+    started: list[subprocess.Popen] = []
+    pending: list[int] = []
+
+    def pass_on(signum, _frame) -> None:
+        pending.append(signum)
+        if started and started[0].poll() is None:
+            started[0].send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, pass_on)  # in place of the stopper's; stopper.restore() puts back the caller's
     # torchrun gets SIGTERM if this process dies (kill -9 included), and forwards it to its workers. preexec_fn
     # is safe here: the launcher runs no other thread.
     preexec = child_preexec if os.name == "posix" else None
-    proc = subprocess.Popen(plan.cmd, env={**os.environ, **plan.env}, preexec_fn=preexec)  # noqa: PLW1509
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its workers: wait, do not orphan them
-        return proc.wait()
+    started.append(subprocess.Popen(plan.cmd, env={**os.environ, **plan.env}, preexec_fn=preexec))  # noqa: PLW1509
+    if pending:  # arrived while torchrun was being started, before it could be passed on
+        started[0].send_signal(pending[0])
+    code = started[0].wait()
+    # Stopped: the workers said how (a checkpoint to resume, or nothing trained yet); torchrun's own code on a
+    # signal is 1 (or the signal's), so the launch exits 3 as `shardtune train` does.
+    return STOPPED_EXIT_CODE if pending and code != 0 else code

@@ -33,13 +33,13 @@ from shardtune.runtime import hooks, hub
 from shardtune.runtime.atomic import DiskFullError, is_disk_full
 from shardtune.runtime.cpu import bf16_check
 from shardtune.runtime.log import error, print0, rank, setup_logging, warn0
-from shardtune.runtime.stop import StopHandler, Stopped, stopped_message
+from shardtune.runtime.stop import STOPPED_EXIT_CODE, StopHandler, Stopped, stopped_message
 from shardtune.training.metrics import RunLogger
 from shardtune.training.optimizers import build_optimizer
 from shardtune.training.run_dir import release_output_dir
 from shardtune.training.trainer import LoopSettings, LoopState, NonFiniteError, StopFlag, train
 
-EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, 3, 1
+EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_FAILED = 2, STOPPED_EXIT_CODE, 1
 # SIGTERM/SIGINT before (and after) the training loop; the loop has its own (trainer.StopFlag).
 STOP = StopHandler()
 

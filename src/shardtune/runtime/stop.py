@@ -18,6 +18,8 @@ import signal
 import time
 
 _FORCE_AFTER_S = 2.0
+# The exit code of a run (or a launch) stopped by a signal (docs/errors.md).
+STOPPED_EXIT_CODE = 3
 
 
 class Stopped(BaseException):
