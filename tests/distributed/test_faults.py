@@ -173,7 +173,8 @@ def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
 def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(tiny_assets, tmp_path):
     """SIGTERM to `shardtune launch` only (a `kill`, a scheduler that signals the job's first process): it passes
     the stop to torchrun, which passes it to both workers; they finish the step, save and exit, and the launch waits
-    for them and exits 3, leaving no process (it used to die at once, leaving the workers to save unwaited)."""
+    for them and exits 3, leaving no process (it used to die at once, leaving the workers to save unwaited), and no
+    traceback."""
     import psutil
 
     out = tmp_path / "run"
@@ -193,6 +194,8 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(t
         assert _gone(tree, within_s=0.5) == []  # the launch returned after its whole tree was gone
     text = (tmp_path / "run.log").read_text()
     assert text.count("Stop requested (SIGTERM): saving a checkpoint, then stopping.") == 1  # rank 0's line
+    # torchrun (shardtune.parallel.torchrun) ends with its line, not the traceback of torch's SignalException.
+    assert text.strip().endswith("torchrun: stopped by SIGTERM; its workers were stopped.") and "Traceback" not in text
     last = train_records(out)[-1]["step"]
     assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
 

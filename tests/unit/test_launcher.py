@@ -421,7 +421,7 @@ def test_build_launch_per_machine_processes_and_overrides():
     plan = build_launch(
         ["--config_file", cfg, "--num_machines", "2", "--main_process_ip", "h0", "--machine_rank", "1", "--lr", "3"]
     )
-    i = plan.cmd.index("torch.distributed.run")
+    i = plan.cmd.index("shardtune.parallel.torchrun")
     assert plan.cmd[i + 1 : i + 5] == ["--nnodes", "2", "--nproc-per-node", "4"]  # 8 in all, 4 per machine
     assert plan.cmd[-5:] == ["-m", "shardtune", "train", "--lr", "3"]
     assert plan.env["ACCELERATE_MIXED_PRECISION"] == "bf16" and plan.env["ACCELERATE_USE_CPU"] == "False"

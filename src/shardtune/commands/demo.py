@@ -10,7 +10,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -20,6 +19,7 @@ from shardtune.commands.chat import generate_reply
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.data.preference import tokenize_pair
 from shardtune.inference.load import load_for_chat
+from shardtune.parallel import torchrun
 from shardtune.runtime.log import setup_logging
 
 BASE_SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -386,21 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         return _preference_demo(assets, root, args.nproc, args.epochs)
     out = root / "output"
     before = _answers(assets["model"], None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(args.nproc),
-        "-m",
-        "shardtune",
-        "train",
-        *demo_train_flags(assets["model"], assets["data"], out, args.epochs or 6.0),
-        # A demo run again in the same --workdir replaces the previous one instead of being refused.
-        "--overwrite_output_dir",
-        "True",
-    ]
+    flags = demo_train_flags(assets["model"], assets["data"], out, args.epochs or 6.0)
+    # A demo run again in the same --workdir replaces the previous one instead of being refused.
+    flags += ["--overwrite_output_dir", "True"]
+    cmd = torchrun.command(["--standalone", "--nproc_per_node", str(args.nproc), "-m", "shardtune", "train", *flags])
     rc = _launch_train(cmd, root, args.nproc)
     if rc != 0:
         return rc
@@ -438,8 +427,8 @@ def _preference_demo(assets: dict[str, Path], root: Path, nproc: int, epochs: fl
         "per_device_eval_batch_size": 16, "use_peft_lora": True, "lora_r": 16, "lora_alpha": 32,
         "lora_target_modules": "all-linear", "output_dir": out,
     }  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += ["-m", "shardtune", "train", *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
+    train = ["-m", "shardtune", "train", *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
+    cmd = torchrun.command(["--standalone", "--nproc_per_node", str(nproc), *train])
     rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
     before = _preferences(assets["model"], None, rows)
     rc = _launch_train(cmd, root, nproc)

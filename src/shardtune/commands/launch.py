@@ -3,7 +3,7 @@
 `accelerate launch --config_file X script.py` turns the YAML into environment variables and starts the script
 through torchrun. `shardtune launch --config_file X [train flags]` does the same without accelerate: it reads the
 YAML (shardtune.config.accelerate), sets the same variables and starts `python -m shardtune train` through
-`torch.distributed.run`. Either way `shardtune train` reads its FSDP settings with
+torchrun (shardtune.parallel.torchrun: `torch.distributed.run` ending a stop with a line, not a traceback). Either way `shardtune train` reads its FSDP settings with
 shardtune.config.fsdp.fsdp_settings_from_env.
 """
 
@@ -24,6 +24,7 @@ import psutil
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import fsdp_settings_from_env, parallelism_plan
+from shardtune.parallel import torchrun
 from shardtune.runtime.parent import child_preexec
 from shardtune.runtime.stop import STOPPED_EXIT_CODE, StopHandler, Stopped
 
@@ -194,7 +195,7 @@ def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune",
     if problems:
         raise ConfigError([f"{ns.config_file}: {p}" for p in problems])
     env["OMP_NUM_THREADS"] = _omp_threads(use_cpu, t["nproc_per_node"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(t), *entry, *train_args]
+    cmd = torchrun.command([*torchrun_args(t), *entry, *train_args])
     world = {"WORLD_SIZE": str(t["num_processes"]), "LOCAL_WORLD_SIZE": str(t["nproc_per_node"])}
     return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run, process_env=world)
 
