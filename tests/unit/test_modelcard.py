@@ -75,3 +75,24 @@ def test_rejects_unknown_method_and_library(tmp_path):
     with pytest.raises(ValueError, match="library_name 'mlx'"):
         write_model_card(tmp_path, method="lora", library_name="mlx", **common)
     assert not (tmp_path / "README.md").exists()
+
+
+@pytest.mark.parametrize(
+    ("objective", "said"),
+    [
+        ("sft", {}),
+        ("dpo", {"objective": "dpo", "beta": 0.2, "loss_type": "ipo"}),
+        ("simpo", {"objective": "simpo", "beta": 0.2, "simpo_gamma": 0.7}),
+        ("orpo", {"objective": "orpo", "beta": 0.2}),
+        ("kto", {"objective": "kto", "beta": 0.2, "desirable_weight": 1.5, "undesirable_weight": 0.5}),
+    ],
+)
+def test_the_card_records_the_knobs_the_objective_reads(objective, said):
+    """The card's hyperparameters name each objective's own knobs (ObjectiveSpec.knobs), no other: SimPO's margin
+    is recorded, DPO's loss type only for DPO."""
+    from shardtune.config.arguments import TrainArguments
+    from shardtune.objectives.loss import objective_settings
+
+    t = TrainArguments(objective=objective, beta=0.2, loss_type="ipo", simpo_gamma=0.7, desirable_weight=1.5)
+    t.undesirable_weight, t.precompute_ref_log_probs = 0.5, True
+    assert objective_settings(t) == said

@@ -389,6 +389,15 @@ def objective_problems(train, data, defaults: dict) -> list[str]:
     return p
 
 
+def objective_settings(train) -> dict:
+    """The objective and the knobs it reads, as a run's model card records them (none for SFT); a plugin's that
+    names no knobs, all of them. `train`: the run's TrainArguments."""
+    spec = objective_spec(train.objective)
+    knobs = KNOBS if spec.knobs is None else spec.knobs
+    said = {k: getattr(train, k) for k in knobs if k != "precompute_ref_log_probs"}  # how, not what, is trained
+    return {} if train.objective == "sft" else {"objective": train.objective, **said}
+
+
 def _either(names: tuple[str, ...]) -> str:
     """'a', 'a or b', 'a, b or c'."""
     return " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))

@@ -10,6 +10,7 @@ from pathlib import Path
 from shardtune.config.arguments import RunConfig
 from shardtune.config.dtypes import name_of
 from shardtune.merge.fold import merge_adapter
+from shardtune.objectives.loss import objective_settings
 from shardtune.parallel.gather import gather_full, gather_trainable
 from shardtune.parallel.mesh import all_gather_objects, barrier, broadcast_object
 from shardtune.runtime import atomic
@@ -110,11 +111,7 @@ def write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
         "optim": t.optim,
         "fsdp_sharding_strategy": cfg.fsdp.sharding_strategy,
     }
-    if t.objective != "sft":
-        hp.update(objective=t.objective, beta=t.beta)
-        hp.update({"loss_type": t.loss_type} if t.objective == "dpo" else {})
-        if t.objective == "kto":
-            hp.update(desirable_weight=t.desirable_weight, undesirable_weight=t.undesirable_weight)
+    hp.update(objective_settings(t))
     if m.use_peft_lora:
         hp.update(
             lora_r=m.lora_r,
