@@ -937,3 +937,20 @@ def test_warn_if_too_small():
     assert warn_if_too_small(cfg, 200 * GiB, env=env) is None
     cfg.model.model_name_or_path = os.path.join("/nonexistent", "model")
     assert warn_if_too_small(cfg, 1 * GiB, env=env) is None
+
+
+@pytest.mark.parametrize(
+    ("objective", "said"),
+    [
+        ("simpo", "; no reference model."),
+        ("orpo", "; no reference model."),
+        ("dpo", "; the reference is the same sharded base with the adapter disabled"),
+        ("kto", "; the reference is the same sharded base with the adapter disabled"),
+    ],
+)
+def test_the_reference_note_follows_the_objective_reading_the_reference_flag(objective, said):
+    """An objective has a reference when its spec reads --precompute_ref_log_probs (objectives.loss.has_reference),
+    not by a list of names kept in the planner."""
+    from shardtune.commands.plan import reference_note
+
+    assert said in reference_note(objective, use_peft_lora=True, adapter_path=None, precompute=False)

@@ -22,6 +22,7 @@ from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig,
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, context_parallel_size, single_process_setting
 from shardtune.config.run import parse_args
+from shardtune.objectives.loss import has_reference
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -158,7 +159,7 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
         else "a chosen and a rejected row per pair"
     )
     head = f"--objective {objective}: each micro-batch holds {rows} (counted above)"
-    if objective not in ("dpo", "kto"):
+    if not has_reference(objective):
         return head + "; no reference model."
     if use_peft_lora and not adapter_path and not precompute:
         return (

@@ -389,6 +389,13 @@ def objective_problems(train, data, defaults: dict) -> list[str]:
     return p
 
 
+def has_reference(objective: str) -> bool:
+    """Whether the objective compares with a reference model's log-probs: it reads --precompute_ref_log_probs (a
+    plugin that names no knobs is not known to)."""
+    knobs = objective_spec(objective).knobs
+    return knobs is not None and "precompute_ref_log_probs" in knobs
+
+
 def objective_settings(train) -> dict:
     """The objective and the knobs it reads, as a run's model card records them (none for SFT); a plugin's that
     names no knobs, all of them. `train`: the run's TrainArguments."""
