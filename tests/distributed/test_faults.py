@@ -143,21 +143,33 @@ def _gone(pids: list[int], within_s: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _launched_at_step_2(assets, tmp_path: Path, log) -> tuple[subprocess.Popen, Path]:
+    """`shardtune launch` of a 2-rank, 400-step run on CPU, output to `log`, returned once step 2 is logged; and
+    its output folder."""
+    out = tmp_path / "run"
+    flags = _args(assets, out, "--save_steps", "1000", steps=400)[1:]  # `launch` takes the train flags
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
+    root = Path(__file__).resolve().parents[2]
+    launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    metrics = out / "metrics.jsonl"
+    while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+        time.sleep(0.05)
+    return launch, out
+
+
+def _checkpoint_of_the_last_step(out: Path) -> None:
+    last = train_records(out)[-1]["step"]
+    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+
+
 def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
     """kill -9 of the torchrun agent under `shardtune launch`: its two workers notice, stop as on SIGTERM (a
     checkpoint of the step they reached) and exit, instead of training on."""
     import psutil
 
-    out = tmp_path / "run"
-    flags = _args(tiny_assets, out, "--save_steps", "1000", steps=400)[1:]  # `launch` takes the train flags
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
-    root = Path(__file__).resolve().parents[2]
     with (tmp_path / "run.log").open("w") as log:
-        launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
-        metrics = out / "metrics.jsonl"
-        while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
-            time.sleep(0.05)
+        launch, out = _launched_at_step_2(tiny_assets, tmp_path, log)
         (agent,) = psutil.Process(launch.pid).children()
         workers = [p.pid for p in agent.children()]
         assert len(workers) == 2
@@ -166,8 +178,7 @@ def test_killing_torchrun_stops_its_workers(tiny_assets, tmp_path):
         assert _wait(launch, timeout=30) != 0
     text = (tmp_path / "run.log").read_text()
     assert text.count(f"the launcher (pid {agent.pid}) is gone; stopping this worker") == 2
-    last = train_records(out)[-1]["step"]
-    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+    _checkpoint_of_the_last_step(out)
 
 
 def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(tiny_assets, tmp_path):
@@ -177,16 +188,8 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(t
     traceback."""
     import psutil
 
-    out = tmp_path / "run"
-    flags = _args(tiny_assets, out, "--save_steps", "1000", steps=400)[1:]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
-    root = Path(__file__).resolve().parents[2]
     with (tmp_path / "run.log").open("w") as log:
-        launch = subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
-        metrics = out / "metrics.jsonl"
-        while launch.poll() is None and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
-            time.sleep(0.05)
+        launch, out = _launched_at_step_2(tiny_assets, tmp_path, log)
         (agent,) = psutil.Process(launch.pid).children()
         tree = [agent.pid, *(p.pid for p in agent.children())]
         launch.send_signal(signal.SIGTERM)
@@ -196,8 +199,7 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(t
     assert text.count("Stop requested (SIGTERM): saving a checkpoint, then stopping.") == 1  # rank 0's line
     # torchrun (shardtune.parallel.torchrun) ends with its line, not the traceback of torch's SignalException.
     assert text.strip().endswith("torchrun: stopped by SIGTERM; its workers were stopped.") and "Traceback" not in text
-    last = train_records(out)[-1]["step"]
-    assert last < 400 and (out / "checkpoints" / f"checkpoint-{last}" / "meta.json").exists()
+    _checkpoint_of_the_last_step(out)
 
 
 def test_a_stop_before_torchrun_starts_is_one_line_and_starts_nothing(tiny_assets, tmp_path, monkeypatch, capsys):
