@@ -3,8 +3,8 @@
 `accelerate launch --config_file X script.py` turns the YAML into environment variables and starts the script
 through torchrun. `shardtune launch --config_file X [train flags]` does the same without accelerate: it reads the
 YAML (shardtune.config.accelerate), sets the same variables and starts `python -m shardtune train` through
-torchrun (shardtune.parallel.torchrun: `torch.distributed.run` ending a stop with a line, not a traceback). Either way `shardtune train` reads its FSDP settings with
-shardtune.config.fsdp.fsdp_settings_from_env.
+torchrun (shardtune.parallel.torchrun: `torch.distributed.run`, a stop ending in one line rather than a traceback).
+Either way `shardtune train` reads its FSDP settings with shardtune.config.fsdp.fsdp_settings_from_env.
 """
 
 from __future__ import annotations

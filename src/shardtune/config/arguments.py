@@ -306,3 +306,6 @@ def interval_steps(value: float, total_steps: int) -> int:
 
 # The flag groups, in the order parse_args returns them.
 ARG_CLASSES = (ModelArguments, DataArguments, TrainArguments)
+# Each flag's default (the names are unique across the classes: one parser takes them all); what a flag "set away
+# from its default" is measured against, by the configuration's checks and the objectives'.
+FLAG_DEFAULTS = {f.name: f.default for cls in ARG_CLASSES for f in dataclasses.fields(cls)}

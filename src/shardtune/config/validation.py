@@ -7,13 +7,12 @@ checked later, before loading, by shardtune.models.preflight.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable
 from pathlib import Path
 
-from shardtune.config.arguments import STEP_INTERVALS, DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.arguments import FLAG_DEFAULTS, STEP_INTERVALS, DataArguments, RunConfig, TrainArguments
 from shardtune.config.dtypes import canonical as dtype_canonical
 from shardtune.runtime.hub import is_hub_id
 
@@ -272,11 +271,6 @@ _DEPENDENT: tuple[tuple[str, str, Callable[[RunConfig], bool], str], ...] = (
     ("train", "save_steps", lambda c: c.train.save_strategy == "steps", "--save_strategy steps"),
     ("train", "save_total_limit", lambda c: c.train.save_strategy != "no", "--save_strategy steps (or epoch)"),
 )
-_DEFAULT_OF = {
-    (part, f.name): f.default
-    for part, cls in (("model", ModelArguments), ("data", DataArguments), ("train", TrainArguments))
-    for f in dataclasses.fields(cls)
-}
 
 
 def _dependent_problems(cfg: RunConfig) -> list[str]:
@@ -285,7 +279,7 @@ def _dependent_problems(cfg: RunConfig) -> list[str]:
     p = []
     for part, name, on, switch in _DEPENDENT:
         value = getattr(getattr(cfg, part), name)
-        if value == _DEFAULT_OF[part, name] or on(cfg) or (name in ADAPTER_FLAGS and not cfg.model.use_peft_lora):
+        if value == FLAG_DEFAULTS[name] or on(cfg) or (name in ADAPTER_FLAGS and not cfg.model.use_peft_lora):
             continue
         shown = int(value) if isinstance(value, float) and value.is_integer() else value
         p.append(f"--{name} {shown} only applies with {switch}: add it, or remove --{name}.")

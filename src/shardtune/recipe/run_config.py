@@ -11,10 +11,9 @@ changes its registry alone. The model's files are checked after this, by shardtu
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
-from shardtune.config.arguments import RunConfig, TrainArguments
+from shardtune.config.arguments import FLAG_DEFAULTS, RunConfig
 from shardtune.config.errors import ConfigError
 from shardtune.config.run import parse_run_config
 from shardtune.config.validation import flag_problems
@@ -23,8 +22,6 @@ from shardtune.models.quant import quantization_problems
 from shardtune.objectives.loss import objective_problems, objectives_help
 from shardtune.training import optimizers
 from shardtune.training.trackers import report_to_problems
-
-_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainArguments)}
 
 
 def flag_choices() -> dict[str, str]:
@@ -41,7 +38,7 @@ def run_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
     p += dataset_problems(d.dataset_name, check_paths=check_paths)
     p += optimizers.name_problems(t.optim)
     p += report_to_problems(t.report_to)
-    p += objective_problems(t, d, _TRAIN_DEFAULTS)
+    p += objective_problems(t, d, FLAG_DEFAULTS)
     p += quantization_problems(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
