@@ -16,6 +16,7 @@ import sys
 
 from shardtune.config import cuda_allocator
 from shardtune.runtime.log import quiet_import_notices, warn0
+from shardtune.runtime.signals import Redelivery
 
 COMMANDS = {
     "train": ("shardtune.commands.train", "command", "Fine-tune a model (LoRA, QLoRA, DoRA or full) on FSDP2."),
@@ -101,19 +102,22 @@ def _interrupted_exit(line: str, program: bool) -> int:
 @contextlib.contextmanager
 def _sigint_noted():
     """While the command runs, a SIGINT handler that records the signal and raises KeyboardInterrupt as Python's
-    default does (a command replaces it with its own once its run starts); the caller's handler is put back after.
+    default does, where it can propagate (`runtime.signals`: after an import, again after a finalizer swallowed it);
+    a command replaces it with its own once its run starts, and the caller's handler is put back after.
     Yields a function telling whether it fired."""
-    fired = []
+    fired, redelivery = [], Redelivery()
 
     def handler(signum, frame):
         fired.append(signum)
-        raise KeyboardInterrupt
+        if not redelivery.put_off(signum, frame):
+            raise KeyboardInterrupt
 
     def unraisable(info):
-        # A KeyboardInterrupt raised inside a finalizer (`__del__`) cannot propagate: Python prints it as "Exception
-        # ignored in ..." with its traceback and goes on. It is recorded in `fired` already; the other cases are
-        # reported as before.
-        if not isinstance(info.exc_value, KeyboardInterrupt):
+        # A KeyboardInterrupt raised inside a finalizer (`__del__`) or a weakref callback cannot propagate: Python
+        # would print it as "Exception ignored in ..." and go on. Raised again instead; other cases as before.
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            redelivery.again(signal.SIGINT)
+        else:
             hook_before(info)
 
     before, hook_before = signal.getsignal(signal.SIGINT), sys.unraisablehook
@@ -125,6 +129,7 @@ def _sigint_noted():
         yield lambda: bool(fired)
     finally:
         if ours:
+            redelivery.cancel()
             signal.signal(signal.SIGINT, before)
             sys.unraisablehook = hook_before
 

@@ -3,14 +3,17 @@ line and exit code 3, and puts the caller's SIGINT handler back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import time
 import types
 
 import pytest
 
 from shardtune import cli
+from shardtune.runtime import signals, stop
 
 
 def _ctrl_c():
@@ -78,3 +81,96 @@ def test_an_error_without_a_ctrl_c_is_raised(command):
     command(_fails)
     with pytest.raises(RuntimeError, match="a real error"):
         cli.main(["fake"])
+
+
+def _bytecodes():
+    for _ in range(200_000):  # at any of which a signal handler can run
+        pass
+
+
+@pytest.fixture
+def signalling_module(tmp_path, monkeypatch):
+    """A module whose import sends `signum` to this process and goes on with its own code, as a C extension's
+    initialiser calling back into Python would be interrupted. `make(signum)` returns a command that imports it and
+    then waits; `completed` lists what ran to its end."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    completed: list[str] = []
+    monkeypatch.setattr(sys.modules[__name__], "_completed", completed, raising=False)
+
+    def make(signum: int):
+        name = f"signals_on_import_{int(signum)}"
+        (tmp_path / f"{name}.py").write_text(
+            f"import os, sys\nos.kill(os.getpid(), {int(signum)})\nmod = sys.modules[{__name__!r}]\n"
+            "mod._bytecodes()\nmod._completed.append('import')\n"
+        )
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+        def run():
+            __import__(name)
+            completed.append("after")
+            time.sleep(30)  # the signal, sent again, ends this wait
+            completed.append("slept")
+
+        return run
+
+    return make, completed
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_ctrl_c_inside_an_import_is_raised_once_the_import_has_ended(
+    command, capsys, signalling_module, monkeypatch, planted
+):
+    """Inside an import the KeyboardInterrupt waits for the import's end (raised in code a C extension called, it
+    aborts the process); it then interrupts what follows, a blocking wait included. Planted: raised at once, inside
+    the module's code."""
+    make, completed = signalling_module
+    if planted:
+        monkeypatch.setattr(signals, "importing", lambda frame: False)
+    run = make(signal.SIGINT)
+    command(lambda argv: run())
+    assert cli.main(["fake"]) == 3
+    assert "interrupted while starting" in capsys.readouterr().err
+    assert completed == ([] if planted else ["import", "after"])
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_stop_inside_an_import_is_raised_once_the_import_has_ended(signalling_module, monkeypatch, planted):
+    """The run's StopHandler the same way, for SIGTERM."""
+    make, completed = signalling_module
+    if planted:
+        monkeypatch.setattr(signals, "importing", lambda frame: False)
+    run = make(signal.SIGTERM)
+    handler = stop.StopHandler().install()
+    try:
+        with pytest.raises(stop.Stopped, match="SIGTERM while starting"):
+            run()
+    finally:
+        handler.restore()
+    assert completed == ([] if planted else ["import", "after"])
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_stop_a_finalizer_swallowed_is_raised_again(capsys, monkeypatch, planted):
+    """SIGTERM while a finalizer runs: Python cannot pass the Stopped on from there (it prints "Exception ignored"
+    and goes on), so it is raised again right after, and the wait that follows ends. Planted: never raised again,
+    the run goes on as if no stop had come."""
+    if planted:
+        monkeypatch.setattr(signals.Redelivery, "again", lambda self, signum: None)
+
+    class Dies:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _bytecodes()
+
+    completed = []
+    handler = stop.StopHandler().install()
+    try:
+        with pytest.raises(stop.Stopped) if not planted else contextlib.nullcontext():
+            Dies()
+            completed.append("after")
+            time.sleep(30 if not planted else 1)
+            completed.append("slept")
+    finally:
+        handler.restore()
+    assert completed == (["after", "slept"] if planted else ["after"])
+    assert "Exception ignored" not in capsys.readouterr().err

@@ -9,13 +9,19 @@ BaseException, as KeyboardInterrupt does, so that no `except Exception` on the w
 
 torchrun forwards the signal it receives to every worker, and after a Ctrl-C sends SIGTERM too: a second signal
 within `_FORCE_AFTER_S` is the same stop; one later than that ends the process at once, as with StopFlag.
+
+The handler raises only where the exception can propagate (`runtime.signals`): inside an import it waits for the
+import's end, and a `Stopped` that a finalizer swallowed is raised again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+
+from shardtune.runtime.signals import Redelivery
 
 _FORCE_AFTER_S = 2.0
 # The exit code of a run (or a launch) stopped by a signal (docs/errors.md).
@@ -35,19 +41,24 @@ class StopHandler:
 
     def __init__(self):
         self.stage, self.signal_name, self._first, self._before = "starting", None, None, {}
+        self._redelivery, self._hook_before = Redelivery(), None
 
     def install(self) -> StopHandler:
         self.stage, self.signal_name, self._first = "starting", None, None
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._before[sig] = signal.signal(sig, self._handler)
+        self._hook_before, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def restore(self) -> None:
         """Put back the handlers from before `install` (the loop's own replaced them meanwhile), so that a caller
         of `shardtune.cli.main` in its own process (a test, a plugin script) gets its Ctrl-C back."""
+        self._redelivery.cancel()
         for sig, handler in self._before.items():
             signal.signal(sig, handler)
         self._before.clear()
+        if self._hook_before is not None:
+            sys.unraisablehook, self._hook_before = self._hook_before, None
 
     def at(self, stage: str) -> None:
         self.stage = stage
@@ -58,6 +69,8 @@ class StopHandler:
 
     def _handler(self, signum, frame) -> None:
         now = time.monotonic()
+        if self._first is None and self._redelivery.put_off(signum, frame):
+            return
         if self._first is None:
             self._first, self.signal_name = now, signal.Signals(signum).name
             raise Stopped(self.signal_name, self.stage)
@@ -65,6 +78,14 @@ class StopHandler:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         # else: the same stop, forwarded once more by the launcher
+
+    def _unraisable(self, info) -> None:
+        """`Stopped` raised in a finalizer or a weakref callback, which cannot pass it on: raise it again."""
+        if not isinstance(info.exc_value, Stopped):
+            self._hook_before(info)
+            return
+        self._first = None
+        self._redelivery.again(signal.Signals[info.exc_value.signal_name])
 
 
 def stopped_message(e: BaseException, *, resuming: bool) -> str:
