@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -315,6 +316,48 @@ def test_mixture_of_experts_traced_against_estimate(tmp_path):
     # at batch 8 the temporaries are most of the activations' memory: the experts' part is on the peak
     assert category_comparison(p)["temporaries"][0] > 3 * 2**30
     assert any(n.startswith("mixture of experts") for n in p.estimate.notes)
+
+
+# Qwen2-57B-A14B's widths cut to two blocks and eight experts: a shared expert (20480 wide, wider than the two
+# routed copies a token takes together) run on every token beside the routed ones, and q/k/v biases.
+QWEN2_MOE = {
+    "model_type": "qwen2_moe",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "moe_intermediate_size": 2560,
+    "shared_expert_intermediate_size": 20480,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+}
+
+
+def test_shared_expert_traced_against_estimate(tmp_path):
+    """Qwen2-MoE-shaped, LoRA all-linear on 2 ranks (all-linear wraps the shared expert's linears here): the
+    shared expert's weights and its activations are planned, and the parameters beyond the layout (its gate, the
+    biases) held. The state equals the trace's up to those extras' sharding (held as one flat tensor per kind,
+    chunked unlike the real tensors: less than their own bytes apart); every phase within the bound at batch 2
+    (the peak is the second block's all-gather) and 8 (a block's backward). Planted: the shape without the shared
+    expert and the extras (as it was read before): rank 0's frozen weights fall short by a fifth and more."""
+    path = tmp_path / "qwen2-moe-2.json"
+    path.write_text(json.dumps(QWEN2_MOE))
+    for batch in ("2", "8"):
+        flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        p = make_plan(["--model_name_or_path", str(path), *flags])
+        est, held = model_state_bytes_per_rank(p.shape, p.inputs, rank=0), p.trace.state
+        extras = p.shape.num_layers * (p.shape.block_extra_linear + p.shape.block_extra_other) * 2  # bf16
+        assert 0 < extras and abs(held["frozen"] - est["frozen"]) < extras
+        assert (held["trainable"], held["optimizer"]) == (est["trainable"], est["optimizer"])
+        for name, (got, estimated) in trace_comparison(p).items():
+            assert abs(estimated - got) <= BOUND * got, (batch, name)
+    planted = replace(p.shape, shared_expert_intermediate_size=0, block_extra_linear=0, block_extra_other=0)
+    assert held["frozen"] - model_state_bytes_per_rank(planted, p.inputs, rank=0)["frozen"] > 0.2 * held["frozen"]
 
 
 def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp_path):

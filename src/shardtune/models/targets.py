@@ -73,7 +73,8 @@ def num_experts(config) -> int:
     return 0
 
 
-def _linear_classes() -> tuple[type, ...]:
+def linear_classes() -> tuple[type, ...]:
+    """The layers taken as linear (by all-linear, and by 4-bit quantization): nn.Linear and GPT-2's Conv1D."""
     from transformers.pytorch_utils import Conv1D
 
     return (nn.Linear, Conv1D)
@@ -127,7 +128,7 @@ def plan_all_linear(model: nn.Module) -> TargetPlan:
     """The module paths all-linear wraps on `model` (a transformers causal LM, before PEFT), and what it leaves out."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     n_experts = num_experts(model.config) if hasattr(model, "config") else 0
-    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, _linear_classes())]
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, linear_classes())]
     leaves = {n.rpartition(".")[2] for n, _ in linear}
     refused, remapped = peft_refused_leaves(model, leaves), peft_remapped_leaves(model)
     plan = TargetPlan(paths=[], experts=expert_modules(model, n_experts))
@@ -189,7 +190,7 @@ def router_parameters(model: nn.Module) -> list[str]:
     n_experts = num_experts(model.config) if hasattr(model, "config") else 0
     out = []
     for name, module in model.named_modules():
-        if not n_experts or isinstance(module, _linear_classes()):
+        if not n_experts or isinstance(module, linear_classes()):
             continue
         weight = module._parameters.get("weight")
         routes = "router" in type(module).__name__.lower() or _ROUTER_NAME.search(name.rpartition(".")[2])

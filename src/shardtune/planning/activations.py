@@ -32,13 +32,20 @@ def _linear_input_groups(
     # shardtune's per-document attention (the spans' outputs are concatenated into a new tensor).
     o_shared = attn_implementation != "eager" and not per_document
     attention = [(("q_proj", "k_proj", "v_proj"), shape.hidden_size, False), (("o_proj",), shape.q_dim, o_shared)]
-    if shape.num_experts:  # the experts are not linears: see _mlp_saved_bytes
-        return attention
+    if shape.num_experts:  # the routed experts are not linears (see _mlp_saved_bytes); a shared expert's are
+        return attention + _shared_expert_groups(shape)
     return [
         *attention,
         (("gate_proj", "up_proj"), shape.hidden_size, False),
         (("down_proj",), shape.intermediate_size, False),
     ]
+
+
+def _shared_expert_groups(shape: ModelShape) -> list[tuple[tuple[str, ...], int, bool]]:
+    s = shape.shared_expert_intermediate_size
+    if not s:
+        return []
+    return [(("shared_gate_proj", "shared_up_proj"), shape.hidden_size, False), (("shared_down_proj",), s, False)]
 
 
 def _mlp_saved_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
@@ -57,7 +64,8 @@ def _mlp_saved_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
     router = 4 * e + 8 * k + 4 * k + 4
     routed = k * (8 + 8 + 8 + 4 + a * (3 * ie + h))
     trained = a * h + k * a * (h + ie) if full_finetune else 0
-    return router + routed + trained
+    shared = 3 * a * shape.shared_expert_intermediate_size  # a dense MLP's (its linears' inputs: the groups')
+    return router + routed + trained + shared
 
 
 def kernel_attention_bytes(shape: ModelShape, a: int) -> int:
@@ -187,11 +195,13 @@ def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, loop
     output (h wide per copy) that the routing weights' multiply kept was freed when that backward ran.
 
     4-bit experts (`looped`: shardtune.models.quant_experts' loop, one expert at a time) hold those gradients for one
-    expert's copies, k/E per token at an even routing."""
-    a, h = compute_bytes, shape.hidden_size
+    expert's copies, k/E per token at an even routing. A shared expert's backward, a dense MLP's, runs before or
+    after the routed experts' (the family's order): the larger of the two."""
+    a, h, shared = compute_bytes, shape.hidden_size, shape.shared_expert_intermediate_size
     if shape.num_experts:
         k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
-        return int(a * (h + 3 * k * shape.expert_intermediate_size - k * h))
+        routed = int(a * (h + 3 * k * shape.expert_intermediate_size - k * h))
+        return max(routed, a * (2 * shared + h) if shared else 0)
     return a * (2 * shape.intermediate_size + h)
 
 
@@ -199,10 +209,11 @@ def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, loope
     """A block's MLP forward at its largest: dense, the gate and up outputs, act(gate) and their product (4 I
     wide); a mixture of experts, per routed copy, the gathered tokens, the gate_up output, act(gate), the product
     and the down output (h + 4·I_e + h): all copies at once in grouped_mm, one expert's (k/E per token at an even
-    routing) in the loop of 4-bit experts (`looped`)."""
+    routing) in the loop of 4-bit experts (`looped`); a shared expert's, the dense MLP's, runs apart from them."""
     if shape.num_experts:
         k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
-        return int(compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size))
+        routed = int(compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size))
+        return max(routed, 4 * compute_bytes * shape.shared_expert_intermediate_size)
     return 4 * compute_bytes * shape.intermediate_size
 
 

@@ -322,6 +322,7 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
     table = _activations_table(shape, dyn_kwargs)
     host = host_bytes(state, tensors, shape, s.world_size // s.num_nodes, s.offload)
     notes = _notes(s.use_4bit, s.offload, s.loss_impl, s.sharded_checkpoint, bool(shape.num_experts))
+    notes += _layout_notes(shape, tensors)
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, s, notes, phase_bytes, temps, terms)
@@ -489,6 +490,28 @@ def _with_checkpoint_save(
     if sum(save.values()) <= sum(step.values()):  # within what the step already reserved
         return {k: step.get(k, 0) for k in rows}, step_phase
     return save, SAVE_PHASE
+
+
+# Parameters beyond the layout, as a share of a block, above which the plan says the family's blocks differ from it.
+_LAYOUT_SHARE = 0.01
+
+
+def _layout_notes(shape: ModelShape, tensors: list[Tensor]) -> list[str]:
+    """A family whose blocks differ from the layout the activations are estimated for (multi-latent attention, a
+    dense first block among mixture-of-experts blocks, ...): its weights are held as counted, its activations
+    are the layout's."""
+    extra = shape.block_extra_linear + shape.block_extra_other
+    block = sum(t.numel for t in tensors if t.group == "block" and not t.name.startswith("unmodelled."))
+    if not block or abs(extra) <= _LAYOUT_SHARE * block:
+        return []
+    more = "more" if extra > 0 else "fewer"
+    note = (
+        f"{shape.model_type}: its blocks hold {abs(extra) / 1e6:.1f}M parameters {more} on average than the layout "
+        f"the activations are estimated for ({100 * abs(extra) / block:.0f}% of a block: another attention, or "
+        "dense blocks among experts); the weights are counted on the model itself, the activations are the "
+        "layout's: --trace runs the real step."
+    )
+    return [note]
 
 
 def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bool, moe: bool) -> list[str]:

@@ -96,8 +96,11 @@ def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_qu
     if not (use_4bit or use_8bit):
         return 0
     bits = 4 if use_4bit else 8
-    dims = shape.linear_dims().values()
+    dims = [d for name, d in shape.linear_dims().items() if name in shape.block_linears()]
     per_block = sum(quant_constant_bytes(i, o, nested_quant, bits) for i, o in dims)
+    if shape.block_extra_linear > 0:  # the linear weights beyond the layout, as hidden-wide rows
+        rows = -(-shape.block_extra_linear // shape.hidden_size)
+        per_block += quant_constant_bytes(shape.hidden_size, rows, nested_quant, bits)
     if use_4bit:  # 4-bit experts: one state per expert (shardtune.models.quant_experts)
         experts = [shp for shp in shape.expert_tensors().values() if len(shp) == 3]
         per_block += sum(e * quant_constant_bytes(i, o, nested_quant) for e, i, o in experts)
