@@ -117,7 +117,8 @@ def test_planner_counts_the_expert_and_router_lora_training_adds(model_type):
     from peft import LoraConfig, get_peft_model
 
     from shardtune.planning.activations import expert_lora_saved_bytes
-    from shardtune.planning.model import ModelShape, lora_param_count, resolve_lora_targets
+    from shardtune.planning.model import lora_param_count, resolve_lora_targets
+    from shardtune.planning.shape import ModelShape
 
     config = families.tiny_config(CONFIG_MAPPING[model_type]())
     shape = ModelShape.from_config(config)

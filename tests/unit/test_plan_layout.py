@@ -12,8 +12,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from shardtune.models import families
 from shardtune.planning import PlanInputs, model_state_bytes_per_rank
 from shardtune.planning import model as planning_model
-from shardtune.planning.model import base_param_count
-from shardtune.planning.shape import ModelShape
+from shardtune.planning.shape import ModelShape, base_param_count
 
 # Dense and mixture-of-experts families with and without a shared expert, biases, multi-latent attention, a dense
 # first block, and a hybrid (Mamba) one.

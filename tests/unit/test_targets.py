@@ -91,7 +91,8 @@ def test_planner_counts_lora_on_the_layers_training_wraps(model_type):
     on Llama it equals the count of the Llama names, elsewhere those undercount."""
     from peft import LoraConfig, get_peft_model
 
-    from shardtune.planning.model import ModelShape, lora_param_count, resolve_lora_targets
+    from shardtune.planning.model import lora_param_count, resolve_lora_targets
+    from shardtune.planning.shape import ModelShape
 
     config = families.tiny_config(CONFIG_MAPPING[model_type]())
     shape = ModelShape.from_config(config)

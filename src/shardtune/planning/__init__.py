@@ -2,13 +2,8 @@
 
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.inputs import PlanInputs
-from shardtune.planning.model import (
-    ModelShape,
-    base_param_count,
-    load_model_config,
-    lora_param_count,
-    resolve_lora_targets,
-)
+from shardtune.planning.model import load_model_config, lora_param_count, resolve_lora_targets
+from shardtune.planning.shape import ModelShape, base_param_count
 from shardtune.planning.state import model_state_bytes_per_rank
 
 __all__ = [

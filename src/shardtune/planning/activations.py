@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from shardtune.models.fastpath import SPAN_TOKENS
-from shardtune.planning.model import ModelShape
+from shardtune.planning.shape import ModelShape
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 LOSS_IMPLEMENTATIONS = ("chunked", "full", "full_fp32")

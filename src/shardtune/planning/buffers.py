@@ -10,7 +10,8 @@ from typing import Any
 
 from shardtune.parallel import dims
 from shardtune.planning.inputs import PlanInputs
-from shardtune.planning.model import ModelShape, Tensor, sharded_bytes
+from shardtune.planning.model import Tensor, sharded_bytes
+from shardtune.planning.shape import ModelShape
 from shardtune.planning.state import compute_dtype_bytes, state_per_rank
 
 

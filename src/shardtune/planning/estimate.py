@@ -17,7 +17,7 @@ from typing import Any
 import shardtune.planning.activations as act
 from shardtune.planning.buffers import state_and_buffers
 from shardtune.planning.inputs import DEFAULTS, PlanInputs, as_json
-from shardtune.planning.model import ModelShape, Tensor, resolve_lora_targets, sharded_bytes
+from shardtune.planning.model import Tensor, resolve_lora_targets, sharded_bytes
 from shardtune.planning.phases import (
     FORWARD,
     StepParts,
@@ -27,6 +27,7 @@ from shardtune.planning.phases import (
     step_phases,
     temporaries,
 )
+from shardtune.planning.shape import ModelShape
 from shardtune.planning.state import (
     as_shape,
     compute_dtype_bytes,

@@ -27,9 +27,10 @@ from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.inputs import PlanInputs
-from shardtune.planning.model import ModelShape, load_model_config
+from shardtune.planning.model import load_model_config
 from shardtune.planning.recommend import recommend
 from shardtune.planning.report import Launch, recommendation_lines
+from shardtune.planning.shape import ModelShape
 from shardtune.planning.state import GiB
 
 # chatml and zephyr add up to five tokens; the embeddings are then padded (data.templates.padded_rows).

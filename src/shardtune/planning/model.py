@@ -19,10 +19,7 @@ from shardtune.planning.shape import (
     SHARED_LINEARS,
     SHARED_PATH,
     ModelShape,
-    base_param_count,
 )
-
-__all__ = ["ModelShape", "base_param_count"]  # read here by the planner's modules, defined in planning.shape
 
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 NESTED_BLOCK = 256  # nested (double) quantization: one fp32 absmax per 256 first-level absmax values

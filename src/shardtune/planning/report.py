@@ -10,16 +10,10 @@ from typing import Any
 from shardtune.config.arguments import RunConfig
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
-from shardtune.planning.model import (
-    EXPERT_LORA,
-    ROUTER_LORA,
-    ModelShape,
-    base_param_count,
-    lora_param_count,
-    resolve_lora_targets,
-)
+from shardtune.planning.model import EXPERT_LORA, ROUTER_LORA, lora_param_count, resolve_lora_targets
 from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
 from shardtune.planning.recommend import Recommendation
+from shardtune.planning.shape import ModelShape, base_param_count
 from shardtune.planning.state import GiB
 
 

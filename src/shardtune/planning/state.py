@@ -15,7 +15,6 @@ from shardtune.config import dtypes
 from shardtune.parallel import dims
 from shardtune.planning.inputs import DEFAULTS, PlanInputs
 from shardtune.planning.model import (
-    ModelShape,
     Tensor,
     model_tensors,
     quant_constant_bytes,
@@ -23,6 +22,7 @@ from shardtune.planning.model import (
     shard_rows,
     sharded_bytes,
 )
+from shardtune.planning.shape import ModelShape
 from shardtune.training import optimizers
 
 GiB = 1024**3
