@@ -26,9 +26,10 @@ _IMPORT_MACHINERY = frozenset({"<frozen importlib._bootstrap>", "<frozen importl
 # How often the thread waiting for an import to end looks at the main thread: a stop put off lands within this
 # time of the import's end.
 _POLL_S = 0.01
-# The same signal again this long after one was put off is taken at once: the user insists (an import that hangs).
-# Closer together it is the same stop (torchrun forwards a signal it got twice, and SIGTERM after a Ctrl-C).
-INSIST_AFTER_S = 2.0
+# Two stop signals this close together are one stop (torchrun forwards a signal it got twice, and SIGTERM after a
+# Ctrl-C); a later one means the user insists: it ends the run at once (runtime.stop, training.trainer.StopFlag),
+# or is taken at once while an import has one put off.
+SAME_STOP_WITHIN_S = 2.0
 
 
 def importing(frame) -> bool:
@@ -50,10 +51,10 @@ class Redelivery:
     def put_off(self, signum: int, frame) -> bool:
         """Whether the handler of `signum`, which interrupted `frame`, must not raise now: an import is running.
         Then `signum` is sent again once it has ended. Another `signum` while one is put off is the same stop, or
-        after INSIST_AFTER_S taken at once."""
+        after SAME_STOP_WITHIN_S taken at once."""
         if signum in self._pending:
             since, _ = self._pending[signum]
-            return time.monotonic() - since <= INSIST_AFTER_S
+            return time.monotonic() - since <= SAME_STOP_WITHIN_S
         if not importing(frame):
             return False
         self.again(signum)

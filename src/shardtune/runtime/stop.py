@@ -8,7 +8,7 @@ the way remove what they were writing (a cache's or an output's temporary folder
 BaseException, as KeyboardInterrupt does, so that no `except Exception` on the way swallows it.
 
 torchrun forwards the signal it receives to every worker, and after a Ctrl-C sends SIGTERM too: a second signal
-within `_FORCE_AFTER_S` is the same stop; one later than that ends the process at once, as with StopFlag.
+within `signals.SAME_STOP_WITHIN_S` is the same stop; one later than that ends the process at once, as with StopFlag.
 
 The handler raises only where the exception can propagate (`runtime.signals`): inside an import it waits for the
 import's end, and a `Stopped` that a finalizer swallowed is raised again.
@@ -21,9 +21,8 @@ import signal
 import sys
 import time
 
-from shardtune.runtime.signals import Redelivery
+from shardtune.runtime.signals import SAME_STOP_WITHIN_S, Redelivery
 
-_FORCE_AFTER_S = 2.0
 # The exit code of a run (or a launch) stopped by a signal (docs/errors.md).
 STOPPED_EXIT_CODE = 3
 
@@ -74,7 +73,7 @@ class StopHandler:
         if self._first is None:
             self._first, self.signal_name = now, signal.Signals(signum).name
             raise Stopped(self.signal_name, self.stage)
-        if now - self._first > _FORCE_AFTER_S:
+        if now - self._first > SAME_STOP_WITHIN_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         # else: the same stop, forwarded once more by the launcher

@@ -19,6 +19,7 @@ from shardtune.objectives.loss import Objective
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.mesh import DistInfo, all_gather_objects, all_reduce_sum
 from shardtune.runtime.log import print0, warn0
+from shardtune.runtime.signals import SAME_STOP_WITHIN_S
 
 # A streamed epoch's length is unknown: its steps never end an epoch in _advance; the stream position does.
 STREAMING_STEPS_PER_EPOCH = 2**62
@@ -72,10 +73,8 @@ class StopFlag:
     """SIGTERM/SIGINT: finish the current step, save, exit. The ranks agree on the step to stop at.
 
     torchrun forwards the signal it receives to every worker, so a worker may see one Ctrl-C twice within
-    milliseconds; a signal repeated later than _FORCE_AFTER_S seconds ends the process at once.
+    milliseconds; a signal repeated later than SAME_STOP_WITHIN_S seconds ends the process at once.
     """
-
-    _FORCE_AFTER_S = 2.0
 
     def __init__(self, device):
         self.device, self.signal, self.first, self.announced = device, None, None, False
@@ -84,7 +83,7 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         now = time.monotonic()
-        if self.first is not None and now - self.first > self._FORCE_AFTER_S:
+        if self.first is not None and now - self.first > SAME_STOP_WITHIN_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
