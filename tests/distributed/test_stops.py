@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -110,9 +111,16 @@ def test_a_stop_while_tokenizing_ends_the_workers_and_removes_the_temporary_cach
     monkeypatch.setattr(prepare, "_TASK_ROWS", 20)  # 160 rows: 8 tasks for 2 workers
     seen: list[int] = []
 
+    def workers() -> list[int]:
+        return [c.pid for c in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+
     def term(**_) -> None:
-        workers = [c for c in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
-        seen.extend(c.pid for c in workers)
+        # The pool has started both processes, but a child shows spawn_main only once it has exec'd: under load
+        # that can be a moment after the first task is submitted, so the signal waits for both to be seen.
+        deadline = time.monotonic() + 30
+        while len(workers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen.extend(workers())
         os.kill(os.getpid(), signal.SIGTERM)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["model"])
