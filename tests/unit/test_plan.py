@@ -439,6 +439,41 @@ def test_layer_activations_equal_saved_tensors(attn, lora, targets, dropout):
     assert per_token * batch * seq == measured
 
 
+@pytest.mark.parametrize("attn,q_lora_rank", [("sdpa", None), ("sdpa", 24), ("eager", 24)])
+def test_latent_attention_activations_equal_saved_tensors(attn, q_lora_rank):
+    """Multi-latent attention (MiniCPM3's, DeepSeek's without the experts), LoRA on every linear: the query and
+    key-value latents' norms and normed outputs, the expanded keys, the values (a view keeping kv_b_proj's whole
+    output), the attention's output and o_proj's own copy of it, against what autograd keeps (CPU, bf16). The
+    value heads are as wide as the query heads here: CPU's fused kernel needs that (`plan --trace` notes it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import MiniCPM3Config, MiniCPM3ForCausalLM
+
+    torch.manual_seed(0)
+    config = MiniCPM3Config(
+        vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, attn_implementation=attn,
+    )  # fmt: skip
+    model = MiniCPM3ForCausalLM(config).to(torch.bfloat16).train()
+    layers = model.model.layers
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"), autocast_adapter_dtype=False)
+    batch, seq = 2, 16
+    shape = ModelShape.from_config(config)
+    assert shape.latent_attention and shape.o_dim == shape.q_dim == 4 * 24
+    targets = resolve_lora_targets(shape, "all-linear")
+    assert set(targets) == {n.rpartition(".")[2] for n, m in layers[1].named_modules() if hasattr(m, "lora_A")}
+    per_token = layer_saved_bytes_per_token(
+        shape, seq_len=seq, compute_bytes=2, attn_implementation=attn, lora_r=4, lora_targets=targets
+    )
+    assert per_token * batch * seq == _saved_bytes_per_layer(model, layers[1], batch, seq)
+    # Planted: the layout as Llama's q, k, v and o of the rotary width (how the shape was read before)
+    llama_like = replace(shape, kv_lora_rank=0, q_lora_rank=0)
+    assert layer_saved_bytes_per_token(
+        llama_like, seq_len=seq, compute_bytes=2, attn_implementation=attn, lora_r=4,
+        lora_targets=resolve_lora_targets(llama_like, "all-linear"),
+    ) < 0.8 * per_token  # fmt: skip
+
+
 # --- sharding arithmetic -----------------------------------------------------------------------------------------
 
 

@@ -20,9 +20,9 @@ import torch
 
 from shardtune.commands.plan import format_plan, format_trace, main, make_plan
 from shardtune.objectives.heads import token_loss
-from shardtune.planning import model_state_bytes_per_rank
+from shardtune.planning import activations, estimate_memory, model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
-from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate
+from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate, traced_run_inputs
 
 L7 = "meta-llama/Llama-2-7b-hf"
 L8 = "meta-llama/Meta-Llama-3-8B"
@@ -358,6 +358,63 @@ def test_shared_expert_traced_against_estimate(tmp_path):
             assert abs(estimated - got) <= BOUND * got, (batch, name)
     planted = replace(p.shape, shared_expert_intermediate_size=0, block_extra_linear=0, block_extra_other=0)
     assert held["frozen"] - model_state_bytes_per_rank(planted, p.inputs, rank=0)["frozen"] > 0.2 * held["frozen"]
+
+
+# DeepSeek-V2-Lite's widths, 3 blocks (the first dense) and 8 of its 64 experts. Its value heads are 128 wide
+# beside 192-wide query heads; here 192: CPU's fused SDPA kernel needs equal widths (else the math kernel runs,
+# which a GPU's memory-efficient kernel does not: the trace notes it), and the estimate's attention terms are the
+# same function of each width either way.
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 192,
+    "vocab_size": 102400,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+def test_latent_attention_and_narrow_experts_traced_against_estimate(tmp_path, monkeypatch):
+    """DeepSeek-V2-Lite-shaped, LoRA all-linear on 2 ranks: multi-latent attention's widths (the latents, their
+    norms, keys expanded to every head, values that keep kv_b_proj's output) and the combine of 6 narrow experts
+    (fp32 routing weights: three k·h-wide fp32 gradients, above the experts' own) are planned: every phase within
+    the bound at batch 2 and 8. Planted, each alone: the attention read as Llama's of the rotary width (as before),
+    or the combine left out: the traced step at batch 8 is above the estimate by more than the bound. With the
+    published 128-wide value heads the trace notes CPU's math kernel."""
+    path = tmp_path / "deepseek-v2-lite-3.json"
+    path.write_text(json.dumps(DEEPSEEK_V2_LITE))
+    for batch in ("2", "8"):
+        flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        p = make_plan(["--model_name_or_path", str(path), *flags])
+        assert p.shape.latent_attention and p.shape.routing_weight_bytes == 4
+        for name, (got, estimated) in trace_comparison(p).items():
+            assert abs(estimated - got) <= BOUND * got, (batch, name, got, estimated)
+    got, inputs = p.trace.peaks["step"]["Total"], traced_run_inputs(p.inputs, p.trace.device)
+    llama_like = replace(p.shape, kv_lora_rank=0, q_lora_rank=0)
+    assert estimate_memory(llama_like, inputs).allocated < (1 - BOUND) * got
+    monkeypatch.setattr(activations, "routed_combine_bytes", lambda *a: (0, 0))
+    assert estimate_memory(p.shape, inputs).allocated < (1 - BOUND) * got
+    monkeypatch.undo()
+    path.write_text(json.dumps({**DEEPSEEK_V2_LITE, "v_head_dim": 128, "num_hidden_layers": 1}))
+    narrow = make_plan(["--model_name_or_path", str(path), *_LORA, "--num_processes", "2", "--trace", "True"])
+    assert any("math kernel" in n for n in narrow.trace.notes)
 
 
 def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp_path):

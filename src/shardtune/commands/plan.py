@@ -297,6 +297,13 @@ def run_trace(p: Plan) -> Any:
     )
     if p.launch.offload and result.device == "cpu":
         result.notes.append("CPU offload is not traced: on a machine without CUDA shardtune keeps everything in RAM.")
+    if result.device == "cpu" and p.shape.q_dim != p.shape.o_dim:
+        # CPU's fused SDPA kernel needs the values' heads as wide as the queries'; CUDA's memory-efficient one does not
+        result.notes.append(
+            "the attention's value heads are narrower than its query heads: on CPU SDPA runs it on its math kernel, "
+            "which keeps every head's score matrix, so the traced step holds more than the estimate (a GPU's "
+            "memory-efficient kernel)."
+        )
     return result
 
 

@@ -30,8 +30,10 @@ def _linear_input_groups(
     # flash and SDPA return their output as a transposed view of a [batch, seq, heads, dim] buffer they keep for
     # backward, so o_proj's input is that same storage; eager attention makes a contiguous copy, and so does
     # shardtune's per-document attention (the spans' outputs are concatenated into a new tensor).
-    o_shared = attn_implementation != "eager" and not per_document
-    attention = [(("q_proj", "k_proj", "v_proj"), shape.hidden_size, False), (("o_proj",), shape.q_dim, o_shared)]
+    o_shared = attn_implementation != "eager" and not per_document and not shape.latent_attention
+    attention = [(("q_proj", "k_proj", "v_proj"), shape.hidden_size, False), (("o_proj",), shape.o_dim, o_shared)]
+    if shape.latent_attention:
+        attention = _latent_attention_groups(shape, o_shared)
     if shape.num_experts:  # the routed experts are not linears (see _mlp_saved_bytes); a shared expert's are
         return attention + _shared_expert_groups(shape)
     return [
@@ -39,6 +41,24 @@ def _linear_input_groups(
         (("gate_proj", "up_proj"), shape.hidden_size, False),
         (("down_proj",), shape.intermediate_size, False),
     ]
+
+
+def _latent_attention_groups(shape: ModelShape, o_shared: bool) -> list[tuple[tuple[str, ...], int, bool]]:
+    """Multi-latent attention's linears: the hidden state read by the query's and the key-value latent's first
+    factor, each latent's normed output read by its second factor (a new tensor), and o_proj's input, which the
+    attention does not keep: transformers copies the output of a latent attention (measured on CPU: a separate
+    storage from the kernel's output, unlike Llama's)."""
+    groups = [(("q_proj", "q_a_proj", "kv_a_proj_with_mqa"), shape.hidden_size, False)]
+    if shape.q_lora_rank:
+        groups.append((("q_b_proj",), shape.q_lora_rank, False))
+    return [*groups, (("kv_b_proj",), shape.kv_lora_rank, False), (("o_proj",), shape.o_dim, o_shared)]
+
+
+def _latent_norm_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
+    """Per token, multi-latent attention's two RMSNorms (of the query and the key-value latents): each keeps an fp32
+    copy of its input and the rsqrt, and its normed output when its weight is trained."""
+    widths = [w for w in (shape.q_lora_rank, shape.kv_lora_rank) if w]
+    return sum(4 * w + 4 + (a * w if full_finetune else 0) for w in widths)
 
 
 def _shared_expert_groups(shape: ModelShape) -> list[tuple[tuple[str, ...], int, bool]]:
@@ -70,8 +90,9 @@ def _mlp_saved_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
 
 def kernel_attention_bytes(shape: ModelShape, a: int) -> int:
     """Per token, SDPA's fused kernels (flash, memory-efficient; also flash-attention 2) without a mask tensor:
-    q, k and v as given (GQA's fewer key heads taken as they are), the output and an fp32 logsumexp per head."""
-    return a * shape.q_dim + 2 * a * shape.kv_dim + a * shape.q_dim + 4 * shape.num_heads
+    q, k and v as given (GQA's fewer key heads taken as they are; what a latent attention's values keep alive), the
+    output and an fp32 logsumexp per head."""
+    return a * (shape.q_dim + shape.kv_dim + shape.v_kept + shape.o_dim) + 4 * shape.num_heads
 
 
 def math_span_bytes(shape: ModelShape, a: int, span: int) -> int:
@@ -81,7 +102,7 @@ def math_span_bytes(shape: ModelShape, a: int, span: int) -> int:
     the softmax and the product with the values keep. Not its own output: the spans' outputs are concatenated
     into a new tensor, o_proj's input."""
     w = max(a, MATH_SDPA_BYTES)
-    return 3 * w * shape.q_dim + w * shape.num_heads * span
+    return w * (2 * shape.q_dim + shape.o_dim) + w * shape.num_heads * span
 
 
 def per_document_attention_bytes(shape: ModelShape, seq_len: int, a: int, packed: bool) -> int:
@@ -95,7 +116,7 @@ def per_document_attention_bytes(shape: ModelShape, seq_len: int, a: int, packed
         return math_span_bytes(shape, a, seq_len)
     if not packed:
         return kernel_attention_bytes(shape, a)
-    row_qkv = a * (shape.q_dim + 2 * shape.kv_dim)
+    row_qkv = a * (shape.q_dim + shape.kv_dim + shape.v_kept)
     return math_span_bytes(shape, a, SPAN_TOKENS) + row_qkv
 
 
@@ -104,10 +125,13 @@ def _attention_bytes(
 ) -> int:
     qd, nh = shape.q_dim, shape.num_heads
     if attn_implementation == "eager":
-        # q and the repeated k, v are kept by the two matmuls; softmax keeps its fp32 output, the second matmul
-        # its cast to the compute dtype: seq_len scores per head per token.
+        # q and the repeated k, v are kept by the two matmuls (a latent attention's value view is copied into the
+        # matmul's layout: o_dim); softmax keeps its fp32 output, the second matmul its cast to the compute dtype:
+        # seq_len scores per head per token.
         probs = 4 * nh * seq_len + (a * nh * seq_len if a < 4 else 0)
-        return 3 * a * qd + probs
+        return a * (2 * qd + shape.o_dim) + probs
+    # the values repeated to every head (copies under GQA; a latent attention's heads are the values' own, a view)
+    v_rep = shape.v_kept if shape.latent_attention else shape.o_dim
     if attn_implementation == "sdpa" and per_document:
         return per_document_attention_bytes(shape, seq_len, a, packed=masked)
     if not (masked and attn_implementation == "sdpa"):
@@ -115,7 +139,7 @@ def _attention_bytes(
     # transformers' SDPA over a packed row with its 4-D bool mask: SDPA repeats k and v to every head when it is
     # given a mask, and turns a bool mask into an additive one in q's dtype (convert_boolean_attn_mask,
     # [batch, 1, seq, seq]), which it keeps for backward: seq·a bytes per token in every block.
-    return a * qd + 2 * a * qd + a * qd + 4 * nh + a * seq_len  # q, k, v, output, logsumexp, the mask
+    return a * (2 * qd + v_rep + shape.o_dim) + 4 * nh + a * seq_len  # q, k, v, output, logsumexp, the mask
 
 
 def layer_saved_bytes_per_token(
@@ -144,6 +168,7 @@ def layer_saved_bytes_per_token(
     per_document = per_document and attn_implementation == "sdpa"
     norm = 4 * h + 4 + (a * h if full_finetune else 0)  # fp32 copy of the input and rsqrt; normed output if trained
     total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked, per_document)
+    total += _latent_norm_bytes(shape, a, full_finetune)
     total += _mlp_saved_bytes(shape, a, full_finetune)
     for linears, fan_in, shared in _linear_input_groups(shape, attn_implementation, per_document):
         wrapped = [m for m in linears if m in lora_targets]
@@ -201,19 +226,37 @@ def backward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, loop
     if shape.num_experts:
         k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
         routed = int(a * (h + 3 * k * shape.expert_intermediate_size - k * h))
-        return max(routed, a * (2 * shared + h) if shared else 0)
+        combine = 0 if looped else routed_combine_bytes(shape, a)[1]
+        return max(routed, combine, a * (2 * shared + h) if shared else 0)
     return a * (2 * shape.intermediate_size + h)
+
+
+def routed_combine_bytes(shape: ModelShape, compute_bytes: int) -> tuple[int, int]:
+    """(forward, backward) per token of grouped_mm's combine (transformers' integrations/moe.py): each routed copy's
+    down output times its routing weight, in the weights' dtype (fp32 where the family's router keeps them so:
+    Mixtral, DeepSeek; ModelShape.routing_weight_bytes), put back in token order (a copy) and summed over the
+    copies. Forward, at the reordering: the gathered tokens and the down output (still referenced by the
+    function) beside the product and its copy. Backward: the reordering's gradient (a zero-filled tensor the
+    copies' gradients are put into) beside the summed gradient made contiguous, then the product's backward with
+    the gradients of the down output and of the weights: three k·h-wide tensors in the weights' dtype, and the
+    h-wide incoming gradient. These outweigh the experts' own (3·I_e wide per copy) where the experts are narrow
+    beside the hidden size: DeepSeek, Qwen3-MoE and the other fine-grained mixtures (seen in the trace)."""
+    a, h, k = compute_bytes, shape.hidden_size, shape.experts_per_token or 1
+    w = shape.routing_weight_bytes or a
+    return k * h * (2 * a + 2 * w), 3 * w * k * h + a * h
 
 
 def forward_working_bytes_per_token(shape: ModelShape, compute_bytes: int, looped: bool = False) -> int:
     """A block's MLP forward at its largest: dense, the gate and up outputs, act(gate) and their product (4 I
     wide); a mixture of experts, per routed copy, the gathered tokens, the gate_up output, act(gate), the product
     and the down output (h + 4·I_e + h): all copies at once in grouped_mm, one expert's (k/E per token at an even
-    routing) in the loop of 4-bit experts (`looped`); a shared expert's, the dense MLP's, runs apart from them."""
+    routing) in the loop of 4-bit experts (`looped`); a shared expert's, the dense MLP's, runs apart from them;
+    grouped_mm's combine (routed_combine_bytes) after them."""
     if shape.num_experts:
         k = (shape.experts_per_token or 1) / (shape.num_experts if looped else 1)
         routed = int(compute_bytes * k * (4 * shape.expert_intermediate_size + 2 * shape.hidden_size))
-        return max(routed, 4 * compute_bytes * shape.shared_expert_intermediate_size)
+        combine = 0 if looped else routed_combine_bytes(shape, compute_bytes)[0]
+        return max(routed, combine, 4 * compute_bytes * shape.shared_expert_intermediate_size)
     return 4 * compute_bytes * shape.intermediate_size
 
 
@@ -325,7 +368,7 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
     runs per document, as without context parallelism: no row-wide mask."""
     if row_len <= local_len:
         return 0
-    return batch_size * (row_len - local_len) * 2 * compute_bytes * shape.kv_dim
+    return batch_size * (row_len - local_len) * compute_bytes * (shape.kv_dim + shape.v_dim)
 
 
 def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:

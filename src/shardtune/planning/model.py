@@ -14,7 +14,6 @@ from typing import Any
 from shardtune.config.errors import ConfigError
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.shape import (
-    ATTN_LINEARS,
     ROOT_LINEARS,
     SHARED_LINEARS,
     SHARED_PATH,
@@ -228,7 +227,7 @@ def model_tensors(
         if name not in shape.block_linears():
             continue
         out.append(_weight(f"{name}.weight", (fan_out, fan_in), quant, quant_storage_bytes, itemsize, not frozen))
-        if shape.attention_bias if name in ATTN_LINEARS else shape.mlp_bias:
+        if shape.has_bias(name):
             out.append(Tensor(f"{name}.bias", (fan_out,), itemsize, not frozen, "block"))
     for name, shp in shape.expert_tensors().items():
         if use_4bit and frozen and len(shp) == 3:  # models.quant_experts: (E, packed), each expert packed alone
@@ -236,8 +235,8 @@ def model_tensors(
             out.append(Tensor(name, (shp[0], packed), quant_storage_bytes, False, "block", quantized=True))
         else:
             out.append(Tensor(name, shp, itemsize, not frozen, "block"))
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        out.append(Tensor(f"{norm}.weight", (h,), itemsize, not frozen, "block"))
+    for norm, width in shape.block_norms().items():
+        out.append(Tensor(f"{norm}.weight", (width,), itemsize, not frozen, "block"))
     out += _unmodelled_tensors(shape, quant, quant_storage_bytes, itemsize, not frozen)
     root = [(f"{name}.weight", shp) for name, shp in shape.token_tables().items()] + [("norm.weight", (h,))]
     if not shape.tie_word_embeddings:

@@ -15,8 +15,12 @@ from shardtune.config.errors import ConfigError
 from shardtune.runtime.log import warn0
 
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Multi-latent attention (DeepSeek-V2/V3 and the families built on it: their configs have kv_lora_rank): the queries
+# through a low-rank factor (q_a_proj, its norm, q_b_proj; one q_proj where q_lora_rank is None), the keys and
+# values from one latent (kv_a_proj_with_mqa, its norm, kv_b_proj) beside one rotary key shared by the heads.
+MLA_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+MLA_BIASED = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")  # the ones attention_bias gives a bias
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-BLOCK_LINEARS = ATTN_LINEARS + MLP_LINEARS
 # A mixture of experts' shared expert: a dense MLP beside the routed experts, under the planner's own names.
 SHARED_LINEARS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
 # The module path endings of the shared expert's linears in transformers' classes (Qwen2-MoE's `shared_expert`,
@@ -61,6 +65,18 @@ class ModelShape:
     # The width of the shared expert (Qwen2-MoE's shared_expert_intermediate_size, DeepSeek's n_shared_experts ·
     # moe_intermediate_size): a dense MLP of nn.Linear layers run on every token beside the routed experts.
     shared_expert_intermediate_size: int = 0
+    # The bytes of a routing weight where the family's router returns them in fp32 (Mixtral, DeepSeek: 4), or 0
+    # where they are in the compute dtype (Qwen-MoE, OLMoE, gpt-oss): read by running the router on meta
+    # (_routing_weight_bytes); fp32 (the larger) for a shape given as numbers.
+    routing_weight_bytes: int = 4
+    # Multi-latent attention (MLA_LINEARS; zero without it): the ranks of the query and key-value factors (no
+    # query factor: q_lora_rank 0), and the heads' widths: query and key heads qk_nope_head_dim + qk_rope_head_dim
+    # wide, value heads v_head_dim. head_dim is then the rotary width (the config's).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # The coefficient of the router load-balancing loss the run adds (the config's unless --router_aux_loss_coef).
     router_aux_loss_coef: float = 0.0
     # A second token-indexed embedding (Gemma 4 and Gemma 3n: embed_tokens_per_layer, rows
@@ -86,11 +102,38 @@ class ModelShape:
         """Parameters of the model class beyond the layout (see block_extra_linear)."""
         return self.num_layers * (self.block_extra_linear + self.block_extra_other) + self.root_extra
 
+    @property
+    def latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_linears(self) -> tuple[str, ...]:
+        """The attention's nn.Linear layers: Llama's four, or a latent attention's (with or without the query's
+        factor)."""
+        if not self.latent_attention:
+            return ATTN_LINEARS
+        return tuple(n for n in MLA_LINEARS if n not in (("q_proj",) if self.q_lora_rank else ("q_a_proj", "q_b_proj")))
+
     def block_linears(self) -> tuple[str, ...]:
         """The nn.Linear layers of one block: with a mixture of experts, the attention and the shared expert."""
         if not self.num_experts:
-            return BLOCK_LINEARS
-        return ATTN_LINEARS + (SHARED_LINEARS if self.shared_expert_intermediate_size else ())
+            return self.attention_linears() + MLP_LINEARS
+        return self.attention_linears() + (SHARED_LINEARS if self.shared_expert_intermediate_size else ())
+
+    def has_bias(self, linear: str) -> bool:
+        """Whether the block's linear `linear` has a bias (attention_bias for the attention's, mlp_bias else)."""
+        if linear in self.attention_linears():
+            return self.attention_bias and (linear in MLA_BIASED or not self.latent_attention)
+        return self.mlp_bias
+
+    def block_norms(self) -> dict[str, int]:
+        """The RMSNorm weights of one block and their widths: the two around the attention, and multi-latent
+        attention's norms of its query and key-value latents."""
+        norms = {"input_layernorm": self.hidden_size, "post_attention_layernorm": self.hidden_size}
+        if self.q_lora_rank:
+            norms["self_attn.q_a_layernorm"] = self.q_lora_rank
+        if self.latent_attention:
+            norms["self_attn.kv_a_layernorm"] = self.kv_lora_rank
+        return norms
 
     def expert_tensors(self) -> dict[str, tuple[int, ...]]:
         """Shapes of one block's router (2-D) and fused expert tensors (3-D) (empty for a dense MLP)."""
@@ -105,11 +148,33 @@ class ModelShape:
 
     @property
     def q_dim(self) -> int:
+        """The queries' width over all heads (and, repeated to every head, the keys')."""
+        if self.latent_attention:
+            return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
         return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        """The keys' width as the attention is given them (grouped-query attention's fewer heads)."""
+        return self.q_dim if self.latent_attention else self.num_kv_heads * self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """The values' width as the attention is given them."""
+        return self.num_heads * self.v_head_dim if self.latent_attention else self.kv_dim
+
+    @property
+    def o_dim(self) -> int:
+        """The attention's output width over all heads, o_proj's input (the values' heads, repeated to every one)."""
+        return self.num_heads * self.v_head_dim if self.latent_attention else self.q_dim
+
+    @property
+    def v_kept(self) -> int:
+        """What the attention's values keep alive per token: multi-latent attention's values are a view of
+        kv_b_proj's output, which holds each head's key part too; elsewhere the values themselves."""
+        if self.latent_attention:
+            return self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return self.v_dim
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear layer of one decoder block."""
@@ -118,7 +183,11 @@ class ModelShape:
             "q_proj": (h, self.q_dim),
             "k_proj": (h, self.kv_dim),
             "v_proj": (h, self.kv_dim),
-            "o_proj": (self.q_dim, h),
+            "q_a_proj": (h, self.q_lora_rank),
+            "q_b_proj": (self.q_lora_rank, self.q_dim),
+            "kv_a_proj_with_mqa": (h, self.kv_lora_rank + self.qk_rope_head_dim),
+            "kv_b_proj": (self.kv_lora_rank, self.v_kept),
+            "o_proj": (self.o_dim, h),
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
@@ -179,6 +248,7 @@ class ModelShape:
             expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
             experts_per_token=int(get("num_experts_per_tok") or 0),
             shared_expert_intermediate_size=_shared_expert_width(get),
+            **_latent_attention(get),
             router_aux_loss_coef=float(get("router_aux_loss_coef") or 0.0),
             per_layer_vocab_size=int(get("vocab_size_per_layer_input") or 0) if per_layer_input else 0,
             per_layer_width=int(get("num_hidden_layers")) * per_layer_input,
@@ -189,6 +259,7 @@ class ModelShape:
             _warn_uncounted_towers(config, real)
         if meta is not None:
             shape = replace(shape, all_linear_layers=all_linear_layers(meta), **_unmodelled(meta, shape))
+            shape = replace(shape, routing_weight_bytes=_routing_weight_bytes(meta, shape))
         return shape
 
 
@@ -197,6 +268,43 @@ def _expert_count(get) -> int:
 
     counts = [get(k) for k in EXPERT_COUNT_KEYS]
     return next((int(n) for n in counts if isinstance(n, int) and n > 1), 0)
+
+
+def _routing_weight_bytes(meta: Any, shape: ModelShape) -> int:
+    """ModelShape.routing_weight_bytes: the router of the first block with experts (its `gate` or `router`) run on
+    meta with a bf16 input, as training runs it; its (tokens, top-k) float output is the routing weights. 4 (fp32,
+    the larger) where no router is found or it cannot run here."""
+    import torch  # lazily: only with a model class built on meta
+
+    if not shape.num_experts:
+        return 0
+    k, tokens = shape.experts_per_token or 1, 3
+    for module in meta.modules():
+        router = next(
+            (getattr(module, n) for n in ("gate", "router") if isinstance(getattr(module, n, None), torch.nn.Module)),
+            None,
+        )
+        if router is None or not hasattr(module, "experts"):
+            continue
+        try:  # (the meta model is discarded after reading the shape: casting its router in place is harmless)
+            out = router.to(torch.bfloat16)(torch.empty(tokens, shape.hidden_size, device="meta", dtype=torch.bfloat16))
+        except (TypeError, RuntimeError, ValueError):  # a router of another signature: the larger assumed
+            return 4
+        weights = [
+            t
+            for t in (out if isinstance(out, tuple) else (out,))
+            if torch.is_tensor(t) and t.is_floating_point() and tuple(t.shape) == (tokens, k)
+        ]
+        return 0 if weights and weights[0].dtype != torch.float32 else 4
+    return 4
+
+
+def _latent_attention(get) -> dict[str, int]:
+    """ModelShape's multi-latent attention fields from the config's own keys; none where it has no kv_lora_rank."""
+    if not get("kv_lora_rank"):
+        return {}
+    keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {k: int(get(k) or 0) for k in keys}
 
 
 def _shared_expert_width(get) -> int:
@@ -257,8 +365,8 @@ def _layout_block(shape: ModelShape) -> tuple[int, int]:
     dims = {name: d for name, d in shape.linear_dims().items() if name in shape.block_linears()}
     experts = shape.expert_tensors().values()
     linear = sum(i * o for i, o in dims.values()) + sum(math.prod(t) for t in experts if len(t) == 3)
-    biased = {name for name in dims if (shape.attention_bias if name in ATTN_LINEARS else shape.mlp_bias)}
-    other = 2 * shape.hidden_size + sum(dims[n][1] for n in biased) + sum(math.prod(t) for t in experts if len(t) != 3)
+    biases = sum(dims[n][1] for n in dims if shape.has_bias(n))
+    other = sum(shape.block_norms().values()) + biases + sum(math.prod(t) for t in experts if len(t) != 3)
     return linear, other
 
 
