@@ -474,6 +474,35 @@ def test_latent_attention_activations_equal_saved_tensors(attn, q_lora_rank):
     ) < 0.8 * per_token  # fmt: skip
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_query_key_and_further_norms_equal_saved_tensors(model_type):
+    """Norms beyond the layout's two, read off the class on meta: Qwen3's per-head query and key norms keep fp32
+    copies of all heads' q and k and an rsqrt per head; Gemma 3 adds two hidden-width norms (after the attention and
+    the MLP) to those. Against what autograd keeps (CPU, bf16); Gemma's norms also keep their (1 + weight) in fp32,
+    per block, not per token. Planted: the norms not read (as before), the estimate is short."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[model_type](
+        vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).train()
+    layer = model.model.layers[1]
+    per_block = sum(4 * p.numel() for n, p in layer.named_parameters() if "norm" in n) if "gemma" in model_type else 0
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"), autocast_adapter_dtype=False)
+    batch, seq = 2, 16
+    shape = ModelShape.from_config(config)
+    assert len(shape.extra_norms) == (4 if "gemma" in model_type else 2)
+    targets = resolve_lora_targets(shape, "all-linear")
+    kw = {"seq_len": seq, "compute_bytes": 2, "attn_implementation": "sdpa", "lora_r": 4, "lora_targets": targets}
+    estimate = {s: layer_saved_bytes_per_token(s, **kw) for s in (shape, replace(shape, extra_norms=()))}
+    measured = _saved_bytes_per_layer(model, layer, batch, seq)
+    assert estimate[shape] * batch * seq + per_block == measured
+    assert estimate[replace(shape, extra_norms=())] * batch * seq < 0.9 * measured
+
+
 # --- sharding arithmetic -----------------------------------------------------------------------------------------
 
 

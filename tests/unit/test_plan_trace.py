@@ -417,6 +417,39 @@ def test_latent_attention_and_narrow_experts_traced_against_estimate(tmp_path, m
     assert any("math kernel" in n for n in narrow.trace.notes)
 
 
+# Gemma-3-12B's widths, two blocks: per-head query and key norms, and a norm after the attention and after the MLP.
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "num_hidden_layers": 2,
+    "vocab_size": 262208,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-06,
+    "sliding_window": 1024,
+    "query_pre_attn_scalar": 256,
+}
+
+
+def test_further_norms_traced_against_estimate(tmp_path):
+    """Gemma-3-shaped at batch 8, LoRA all-linear on 2 ranks: the norms beyond the layout's two (read off the class
+    on meta) keep their fp32 inputs; every phase within the bound. Planted: those norms not read (as before), the
+    blocks' backward is short by more than the bound (7.9% measured)."""
+    path = tmp_path / "gemma3-2.json"
+    path.write_text(json.dumps(GEMMA3))
+    flags = [*_LORA, "--per_device_train_batch_size", "8", "--num_processes", "2", "--trace", "True"]
+    p = make_plan(["--model_name_or_path", str(path), *flags])
+    assert len(p.shape.extra_norms) == 4
+    for name, (got, estimated) in trace_comparison(p).items():
+        assert abs(estimated - got) <= BOUND * got, (name, got, estimated)
+    inputs = traced_run_inputs(p.inputs, p.trace.device)
+    planted = estimate_memory(replace(p.shape, extra_norms=()), inputs).phase_bytes["decoder-layer backward"]
+    assert planted < (1 - BOUND) * p.trace.peaks["decoder-layer backward"]["Total"]
+
+
 def test_expert_lora_and_full_fine_tuning_of_experts_traced_against_estimate(tmp_path):
     """Mixtral-shaped on 2 ranks, gradient checkpointing. Expert LoRA (--lora_target_experts): the state is exact
     (the expert factors, A (r·E, in) and B (out, r·E), fp32 with AdamW's states), and the step peaks in a block's

@@ -54,11 +54,12 @@ def _latent_attention_groups(shape: ModelShape, o_shared: bool) -> list[tuple[tu
     return [*groups, (("kv_b_proj",), shape.kv_lora_rank, False), (("o_proj",), shape.o_dim, o_shared)]
 
 
-def _latent_norm_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
-    """Per token, multi-latent attention's two RMSNorms (of the query and the key-value latents): each keeps an fp32
-    copy of its input and the rsqrt, and its normed output when its weight is trained."""
-    widths = [w for w in (shape.q_lora_rank, shape.kv_lora_rank) if w]
-    return sum(4 * w + 4 + (a * w if full_finetune else 0) for w in widths)
+def _extra_norm_bytes(shape: ModelShape, a: int, full_finetune: bool) -> int:
+    """Per token, the RMSNorms beyond the two of hidden width: multi-latent attention's (of the query and the
+    key-value latents) and ModelShape.extra_norms (query and key norms, Gemma's further norms). Each keeps an fp32
+    copy of its input and an rsqrt per row it normalises, and its normed output when its weight is trained."""
+    norms = [(w, 1) for w in (shape.q_lora_rank, shape.kv_lora_rank) if w] + list(shape.extra_norms)
+    return sum(4 * w + 4 * rows + (a * w if full_finetune else 0) for w, rows in norms)
 
 
 def _shared_expert_groups(shape: ModelShape) -> list[tuple[tuple[str, ...], int, bool]]:
@@ -168,7 +169,7 @@ def layer_saved_bytes_per_token(
     per_document = per_document and attn_implementation == "sdpa"
     norm = 4 * h + 4 + (a * h if full_finetune else 0)  # fp32 copy of the input and rsqrt; normed output if trained
     total = 2 * norm + _attention_bytes(shape, seq_len, a, attn_implementation, masked, per_document)
-    total += _latent_norm_bytes(shape, a, full_finetune)
+    total += _extra_norm_bytes(shape, a, full_finetune)
     total += _mlp_saved_bytes(shape, a, full_finetune)
     for linears, fan_in, shared in _linear_input_groups(shape, attn_implementation, per_document):
         wrapped = [m for m in linears if m in lora_targets]

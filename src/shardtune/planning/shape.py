@@ -77,6 +77,10 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # The RMSNorms a block runs beyond the layout's (block_norms): Qwen3's and OLMo2's query and key norms (per head
+    # or over all heads), Gemma's norms after the attention and the MLP. Each as (input width per token, rows it
+    # normalises per token), read off the class built on meta (_extra_norms): their fp32 inputs are kept.
+    extra_norms: tuple[tuple[int, int], ...] = ()
     # The coefficient of the router load-balancing loss the run adds (the config's unless --router_aux_loss_coef).
     router_aux_loss_coef: float = 0.0
     # A second token-indexed embedding (Gemma 4 and Gemma 3n: embed_tokens_per_layer, rows
@@ -260,6 +264,7 @@ class ModelShape:
         if meta is not None:
             shape = replace(shape, all_linear_layers=all_linear_layers(meta), **_unmodelled(meta, shape))
             shape = replace(shape, routing_weight_bytes=_routing_weight_bytes(meta, shape))
+            shape = replace(shape, extra_norms=_extra_norms(meta, shape))
         return shape
 
 
@@ -297,6 +302,33 @@ def _routing_weight_bytes(meta: Any, shape: ModelShape) -> int:
         ]
         return 0 if weights and weights[0].dtype != torch.float32 else 4
     return 4
+
+
+def _extra_norms(meta: Any, shape: ModelShape) -> tuple[tuple[int, int], ...]:
+    """ModelShape.extra_norms, from the last decoder block of the class built on meta: its norms beyond the two of
+    hidden width the layout has and a latent attention's own. A query or key norm as wide as a head normalises every
+    head (its input is all of them); a wider one, the whole projection."""
+    from shardtune.models.loading import decoder_block_classes  # lazily: torch, only when a model is built
+
+    try:
+        block = [m for m in meta.modules() if isinstance(m, decoder_block_classes(meta))][-1]
+    except (ValueError, IndexError):  # no block class known: no norms beyond the layout's assumed
+        return ()
+    own = set(shape.block_norms()) - {"input_layernorm", "post_attention_layernorm"}
+    hidden, out = 0, []
+    for name, module in block.named_modules():
+        weight = getattr(module, "weight", None)
+        leaf = name.rpartition(".")[2]
+        if "norm" not in leaf or name in own or weight is None or weight.ndim != 1:
+            continue
+        width = weight.numel()
+        if leaf.startswith(("q_", "k_")) and width == shape.head_dim:
+            out.append((shape.q_dim, shape.num_heads) if leaf[0] == "q" else (shape.kv_dim, shape.num_kv_heads))
+        elif width == shape.hidden_size and (hidden := hidden + 1) <= 2:
+            continue  # one of the layout's two
+        else:
+            out.append((width, 1))
+    return tuple(out)
 
 
 def _latent_attention(get) -> dict[str, int]:
