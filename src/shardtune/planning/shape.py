@@ -48,7 +48,7 @@ class ModelShape:
     # trainable token rows in the input embedding and the untied output head.
     new_token_rows: int = 0
     # Parameters the model class holds beyond the layout below (a dense first block's MLP among MoE blocks,
-    # multi-latent attention's factors, biases, q/k norms, a shared expert's gate, ...), counted on the class built
+    # biases, the weights of q/k norms, a shared expert's gate, ...), counted on the class built
     # on meta (_unmodelled): per block, as their mean over the blocks, in linear weights (which 4-bit quantizes) and
     # in the rest; and outside the blocks. base_param_count is then exact for every family, and model_tensors holds
     # them, so that the plan's memory holds every parameter it counts. Negative where the layout counts more than
