@@ -131,15 +131,15 @@ def _attention_bytes(
         # seq_len scores per head per token.
         probs = 4 * nh * seq_len + (a * nh * seq_len if a < 4 else 0)
         return a * (2 * qd + shape.o_dim) + probs
-    # the values repeated to every head (copies under GQA; a latent attention's heads are the values' own, a view)
-    v_rep = shape.v_kept if shape.latent_attention else shape.o_dim
     if attn_implementation == "sdpa" and per_document:
         return per_document_attention_bytes(shape, seq_len, a, packed=masked)
     if not (masked and attn_implementation == "sdpa"):
         return kernel_attention_bytes(shape, a)
     # transformers' SDPA over a packed row with its 4-D bool mask: SDPA repeats k and v to every head when it is
     # given a mask, and turns a bool mask into an additive one in q's dtype (convert_boolean_attn_mask,
-    # [batch, 1, seq, seq]), which it keeps for backward: seq·a bytes per token in every block.
+    # [batch, 1, seq, seq]), which it keeps for backward: seq·a bytes per token in every block. The values repeated
+    # to every head are copies under GQA; a latent attention's heads are the values' own, a view of kv_b_proj's output.
+    v_rep = shape.v_kept if shape.latent_attention else shape.o_dim
     return a * (2 * qd + v_rep + shape.o_dim) + 4 * nh + a * seq_len  # q, k, v, output, logsumexp, the mask
 
 
