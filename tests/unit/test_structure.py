@@ -31,12 +31,12 @@ ROLES = (
     ("shardtune.parallel",),
     ("shardtune.objectives",),
     ("shardtune.training",),
-    ("shardtune.planning", "shardtune.merge", "shardtune.inference"),
+    ("shardtune.planning", "shardtune.merge", "shardtune.inference", "shardtune.rl"),
     ("shardtune.recipe",),
     ("shardtune.commands", "shardtune.cli", "shardtune.__main__"),
 )
 # Roles of one rank that are independent of each other.
-SIBLINGS = ("shardtune.planning", "shardtune.merge", "shardtune.inference")
+SIBLINGS = ("shardtune.planning", "shardtune.merge", "shardtune.inference", "shardtune.rl")
 # Facts any role may read: they import nothing of shardtune but the logger.
 LEAVES = (
     "shardtune.config.dtypes",

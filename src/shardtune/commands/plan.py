@@ -21,8 +21,8 @@ from shardtune.config.accelerate import fsdp_settings_from_yaml, read_accelerate
 from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, context_parallel_size, single_process_setting
-from shardtune.config.run import parse_args
-from shardtune.objectives.loss import has_reference
+from shardtune.config.run import explicit_flags, parse_args
+from shardtune.objectives.loss import apply_objective_defaults, has_reference
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -175,7 +175,8 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
 def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments) -> None:
     """The training flags' own checks, except that planning needs no dataset."""
     problems = run_problems(RunConfig(model, data, train, FSDPSettings()), check_paths=False)
-    problems = [p for p in problems if not p.startswith("--dataset_name")]
+    # Planning needs no dataset and runs no reward function.
+    problems = [p for p in problems if not p.startswith(("--dataset_name", "--objective grpo needs --reward_funcs"))]
     if problems:
         raise ConfigError(problems)
 
@@ -190,6 +191,7 @@ def make_plan(argv: list[str]) -> Plan:
     model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan", choices=flag_choices())
     if not model.model_name_or_path:
         raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
+    apply_objective_defaults(train, explicit_flags(argv))
     _validate(model, data, train)
     launch = _launch(plan)
     if plan.config_file and train.context_parallel_size == 1:  # the YAML's parallelism_config_cp_size

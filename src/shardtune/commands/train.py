@@ -24,11 +24,14 @@ from shardtune.inference.harness import EvalArguments, evaluate_model
 from shardtune.models import loading
 from shardtune.models.builder import model_spec
 from shardtune.models.preflight import model_input_problems, tokenizer_load_error
+from shardtune.objectives.loss import objective_spec
 from shardtune.parallel import checkpoint, setup
 from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.mesh import all_gather_objects, init_distributed, is_peer_failure, shutdown
-from shardtune.recipe import checks, data, objective, output, state
+from shardtune.recipe import checks, data, objective, output, rl, state
 from shardtune.recipe.run_config import flag_choices, load_run_config
+from shardtune.rl.probe import SyncError
+from shardtune.rl.rewards import RewardError
 from shardtune.runtime import hooks, hub
 from shardtune.runtime.atomic import DiskFullError, is_disk_full
 from shardtune.runtime.cpu import bf16_check
@@ -96,6 +99,9 @@ def _train(cfg: RunConfig) -> int:
         stopped = True
         raise
     except DiskFullError as e:  # the data cache (the writers during training return their own code)
+        error(f"error: {e}")
+        return EXIT_FAILED
+    except (SyncError, RewardError) as e:  # online RL: every rank stops together, one line
         error(f"error: {e}")
         return EXIT_FAILED
     except (ValueError, FileNotFoundError) as e:
@@ -226,6 +232,8 @@ def _build(cfg: RunConfig, info) -> _Built:
     STOP.at("preparing the data")
     tokenizer, new_ids = _load_tokenizer(cfg)
     train_split, eval_split = data.prepare_data(cfg, tokenizer, info)
+    if objective_spec(t.objective).data == "prompts":  # online RL: the loop trains on rollouts of the prompts
+        train_split = rl.rollouts(cfg, train_split, tokenizer, info)
     if t.resume_from_checkpoint:  # before the model loads: another run's data is refused at no cost
         state.check_resumed_data(cfg, train_split)
     spe = data.steps_per_epoch_for(cfg, train_split, info)
@@ -240,6 +248,8 @@ def _build(cfg: RunConfig, info) -> _Built:
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
     evaluated = eval_split if t.eval_strategy != "no" else None  # no reference pass for a split never evaluated
     goal = objective.setup_objective(cfg, model, [train_split, evaluated], info, tokenizer.pad_token_id)
+    if hasattr(train_split, "attach"):
+        rl.attach(cfg, train_split, model, info)
     STOP.at("loading the checkpoint")
     loop_state = state.resume(cfg, model, optimizer, scheduler, info) if t.resume_from_checkpoint else LoopState()
     settings = _loop_settings(cfg, total, spe, tokenizer.pad_token_id)

@@ -231,7 +231,11 @@ class TrainArguments:
     # the registry checks the name, and its names are added to the help when the parser is built.
     objective: str = _f("sft", "What a step minimises")
     beta: float = _f(0.1, "Preference objectives: DPO's KL strength (IPO's tau), SimPO's, ORPO's and KTO's beta.")
-    loss_type: str = _f("sigmoid", "--objective dpo: sigmoid (DPO) or ipo.", choices=["sigmoid", "ipo"])
+    loss_type: str = _f(
+        "sigmoid",
+        "--objective dpo: sigmoid (DPO) or ipo; --objective grpo: grpo, bnpo, dr_grpo or dapo (its default, as TRL's).",
+        choices=["sigmoid", "ipo", "grpo", "bnpo", "dr_grpo", "dapo"],
+    )
     simpo_gamma: float = _f(0.5, "--objective simpo: the target reward margin.")
     desirable_weight: float = _f(1.0, "--objective kto: the weight of the desirable examples' losses (TRL's name).")
     undesirable_weight: float = _f(1.0, "--objective kto: the weight of the undesirable examples' losses.")
@@ -247,6 +251,50 @@ class TrainArguments:
         "and with --adapter_path.",
     )
     disable_dropout: bool = _f(True, "Preference objectives: turn dropout off in the model, as TRL does.")
+    # Online RL (--objective grpo), with TRL's GRPOConfig names (docs/rl.md).
+    num_generations: int = _f(8, "--objective grpo: completions sampled per prompt (a group).")
+    max_prompt_length: int | None = _f(None, "--objective grpo: keep a prompt's last N tokens (default: all).")
+    max_completion_length: int = _f(512, "--objective grpo: the most tokens a completion may have.")
+    temperature: float = _f(1.0, "--objective grpo: sampling temperature (> 0).")
+    top_p: float = _f(1.0, "--objective grpo: nucleus sampling's probability mass, in (0, 1].")
+    top_k: int = _f(0, "--objective grpo: sample among the k likeliest tokens (0: all).")
+    epsilon: float = _f(
+        0.2, "--objective grpo: the ratio's clipping range below 1 (and above, without --epsilon_high)."
+    )
+    epsilon_high: float | None = _f(None, "--objective grpo: the clipping range above 1 (DAPO: 0.28).")
+    scale_rewards: str = _f(
+        "group", "--objective grpo: divide advantages by the std of the group, the batch, or none.",
+        choices=["group", "batch", "none"],
+    )  # fmt: skip
+    num_iterations: int = _f(1, "--objective grpo: passes over each generation batch (mu).")
+    steps_per_generation: int | None = _f(
+        None,
+        "--objective grpo: micro-batches per rank a generation batch feeds (default --gradient_accumulation_steps).",
+    )
+    mask_truncated_completions: bool = _f(False, "--objective grpo: completions cut at the length limit count nowhere.")
+    reward_funcs: str = _f(
+        "", "--objective grpo: reward functions: built-in names, module:function or path/file.py:function."
+    )
+    reward_weights: str | None = _f(None, "--objective grpo: one weight per reward function (default: all 1).")
+    reward_timeout: float = _f(120.0, "--objective grpo: seconds a reward function may take per call.")
+    rollout_engine: str = _f(
+        "transformers", "--objective grpo: what generates: the training ranks' own model, or a vLLM server.",
+        choices=["transformers", "vllm"],
+    )  # fmt: skip
+    vllm_server_base_url: str | None = _f(None, "--rollout_engine vllm: the server's URL (default: host and port).")
+    vllm_server_host: str = _f("0.0.0.0", "--rollout_engine vllm: the server's host.")
+    vllm_server_port: int = _f(8000, "--rollout_engine vllm: the server's port.")
+    vllm_server_timeout: float = _f(240.0, "--rollout_engine vllm: seconds to wait for the server to answer.")
+    vllm_importance_sampling_correction: bool = _f(
+        True, "--rollout_engine vllm: weight each token by min(pi_trainer / pi_engine, cap) (truncated IS, TRL's)."
+    )
+    vllm_importance_sampling_clip_max: float = _f(3.0, "--rollout_engine vllm: that cap.")
+    sync_probe_tolerance: float | None = _f(
+        None, "--objective grpo: trainer/engine probe gap allowed, nats/token (default by dtype: docs/rl.md)."
+    )
+    gather_for_generation: bool = _f(
+        True, "--objective grpo, transformers engine: gather each block once per rollout, not per token."
+    )
     # Accepted so that command lines written for transformers' Trainer keep working.
     overwrite_output_dir: bool = _f(
         False,

@@ -79,7 +79,9 @@ _TRUE, _FALSE = ("true", "yes", "1"), ("false", "no", "0")
 _LIST_FIELDS = ("lora_target_modules", "lora_target_parameters", "modules_to_save", "splits", "report_to")
 # List flags that the command line may give as several words, as transformers' and TRL's list flags are given
 # (`--lora_target_modules q_proj v_proj`, `--report_to wandb tensorboard`): the words are joined with commas.
-_LIST_FLAGS = ("lora_target_modules", "lora_target_parameters", "modules_to_save", "report_to")
+_LIST_FLAGS = (
+    "lora_target_modules", "lora_target_parameters", "modules_to_save", "report_to", "reward_funcs", "reward_weights",
+)  # fmt: skip
 # Fields a run file may give as a mapping (transformers' dict fields); the flag takes its JSON text.
 _JSON_FIELDS = ("gradient_checkpointing_kwargs",)
 

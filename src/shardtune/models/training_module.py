@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -68,6 +69,10 @@ class CausalLMForTraining(nn.Module):
         # forward): the fast path's attention then gathers each row's keys and values over the cp ranks.
         self.cp_shard = None
         self.cp_varlen = cp_varlen  # the shard's attention as one flash-attention varlen call (models.fastpath)
+        # The KV cache's keyword: transformers 5.24 renamed past_key_values to cache (the old name warns until 5.40).
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+        )
 
     @property
     def router_aux_loss_coef(self) -> float:
@@ -115,15 +120,32 @@ class CausalLMForTraining(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         *,
-        head,
+        head=None,
         router_aux: bool = False,
         aux_mask: torch.Tensor | None = None,
+        cache=None,
+        attention_mask: torch.Tensor | None = None,
     ):
         """What the objective's `head` (shardtune.objectives.heads) computes from the decoder's output and the
         labels, inside the root's forward so that FSDP's hooks run; with router_aux, the router load-balancing loss
-        (over aux_mask's tokens, or all) appended."""
+        (over aux_mask's tokens, or all) appended.
+
+        With a KV `cache`, a generation step instead (shardtune.rl.generate): the model's own forward over the new
+        positions with `attention_mask` (left-padded prompts), returning the last position's logits. It runs here,
+        in the root's forward, so that the root's FSDP hooks (or one process's mixed-precision casts) run as they do
+        in training: generation samples from the weights the trainer trains."""
+        if cache is not None:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+            return out.logits[:, -1].clone()  # not a view: FSDP2 warns of a root output that is one
         h, aux = self._outputs_and_aux(input_ids, position_ids, router_aux, aux_mask)
         out = head(self, h, labels)
         return (*out, aux) if router_aux else out

@@ -66,3 +66,33 @@ def sequence_logps(model: nn.Module, h: torch.Tensor, labels: torch.Tensor) -> t
     if shard is not None:
         return shard.sum_rows(total), shard.sum_rows(n)
     return total, n
+
+
+def token_logps(
+    model: nn.Module, h: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each target's log-prob, the entropy of its distribution), both [batch, seq] fp32 and 0 where labels is
+    -100, the logits divided by `temperature` first (TRL's GRPOTrainer scores the sampling distribution); the
+    entropy is detached. The same chunked head as token_loss; pass the temperature with
+    functools.partial(token_logps, temperature=t). Context parallelism is not supported (GRPO refuses it)."""
+    if getattr(model, "cp_shard", None) is not None:
+        raise NotImplementedError("token_logps: context parallelism is not supported (per-token log-probs).")
+
+    def chunk_logps(hc: torch.Tensor, yc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = F.log_softmax(model.chunk_logits(hc) / temperature, dim=-1)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, yc[:, None]).squeeze(-1), entropy
+
+    h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    keep = y != -100
+    out = h.new_zeros(y.shape, dtype=torch.float32)
+    if not keep.any():
+        # No target (every completion masked): zeros that still run through the head, so that backward reaches
+        # every parameter and this rank's FSDP reduce-scatters run like the other ranks' (as token_loss).
+        logp, _ = chunk_logps(h[:1], torch.zeros_like(y[:1]))
+        return (out + logp.sum() * 0.0).view(labels.shape), out.view(labels.shape)
+    parts = list(_chunked(chunk_logps, h[keep], y[keep], model.chunk_size))
+    logps = out.masked_scatter(keep, torch.cat([lp for _, (lp, _) in parts]))
+    entropy = out.masked_scatter(keep, torch.cat([e for _, (_, e) in parts]))
+    return logps.view(labels.shape), entropy.view(labels.shape)

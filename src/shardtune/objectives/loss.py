@@ -337,7 +337,9 @@ class ObjectiveSpec:
 
     name: str
     build: Callable[..., Objective]
-    data: str = "rows"  # "rows": token rows (SFT data); "pairs": prompt/chosen/rejected; "kto": prompt/completion/label
+    # "rows": token rows (SFT data); "pairs": prompt/chosen/rejected; "kto": prompt/completion/label; "prompts": TRL's
+    # prompt-only rows, whose completions the run generates (online RL)
+    data: str = "rows"
     help: str = ""
     # Whether --disable_dropout (on by default) turns the model's dropout off for this objective, as TRL's preference
     # trainers do: the policy and the reference then see the same network. None: for preference data, not token rows.
@@ -345,12 +347,15 @@ class ObjectiveSpec:
     # The knob flags (KNOBS) it reads: a run that sets another is refused, since the flag would change nothing.
     # None: it may read any of them (a plugin that does not say; build() receives them all).
     knobs: tuple[str, ...] | None = None
+    # The objective's own defaults of shared knobs, used where the run does not set them (GRPO's beta is TRL
+    # GRPOConfig's 0.0, not DPO's 0.1; its loss_type dapo): (flag, value) pairs.
+    defaults: tuple[tuple[str, object], ...] = ()
 
     @property
     def rows_per_example(self) -> int:
         """Rows a micro-batch holds per example of --per_device_train_batch_size: 2 for a pair (chosen, rejected)
         and for a KTO example (its completion and its KL row)."""
-        return 1 if self.data == "rows" else 2
+        return 2 if self.data in ("pairs", "kto") else 1
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
@@ -384,9 +389,18 @@ def objective_problems(train, data, defaults: dict) -> list[str]:
         f"remove {'it' if len(flags) == 1 else 'them'} or set {'it' if len(readers) == 1 else 'one of them'}."
         for readers, flags in unread.items()
     ]
-    if spec.data != "rows":
+    if spec.data in ("pairs", "kto"):
         p += _preference_data_problems(t, d)
     return p
+
+
+def apply_objective_defaults(train, explicit: frozenset[str]) -> None:
+    """Set the objective's own defaults (ObjectiveSpec.defaults) of the knobs the run did not give (`explicit`: the
+    flags given), on `train`, the run's TrainArguments."""
+    spec = OBJECTIVES.get(train.objective)
+    for flag, value in spec.defaults if spec else ():
+        if flag not in explicit:
+            setattr(train, flag, value)
 
 
 def has_reference(objective: str) -> bool:

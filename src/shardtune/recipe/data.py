@@ -10,6 +10,7 @@ from shardtune.config.arguments import RunConfig
 from shardtune.data import build_datasets
 from shardtune.data.cache import CACHE_FIX
 from shardtune.data.preference import build_preference_datasets
+from shardtune.data.prompts import build_prompt_datasets
 from shardtune.objectives.loss import objective_spec
 from shardtune.parallel import mesh
 from shardtune.parallel.mesh import barrier
@@ -26,7 +27,11 @@ def prepare_data(cfg: RunConfig, tokenizer, info):
     d = cfg.data
     cache = d.dataset_cache_dir or str(Path(cfg.train.output_dir).resolve().parent / ".shardtune_cache")
     kind = objective_spec(cfg.train.objective).data
-    if kind == "rows":
+    if kind == "prompts":  # online RL: the prompts alone; their completions are generated (recipe.rl)
+
+        def build():
+            return build_prompt_datasets(d, tokenizer=tokenizer, max_prompt_length=cfg.train.max_prompt_length)
+    elif kind == "rows":
 
         def build():
             return build_datasets(

@@ -19,7 +19,8 @@ from shardtune.config.run import parse_run_config
 from shardtune.config.validation import flag_problems
 from shardtune.data.sources import dataset_problems
 from shardtune.models.quant import quantization_problems
-from shardtune.objectives.loss import objective_problems, objectives_help
+from shardtune.objectives.loss import apply_objective_defaults, objective_problems, objectives_help
+from shardtune.rl.checks import rl_problems
 from shardtune.training import optimizers
 from shardtune.training.trackers import report_to_problems
 
@@ -39,6 +40,7 @@ def run_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
     p += optimizers.name_problems(t.optim)
     p += report_to_problems(t.report_to)
     p += objective_problems(t, d, FLAG_DEFAULTS)
+    p += rl_problems(cfg)
     p += quantization_problems(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
@@ -59,5 +61,6 @@ def load_run_config(argv: list[str] | None = None, env: Mapping[str, str] | None
     """Flags (or a run file) + the launcher's environment → a checked RunConfig (raises ConfigError listing every
     problem)."""
     cfg = parse_run_config(argv, env, choices=flag_choices())
+    apply_objective_defaults(cfg.train, cfg.explicit)  # e.g. GRPO's beta 0 and loss_type dapo, where not given
     validate(cfg)
     return cfg

@@ -41,6 +41,7 @@ class LoopState:
     collapsed_at: int | None = None  # the step at which training was found collapsed (see _watch_collapse)
     losses: list[float] = field(default_factory=list)
     stream: list[int] | None = None  # --streaming: [epoch, window, rows of the window consumed] (data/stream.py)
+    rollout: str | None = None  # online RL: the generation batch being trained on (rl.rollout.Generation's record)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,6 +106,9 @@ def steps_per_epoch(split: PreparedSplit, *, batch_size: int, world_size: int, g
 
 def _micro_batches(split: PreparedSplit, settings: LoopSettings, info: DistInfo, state: LoopState) -> Iterator[dict]:
     """This rank's micro-batches from the current data position onwards, across epochs."""
+    if hasattr(split, "micro_batches"):  # generated as the run goes (online RL: shardtune.rl.rollout)
+        yield from split.micro_batches(state, settings.steps_per_epoch * settings.grad_accum)
+        return
     if isinstance(split, StreamingSplit):
         stream = split.batches(
             batch_size=settings.batch_size,
@@ -284,7 +288,8 @@ def train(
             or state.step == settings.total_steps
         ):
             record = _train_record(state, settings, info, loss, grad_norm, scheduler, t0, tokens0)
-            logger.log_train(state.step, {**record, **metrics})
+            generated = train_split.metrics() if hasattr(train_split, "metrics") else {}  # online RL's rollouts
+            logger.log_train(state.step, {**record, **generated, **metrics})
         logger.progress(state.step, {"loss": loss, "lr": scheduler.get_last_lr()[0]})
         if eval_split is not None and _due(state.step, settings.eval_steps, settings.eval_strategy, end_of_epoch):
             logger.log_eval(state.step, evaluate_split(model, eval_split, objective, settings, info))

@@ -1,0 +1,1 @@
+"""Online RL: rollouts (generation, rewards, the sync proof) for --objective grpo."""
