@@ -76,6 +76,7 @@ class Generation:
     advantages: list[float]
     old_logps: list[list[float]] | None = None
     ref_logps: list[list[float]] | None = None
+    metrics: dict[str, float] | None = None  # logged with each step trained on it, also after a resume
 
     def to_record(self) -> str:
         """The generation as one line of text for a checkpoint's meta.json (compressed JSON: thousands of token
@@ -129,6 +130,7 @@ class Rollouts:
         epoch, m = state.epoch, state.batch_in_epoch
         if m % per_generation and state.rollout:  # resumed inside a generation batch: the one the checkpoint kept
             self.generation = Generation.from_record(state.rollout)
+            self.last_metrics = dict(self.generation.metrics or {})
         while True:
             while m < per_epoch:
                 if m % per_generation == 0 or self.generation is None:
@@ -155,7 +157,8 @@ class Rollouts:
         advantages = torch.nan_to_num(advantages, nan=0.0)  # TRL: a completion no function could score moves nothing
         g = Generation(index, version, rows, completions, truncated, sampling, advantages.tolist())
         gap = self._trainer_side(g, mine)
-        self.last_metrics = {**synced, **gap, **rollout_metrics(g, table, total, std, self.rewards)}
+        g.metrics = {**synced, **gap, **rollout_metrics(g, table, total, std, self.rewards)}
+        self.last_metrics = dict(g.metrics)
         return g
 
     def _dataset_rows(self, epoch: int, index: int) -> list[int]:
