@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardtune import cli
-from shardtune.models import preflight
+from shardtune.models import adapter_fit, preflight
 from shardtune.training import run_dir
 from tests.conftest import _free_port, run_cli, train_args
 
@@ -156,7 +156,9 @@ def test_adapter_of_another_base_is_refused_by_train_chat_and_merge(
     rc, line = _main(
         train_args(tiny_assets, tmp_path / "out", use_peft_lora=True, adapter_path=other_base_adapter), capsys
     )
-    assert rc == 2 and line.startswith(f"- {want}") and "(64, 64) in the base, (4, 32) in the adapter" in line
+    mismatch = "lora_A.weight expects in_features 32 but the base's model.layers.0.self_attn.q_proj (64 x 64) has 64"
+    assert rc == 2 and line.startswith(f"- {want}") and mismatch in line, line
+    assert line.endswith(f"pass that base with --model_name_or_path, or an adapter trained on {model}.")
     rc, line = _main(["chat", "--model_name_or_path", model, "--adapter", other_base_adapter, "--prompt", "hi"], capsys)
     assert rc == 2 and line.startswith(f"shardtune chat: {want.replace('_path', '')}")
     rc, line = _main(
@@ -180,7 +182,7 @@ def test_adapter_of_the_same_base_passes_the_check(tiny_assets, finished_run):
 
     config = AutoConfig.from_pretrained(tiny_assets["model"])
     shapes = preflight.model_shapes(preflight.meta_skeleton(config))
-    assert any("lora_A" in k for k in preflight.adapter_tensor_shapes(finished_run))
+    assert any("lora_A" in k for k in adapter_fit.adapter_tensor_shapes(finished_run))
     kwargs = {"base_name": str(tiny_assets["model"]), "flag": "--adapter", "vocab_size": config.vocab_size}
     assert preflight.adapter_base_problem(finished_run, shapes, **kwargs) is None
     # The same adapter against a narrower base's shapes is refused: the check reads the shapes, not the names.

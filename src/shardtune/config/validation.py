@@ -114,6 +114,11 @@ def _adapter_problems(cfg: RunConfig) -> list[str]:
         if not _split(m.lora_target_modules):
             p.append("--lora_target_modules is empty; give module names or all-linear.")
         p += _parameter_target_problems(m)
+        if m.adapter_path and (shaped := [f"--{n}" for n in NEW_ADAPTER_FLAGS if n in cfg.explicit]):
+            p.append(
+                f"{', '.join(shaped)} shape a new adapter, but --adapter_path {m.adapter_path} continues an adapter "
+                "whose adapter_config.json decides them (they would be ignored): remove them."
+            )
         if m.frozen_base == "replicated" and cfg.fsdp.offload_params:
             p.append(
                 "--frozen_base replicated holds the frozen base whole on every GPU, while fsdp_offload_params keeps "
@@ -246,6 +251,18 @@ ADAPTER_FLAGS = (
     "dora_dropout",
     "modules_to_save",
     "adapter_name",
+    "merge_adapter",  # recipe.output merges an adapter; a full fine-tune's model is written whole already
+)
+# Flags that shape a new adapter; with --adapter_path the adapter's own adapter_config.json decides them
+# (models.adapter loads it with PeftModel.from_pretrained): refused when given explicitly.
+NEW_ADAPTER_FLAGS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_target_parameters",
+    "lora_target_experts",
+    "use_dora",
+    "modules_to_save",
 )
 # Flags that mean something only while another setting is on: (part, flag, whether that setting is on, the flag
 # that turns it on). Set away from its default while that setting is off, such a flag would change nothing
@@ -270,6 +287,14 @@ _DEPENDENT: tuple[tuple[str, str, Callable[[RunConfig], bool], str], ...] = (
     ("train", "eval_steps", lambda c: c.train.eval_strategy == "steps", "--eval_strategy steps"),
     ("train", "save_steps", lambda c: c.train.save_strategy == "steps", "--save_strategy steps"),
     ("train", "save_total_limit", lambda c: c.train.save_strategy != "no", "--save_strategy steps (or epoch)"),
+    # The scheduler reads the ratio only when --warmup_steps is 0 (commands.train's warmup).
+    ("train", "warmup_ratio", lambda c: c.train.warmup_steps == 0, "--warmup_steps 0 (a step count wins over it)"),
+    ("data", "max_eval_samples", lambda c: len(_split(c.data.splits)) > 1, "an evaluation split in --splits"),
+    # Read only by the upload (runtime.hub.preflight returns at once without --push_to_hub).
+    *(
+        ("train", name, lambda c: c.train.push_to_hub, "--push_to_hub True")
+        for name in ("hub_model_id", "hub_private_repo", "hub_strategy", "hub_token")
+    ),
 )
 
 
@@ -282,6 +307,7 @@ def _dependent_problems(cfg: RunConfig) -> list[str]:
         if value == FLAG_DEFAULTS[name] or on(cfg) or (name in ADAPTER_FLAGS and not cfg.model.use_peft_lora):
             continue
         shown = int(value) if isinstance(value, float) and value.is_integer() else value
+        shown = "<redacted>" if name == "hub_token" else shown  # a secret is never printed
         p.append(f"--{name} {shown} only applies with {switch}: add it, or remove --{name}.")
     return p
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config.precision import resolve_precision
-from shardtune.models import preflight
+from shardtune.models import adapter_fit, preflight
 from shardtune.models.loading import resize_embeddings
 from shardtune.models.preflight import tokenizer_load_error
 from shardtune.models.weights import read_headers
@@ -136,12 +136,13 @@ def _check_base_and_adapter(base: str, adapter: str | None, trust_remote_code: b
     if adapter is None:
         return
     skeleton = preflight.meta_skeleton(config, trust_remote_code)
-    problem = preflight.adapter_base_problem(
+    problem = adapter_fit.adapter_base_problem(
         adapter,
-        preflight.model_shapes(skeleton),
+        adapter_fit.model_shapes(skeleton),
         base_name=base,
         flag="--adapter",
         vocab_size=getattr(config.get_text_config(), "vocab_size", None),
+        skeleton=skeleton,
     )
     if problem:
         raise ValueError(problem)

@@ -33,7 +33,7 @@ from shardtune.merge.plan import (
     read_adapter_config,
 )
 from shardtune.models import weights
-from shardtune.models.preflight import adapter_base_problem
+from shardtune.models.adapter_fit import adapter_base_problem, skeleton_of
 from shardtune.models.weights import PendingTensor
 from shardtune.runtime import atomic
 from shardtune.runtime.hub import is_hub_id
@@ -77,7 +77,7 @@ def merge_adapter(
     if out in (base.folder.absolute(), adapter.absolute()):
         raise ValueError(f"--output_dir {out} is the base or adapter folder; write the merged model elsewhere.")
     peft_config = read_adapter_config(adapter)
-    _check_adapter_fits(base, adapter, str(base_dir))
+    _check_adapter_fits(base, adapter, str(base_dir), trust_remote_code, bool(peft_config.target_parameters))
     plan = plan_merge(base, peft_config, load_adapter_weights(adapter), dtype, trust_remote_code)
     print0(
         f"merging {adapter} into {base.folder}: {len(plan.edits)} tensors change, output in {dtypes.name_of(plan.dtype)}"
@@ -91,8 +91,11 @@ def merge_adapter(
     return out
 
 
-def _check_adapter_fits(base: BaseCheckpoint, adapter: Path, base_name: str) -> None:
-    """An adapter trained on another base is a user's mistake (exit 2), named before anything is written."""
+def _check_adapter_fits(
+    base: BaseCheckpoint, adapter: Path, base_name: str, trust_remote_code: bool, parameters: bool
+) -> None:
+    """An adapter trained on another base is a user's mistake (exit 2), named before anything is written: its
+    module LoRA against the base's stored tensors, its parameter LoRA (experts, routers) against the base's skeleton."""
 
     text = base.config.get("text_config") or base.config
     problem = adapter_base_problem(
@@ -102,6 +105,8 @@ def _check_adapter_fits(base: BaseCheckpoint, adapter: Path, base_name: str) -> 
         flag="--adapter",
         vocab_size=text.get("vocab_size"),
         require_all=False,
+        skeleton=skeleton_of(base.folder, trust_remote_code) if parameters else None,
+        base_flag="--base",
     )
     if problem:
         raise ConfigError([problem])

@@ -14,8 +14,10 @@ from pathlib import Path
 
 from shardtune.models import targets
 from shardtune.models.adapter import _target_modules
+from shardtune.models.adapter_fit import adapter_base_problem, model_shapes
 from shardtune.models.loading import check_4bit_layout
-from shardtune.models.weights import PEFT_PREFIX, read_headers, weight_file_problem
+from shardtune.models.router_aux import family_router_aux
+from shardtune.models.weights import weight_file_problem
 from shardtune.runtime.hub import is_hub_id, is_transport_error
 from shardtune.runtime.log import warn0
 
@@ -162,7 +164,6 @@ def _weights_problem(folder: Path, flag: str, name: str) -> str | None:
 def _damaged_weights(folder: Path, files: list[str], flag: str, name: str) -> str | None:
     """A weight file cut short or with a damaged header, found from headers and sizes (no weight is read), so that
     it is named here and not by a safetensors traceback once the data is prepared."""
-    from shardtune.models.weights import weight_file_problem  # torch: loaded with the model anyway, not for --help
 
     for f in files:
         if problem := weight_file_problem(folder / f):
@@ -310,113 +311,6 @@ def modules_to_save_problems(model, spec: str | None, model_name: str) -> list[s
     return [f"--modules_to_save: {', '.join(missing)} is no module of {model_name}; its modules are named {names}."]
 
 
-# ---------------------------------------------------------------- an adapter and its base
-
-
-def adapter_tensor_shapes(adapter_dir: str | Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape in adapter_model.safetensors, from the header only (empty without that file)."""
-    path = Path(adapter_dir).expanduser() / "adapter_model.safetensors"
-    if not path.is_file():
-        return {}
-
-    return read_headers([path])[0]
-
-
-def _expected(key: str, shape: tuple, base: dict[str, tuple], vocab: int | None, fan_in_fan_out: bool):
-    """(the base module an adapter tensor belongs to, its weight's shape or None, whether they fit)."""
-
-    k = key.removeprefix(PEFT_PREFIX)
-    markers = (
-        ".lora_A.",
-        ".lora_B.",
-        ".lora_embedding_A",
-        ".lora_embedding_B",
-        ".lora_magnitude_vector",
-        ".token_adapter.",
-    )
-    marker = next((m for m in markers if m in k), "")
-    module = k.split(marker)[0] if marker else k.rsplit(".", 1)[0]  # no marker: a module saved in full
-    module = module.replace(".base_layer", "")  # a resized layer's base weight, saved with its adapter
-    want = base.get(module + ".weight")
-    if want is None:
-        return module, None, False
-    if len(want) != 2:
-        return module, want, True  # convolutions and the like: left to peft
-    # GPT-2's Conv1D stores (in, out) and its adapters say fan_in_fan_out; nn.Linear and embeddings (out, in).
-    out_dim, in_dim = (want[1], want[0]) if fan_in_fan_out else want
-    # Rows of the embeddings and output head may differ: new tokens resize them in training.
-    rows_free = vocab is not None and want[0] == vocab
-    fits = {
-        ".lora_A.": lambda: shape[-1] == in_dim,
-        ".lora_B.": lambda: rows_free or shape[0] == out_dim,
-        ".lora_embedding_A": lambda: rows_free or shape[-1] == want[0],
-        ".lora_embedding_B": lambda: shape[0] == want[1],
-        ".lora_magnitude_vector": lambda: rows_free or shape[0] == out_dim,
-        ".token_adapter.": lambda: shape[-1] == want[1],
-        "": lambda: tuple(shape[1:]) == tuple(want[1:]) and (rows_free or shape[0] == want[0]),
-    }[marker]()
-    return module, want, fits
-
-
-def adapter_base_problem(
-    adapter_dir: str | Path,
-    base_shapes: dict[str, tuple[int, ...]],
-    *,
-    base_name: str,
-    flag: str,
-    vocab_size: int | None,
-    require_all: bool = True,
-) -> str | None:
-    """The adapter's tensors against the base's weight shapes: an adapter trained on another base is refused
-    here (naming both models) instead of failing in peft's loader with a size-mismatch traceback. require_all=False
-    accepts a missing top-level module (the tied head, which a checkpoint's files do not hold)."""
-    adapter_dir = Path(adapter_dir)
-
-    weights_file = adapter_dir / "adapter_model.safetensors"
-    if weights_file.is_file() and (problem := weight_file_problem(weights_file)):
-        return f"{flag} {adapter_dir}: {problem}."
-    cfg_file = adapter_dir / "adapter_config.json"
-    saved = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-    saved_base, fan_in_fan_out = saved.get("base_model_name_or_path"), bool(saved.get("fan_in_fan_out"))
-    bad = []
-    wrapped = _parameter_lora_modules(saved.get("target_parameters") or [])
-    for key, shape in sorted(adapter_tensor_shapes(adapter_dir).items()):
-        if wrapped(key):  # a parameter's LoRA (experts, routers): merge_experts checks it against the base
-            continue
-        module, want, fits = _expected(key, shape, base_shapes, vocab_size, fan_in_fan_out)
-        # A tied output head (a top-level module such as lm_head) is not stored in a checkpoint's files.
-        if not fits and (want is not None or require_all or "." in module):
-            bad.append(
-                f"{module} {'is not in the base' if want is None else f'is {want} in the base, {shape} in the adapter'}"
-            )
-    names = f" (it names {saved_base} as its base)" if saved_base and saved_base != base_name else ""
-    if bad:
-        return (
-            f"{flag} {adapter_dir} was trained on another base than {base_name}{names}: {bad[0]}"
-            f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; give the base it was trained on"
-            f"{f' ({saved_base})' if saved_base else ''} or an adapter trained on {base_name}."
-        )
-    if names and Path(saved_base).name != Path(base_name).name:
-        warn0(f"{flag} {adapter_dir} names {saved_base} as its base, not {base_name}; its shapes fit, so it is used.")
-    return None
-
-
-def _parameter_lora_modules(target_parameters: list[str]):
-    """Whether an adapter key belongs to the LoRA of a targeted parameter: PEFT's ParamWrapper keys are the owning
-    module's path (with a .base_layer per nested wrapper) and lora_A/lora_B, for a module owning a target."""
-    owners = {t.rpartition(".")[0] for t in target_parameters}
-
-    def wrapped(key: str) -> bool:
-        module = re.sub(r"\.lora_[AB](\.[^.]+)?\.weight$", "", key).replace(".base_layer", "")
-        return module != key and any(module == o or module.endswith("." + o) for o in owners if o)
-
-    return wrapped
-
-
-def model_shapes(model) -> dict[str, tuple[int, ...]]:
-    return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 # ---------------------------------------------------------------- everything about the model, before loading
 
 
@@ -434,7 +328,7 @@ def model_input_problems(cfg) -> list[str]:
     problems.append(max_length_problem(d.max_length, config, m.model_name_or_path))
     if m.use_4bit_quantization:
         problems.append(_4bit_layout_problem(config))
-    if m.use_peft_lora:
+    if m.use_peft_lora or cfg.train.router_aux_loss_coef is not None:
         try:
             skeleton = meta_skeleton(config, m.trust_remote_code)
         except Exception as e:  # noqa: BLE001 - an unusual family: leave the module checks to peft
@@ -442,6 +336,8 @@ def model_input_problems(cfg) -> list[str]:
                 f"Could not build {m.model_name_or_path} on the meta device to check module names ({_first_line(e)})."
             )
             return [p for p in problems if p]
+        problems.append(router_aux_problem(skeleton, cfg.train.router_aux_loss_coef, m.model_name_or_path))
+    if m.use_peft_lora:
         if m.use_4bit_quantization and not any(problems):
             problems.append(_4bit_layout_problem(config, skeleton))
         if m.adapter_path:
@@ -453,6 +349,7 @@ def model_input_problems(cfg) -> list[str]:
                     base_name=m.model_name_or_path,
                     flag="--adapter_path",
                     vocab_size=vocab,
+                    skeleton=skeleton,
                 )
             )
         else:
@@ -464,8 +361,56 @@ def model_input_problems(cfg) -> list[str]:
                 skeleton, m.lora_target_parameters, experts=m.lora_target_experts
             )
             problems += modules_to_save_problems(skeleton, m.modules_to_save, m.model_name_or_path)
+            if "lora_r" in getattr(cfg, "explicit", ()):
+                warn_full_rank(skeleton, m.lora_r, m.lora_target_modules)
             problems.append(targets.chat_format_problem(skeleton, m.modules_to_save, m.chat_template_format))
     return [p for p in problems if p]
+
+
+def router_aux_problem(skeleton, coef: float | None, model_name: str) -> str | None:
+    """--router_aux_loss_coef on a model without a router load-balancing loss (a dense model, or a mixture of
+    experts whose family defines none: shardtune.models.router_aux) would change nothing: refused."""
+    if coef is None or family_router_aux(skeleton) is not None:
+        return None
+    return (
+        f"--router_aux_loss_coef {coef:g}: {model_name} ({type(skeleton).__name__}) has no router load-balancing "
+        "loss (it is not a mixture of experts, or its family defines none), so the flag would change nothing; "
+        "remove it."
+    )
+
+
+def _targeted_linears(skeleton, spec: str) -> dict[str, tuple[int, int]]:
+    """{path: (out, in)} of the linear layers --lora_target_modules adapts (names, one expression or all-linear)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    linears = {n: tuple(m.weight.shape) for n, m in skeleton.named_modules() if n and _adaptable(m)}
+    linears = {n: s for n, s in linears.items() if len(s) == 2}
+    if names == ["all-linear"]:
+        chosen = set(targets.plan_all_linear(skeleton).paths)
+        return {n: s for n, s in linears.items() if n in chosen}
+    if isinstance(_target_modules(spec), str):  # one regular expression, full-matched as PEFT does
+        try:
+            pattern = re.compile(names[0])
+        except re.error:
+            return {}  # said by target_module_problems
+        return {n: s for n, s in linears.items() if pattern.fullmatch(n)}
+    return {n: s for n, s in linears.items() if any(_matches(n, x) for x in names)}
+
+
+def warn_full_rank(skeleton, r: int, spec: str) -> None:
+    """--lora_r at or above the smaller width of every linear layer it adapts: the update B·A can then have any
+    rank, so the LoRA is not low-rank (it holds more numbers than the layer). Warned, not refused: the run still
+    trains what was asked (r also sets the scaling alpha/r), yet it is rarely what was meant."""
+    linears = _targeted_linears(skeleton, spec)
+    if not linears:
+        return
+    widest = max(linears, key=lambda n: min(linears[n]))
+    if r >= min(linears[widest]):
+        out, inp = linears[widest]
+        warn0(
+            f"--lora_r {r} is at least the smaller width of every layer it adapts (the largest is "
+            f"{min(out, inp)}, in {widest}: {inp} in, {out} out): the LoRA is not low-rank and holds more numbers "
+            f"than those layers; use --lora_r below {min(out, inp)} (e.g. {max(1, min(out, inp) // 4)})."
+        )
 
 
 def _4bit_layout_problem(config, skeleton=None) -> str | None:
