@@ -3,6 +3,7 @@ code. Full disks are injected with SHARDTUNE_FAULT=<save|export>:<step>:<rank>:E
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -52,6 +53,47 @@ def test_disk_full_at_a_checkpoint_names_the_folder_and_keeps_the_previous_one(d
     assert summary["output_path"] is None and "no space left on device" in summary["output_error"]
     assert re.search(r"output\s+NOT WRITTEN: no space left on device", log)
     assert not (out / "adapter_model.safetensors").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 96 KiB file system (tmpfs; skipped where mounting is not permitted): room for the run's logs, not for
+    a checkpoint of the tiny LoRA run (weights and Adam moments, about 130 KiB)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount)], capture_output=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_real_full_disk_during_a_context_parallel_dcp_save_is_one_line_and_leaves_nothing(tiny_assets, small_disk):
+    """The disk really fills while DCP writes checkpoint-2 of a 2-rank context-parallel run: torch raises no
+    OSError but a CheckpointException (a BaseException) carrying each rank's RuntimeError from its zip writer
+    ("unexpected pos ...") or OSError(ENOSPC). Every rank leaves the save together; one line names the folder and the
+    space needed; no `checkpoint-2.tmp` or other temporary file is left; exit code 1."""
+    out = small_disk / "run"
+    cache = ["--dataset_cache_dir", str(small_disk.parent / "cache")]  # the data cache on the roomy disk
+    args = _args(tiny_assets, out, "--context_parallel_size", "2", *cache, dropout=0.0, steps=4)
+    proc = run_cli(args, nproc=2, env=FSDP_ENV, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and re.search(r"Root Cause.*?exitcode\s*: 1\b", log, re.DOTALL), log[-3000:]
+    folder = out / "checkpoints" / "checkpoint-2"
+    lines = [line for line in log.splitlines() if "no space left on device" in line and "error:" in line]
+    assert len(lines) == 1, log[-3000:]
+    assert re.search(
+        rf"error: no space left on device while writing a checkpoint to {folder} \(about [\d.]+ MiB needed, "
+        r"[\d.]+ MiB free\)",
+        lines[0],
+    ), lines[0]
+    assert "CheckpointException" not in log and "unexpected pos" not in log
+    assert not re.search(r'File ".*/shardtune/', log)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == []  # neither checkpoint-2 nor checkpoint-2.tmp
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+    assert max(r["step"] for r in train_records(out)) == 2
 
 
 def _truncate(path: Path, keep: float = 0.5) -> None:
@@ -106,6 +148,64 @@ def test_latest_skips_a_damaged_checkpoint_and_a_full_disk_at_the_end_keeps_the_
     assert {n: (out / n).read_bytes() for n in old} == old
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
     assert _summary(out)["output_error"].startswith("no space left on device")
+
+
+def _resumed_from_checkpoint_2(
+    disk_full, tiny_assets, tmp_path, *flags: str
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """One process resumes the 2-rank run's checkpoint-2 (the same global batch: 4 rows × 2 accumulation steps)."""
+    out = tmp_path / "run"
+    shutil.copytree(disk_full[0] / "checkpoints", out / "checkpoints")
+    args = _args(tiny_assets, out, "--resume_from_checkpoint", "latest", "--save_strategy", "no", dropout=0.0)
+    proc = run_cli([*args, "--per_device_train_batch_size", "4", *flags], env=FSDP_ENV, check=False)
+    return out, proc
+
+
+def _schedule(lr: float, kind: str, warmup: int, total: int) -> list[float]:
+    """The rate a fresh run logs after each step 1..total (metrics.jsonl's learning_rate)."""
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=total)
+    out = []
+    for _ in range(total):
+        opt.step()
+        sched.step()
+        out.append(sched.get_last_lr()[0])
+    return out
+
+
+def test_a_resume_with_a_new_schedule_trains_with_it_from_the_resumed_step(disk_full, tiny_assets, tmp_path):
+    """Resumed at step 2 of a cosine run at 3e-3 for 6 steps with a new learning rate, scheduler, warmup, length,
+    weight decay, clipping and per-device batch: steps 3..8 log the rates of a fresh run with the new flags
+    (docs/checkpoints.md, "Changed settings"). Control: the old behaviour (the checkpoint's base rate with the new
+    schedule's shape) logs other rates."""
+    new = ("--learning_rate", "1e-3", "--lr_scheduler_type", "linear", "--warmup_steps", "3", "--max_steps", "8")
+    out, proc = _resumed_from_checkpoint_2(
+        disk_full, tiny_assets, tmp_path, *new, "--weight_decay", "0.0", "--max_grad_norm", "0.5"
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "this run's values apply from the resumed step on" in log and "learning_rate: 0.003 → 0.001" in log
+    logged = {r["step"]: r["learning_rate"] for r in train_records(out)}
+    expected = _schedule(1e-3, "linear", 3, 8)
+    assert [logged[k] for k in range(3, 9)] == pytest.approx(expected[2:], rel=1e-6)
+    old = [3e-3 / 1e-3 * v for v in expected[2:]]  # the checkpoint's base rate 3e-3 over the new shape
+    assert [logged[k] for k in range(3, 9)] != pytest.approx(old, rel=1e-3)
+
+
+def test_a_resume_with_another_seed_is_refused_naming_it(disk_full, tiny_assets, tmp_path):
+    """The packing and the order of the rows depend on --seed: a resume with another is refused before anything
+    loads, in one line naming the flag, both values and the fix (exit code 2)."""
+    out, proc = _resumed_from_checkpoint_2(disk_full, tiny_assets, tmp_path, "--seed", "8")
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(
+        f"error: --seed 8 differs from the checkpoint's 7 ({out / 'checkpoints' / 'checkpoint-2'}): the packing of "
+        "the rows and their order in every epoch depend on it; resume with --seed 7, or start afresh"
+    )
+    assert "Traceback" not in proc.stderr and not (out / "metrics.jsonl").exists()
 
 
 def test_sigterm_exits_with_the_documented_code_3(tiny_assets, tmp_path):
@@ -200,6 +300,47 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(t
     # torchrun (shardtune.parallel.torchrun) ends with its line, not the traceback of torch's SignalException.
     assert text.strip().endswith("torchrun: stopped by SIGTERM; its workers were stopped.") and "Traceback" not in text
     _checkpoint_of_the_last_step(out)
+
+
+@pytest.mark.parametrize(
+    ("fault", "rank", "how", "code"),
+    [
+        ("step:2:1:KILL", 1, "was killed by SIGKILL", 128 + signal.SIGKILL),
+        # an error's exit: rank 1 finds the disk full at checkpoint-2, and both ranks end with code 1 (either is named)
+        ("save:2:1:ENOSPC", "[01]", "exited with code 1", 1),
+    ],
+)
+def test_a_lost_rank_under_launch_is_one_line_naming_it_and_leaves_no_process(
+    tiny_assets, tmp_path, fault, rank, how, code
+):
+    """A worker of `shardtune launch` dies (SIGKILL, or exit code 1 after an error): torchrun's agent stops the other
+    one; the launch prints one line naming the rank, its signal or exit code and where its output is, instead of
+    torch's ChildFailedError traceback and report, exits non-zero (128 + the signal, or the rank's code), and no
+    process of the launch's tree is left."""
+    import psutil
+
+    out = tmp_path / "run"
+    flags = _args(tiny_assets, out, "--save_steps", "2", steps=400)[1:]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SHARDTUNE_FAULT": fault}
+    cmd = [sys.executable, "-m", "shardtune", "launch", "--config_file", "configs/fsdp_config_cpu.yaml", *flags]
+    seen: set[int] = set()
+    with (tmp_path / "run.log").open("w") as log:
+        launch = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=log)
+        deadline = time.monotonic() + 300
+        while launch.poll() is None and time.monotonic() < deadline:  # every process the launch starts
+            with contextlib.suppress(psutil.Error):
+                seen |= {p.pid for p in psutil.Process(launch.pid).children(recursive=True)}
+            time.sleep(0.05)
+        assert _wait(launch, timeout=30) == code
+    text = (tmp_path / "run.log").read_text()
+    assert len(seen) >= 3 and _gone(sorted(seen), within_s=1) == []  # the agent and both workers, all gone
+    assert "Traceback" not in text and "ChildFailedError" not in text and "Root Cause (first observed" not in text
+    assert re.search(
+        rf"^torchrun: rank ({rank}) \(local rank \1, pid \d+\) {how}, and the other workers were stopped; its output ",
+        text,
+        re.MULTILINE,
+    ), text[-2000:]
+    assert re.match(f"torchrun: rank {rank} ", text.rstrip().splitlines()[-1])
 
 
 def test_a_stop_before_torchrun_starts_is_one_line_and_starts_nothing(tiny_assets, tmp_path, monkeypatch, capsys):

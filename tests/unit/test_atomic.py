@@ -79,6 +79,45 @@ def test_disk_full_is_found_inside_wrapped_errors():
     assert not atomic.is_disk_full(RuntimeError("write failed"))
 
 
+# What torch 2.13 raised on a real full tmpfs (2 ranks writing DCP shards, tests/distributed/test_faults.py): the
+# zip writer's short write when a shard's end is written, and a plain ENOSPC when the shard file cannot be created.
+UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+FILE_WRITE_FAILED = "PytorchStreamWriter failed writing file data/0: file write failed"
+
+
+def dcp_error(**per_rank: BaseException):
+    """DCP's own CheckpointException as dcp.save raises it on every rank: {rank: (exception, traceback frames)}."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    failures = {}
+    for rank, exc in per_rank.items():
+        try:
+            raise exc
+        except BaseException as e:  # noqa: BLE001 - only to give it a traceback, as DCP's _wrap_exception does
+            failures[int(rank.removeprefix("rank"))] = (e, traceback.extract_tb(e.__traceback__))
+    return CheckpointException("", failures)
+
+
+def test_the_real_forms_of_a_full_disk_during_a_dcp_save_are_recognised(tmp_path):
+    """A CheckpointException (a BaseException) with OSError(ENOSPC) inside is a full disk; with torch's short-write
+    RuntimeErrors (no errno) it is one when less than the needed bytes are free where it wrote; other failures are
+    not."""
+    enospc = dcp_error(rank0=OSError(errno.ENOSPC, "No space left on device"), rank1=RuntimeError(UNEXPECTED_POS))
+    assert not isinstance(enospc, Exception) and atomic.is_disk_full(enospc)
+    for message in (UNEXPECTED_POS, FILE_WRITE_FAILED):
+        short = dcp_error(rank1=RuntimeError(message))
+        assert not atomic.is_disk_full(short) and atomic.is_short_write(short)
+        assert atomic.disk_full_during(short, tmp_path, needed=1 << 60)  # more than any disk has free
+        assert not atomic.disk_full_during(short, tmp_path, needed=10)  # room enough: another fault
+        assert atomic.disk_full_during(RuntimeError(message), tmp_path, needed=1 << 60)
+    other = dcp_error(rank1=ValueError("Found incompatible shape"))
+    assert not atomic.is_disk_full(other) and not atomic.is_short_write(other)
+    assert not atomic.disk_full_during(other, tmp_path, needed=1 << 60)  # a full disk does not explain any error
+    assert not atomic.disk_full_during(ValueError("bad"), tmp_path, needed=1 << 60)
+
+
 def test_stale_temporary_names_of_dead_processes_of_this_host_are_swept(tmp_path):
     """Only names of processes of this host that no longer run: a live process's (this one's, or another's) and
     another host's (a shared file system) are kept, as are names that are not temporary."""

@@ -189,6 +189,160 @@ def test_save_replaces_a_same_step_checkpoint_clears_partial_saves_and_prunes(gr
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-4"]
 
 
+def _save_at(tmp_path, step: int, model, opt, sched):
+    kw = {"model": model, "optimizer": opt, "scheduler": sched, "config": {}}
+    return checkpoint.save(tmp_path, loop_state={"step": step}, **kw)
+
+
+@pytest.mark.parametrize("inner", ["unexpected_pos", "file_write_failed", "enospc"])
+def test_a_full_disk_in_dcp_is_a_disk_full_error_and_leaves_the_previous_checkpoint(
+    group, tmp_path, monkeypatch, inner
+):
+    """dcp.save's real forms on a full disk (a CheckpointException, which is no Exception, around torch's zip
+    writer's RuntimeError or an OSError(ENOSPC)): a DiskFullError naming checkpoint-4 and the bytes needed, the
+    `.tmp` folder removed, checkpoint-2 whole."""
+    from tests.unit.test_atomic import FILE_WRITE_FAILED, UNEXPECTED_POS, dcp_error
+
+    model, opt, sched = _build(group, "adamw_torch")
+    _step(model, opt, sched)
+    _save_at(tmp_path, 2, model, opt, sched)
+    error = {
+        "unexpected_pos": RuntimeError(UNEXPECTED_POS),
+        "file_write_failed": RuntimeError(FILE_WRITE_FAILED),
+        "enospc": OSError(28, "No space left on device"),
+    }[inner]
+
+    def full_disk(state, checkpoint_id):
+        Path(checkpoint_id).mkdir()
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise dcp_error(rank0=error)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full_disk)
+    monkeypatch.setattr(checkpoint.atomic, "_free_bytes", lambda folder: 4096)  # the disk is full now
+    with pytest.raises(checkpoint.atomic.DiskFullError) as e:
+        _save_at(tmp_path, 4, model, opt, sched)
+    assert str(e.value).startswith(
+        f"no space left on device while writing a checkpoint to {tmp_path / 'checkpoints' / 'checkpoint-4'} (about "
+    )
+    assert e.value.needed > 20_000  # the 16×320 and 320×4 weights with two Adam moments each
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint-2"]
+    assert checkpoint.damage(tmp_path / "checkpoints" / "checkpoint-2") is None
+
+
+def test_a_real_full_disk_during_a_sharded_save(group, tmp_path):
+    """The same on a real 64 KiB tmpfs (skipped where mounting is not permitted), where torch raises what it raises."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, check=False
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()})")
+    try:
+        model, opt, sched = _build(group, "adamw_torch")
+        _step(model, opt, sched)
+        with pytest.raises(checkpoint.atomic.DiskFullError, match=r"checkpoint-4 \(about [\d.]+ MiB needed, "):
+            _save_at(disk, 4, model, opt, sched)
+        assert [p.name for p in (disk / "checkpoints").iterdir()] == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+BEFORE = {"lr": 1e-2, "weight_decay": 0.1, "kind": "cosine", "warmup": 2, "total": 10}
+CHANGES = {  # one flag of a resumed run each, as it reaches the optimizer and the schedule; all of them at once
+    "learning_rate": {"lr": 3e-3},
+    "lr_scheduler_type": {"kind": "linear"},
+    "warmup_steps": {"warmup": 6},  # also --warmup_ratio, which becomes a step count the same way
+    "max_steps": {"total": 30},  # also --num_train_epochs, and a batch size that changes the steps per epoch
+    "weight_decay": {"weight_decay": 0.0},
+    "all": {"lr": 3e-3, "kind": "constant_with_warmup", "warmup": 6, "total": 30, "weight_decay": 0.0},
+}
+
+
+def _optimizer_and_schedule(group, settings: dict):
+    from transformers import get_scheduler
+
+    model = _model(group.mesh)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = build_optimizer(
+        named,
+        optim="adamw_torch",
+        lr=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        betas=(0.9, 0.99),
+        eps=1e-8,
+    )
+    kw = {"num_warmup_steps": settings["warmup"], "num_training_steps": settings["total"]}
+    return model, opt, get_scheduler(settings["kind"], opt, **kw)
+
+
+@pytest.mark.parametrize("flag", CHANGES)
+def test_a_resumed_run_trains_with_its_new_settings_from_the_resumed_step(group, tmp_path, flag):
+    """Resumed at step 4 with a changed flag, the rate of every later step is what a fresh run's schedule with the
+    new flags gives at that step, and the weight decay is the new one; the Adam moments are the checkpoint's.
+    Control: loading the checkpoint's scheduler and parameter groups over the new settings (the old behaviour)
+    gives other rates."""
+    from shardtune.recipe import state
+
+    model, opt, sched = _optimizer_and_schedule(group, BEFORE)
+    for _ in range(4):
+        _step(model, opt, sched)
+    path = _save_at(tmp_path, 4, model, opt, sched)
+    moments = _snapshot(model, opt)
+    after = {**BEFORE, **CHANGES[flag]}
+
+    def resumed(restore: bool):
+        model, opt, sched = _optimizer_and_schedule(group, after)
+        fresh = state.run_settings(opt, sched)
+        checkpoint.load(path, model=model, optimizer=opt, scheduler=sched)
+        if restore:
+            state.restore_run_settings(opt, sched, fresh)
+        return model, opt, sched
+
+    model, opt, sched = resumed(restore=True)
+    assert all(torch.equal(v, moments[k]) for k, v in _snapshot(model, opt).items() if k.startswith("o."))
+    _, ref_opt, ref = _optimizer_and_schedule(group, after)  # a fresh run with the new flags, its schedule alone
+    for _ in range(4):
+        ref_opt.step()  # no gradients: the weights stay; only the schedule moves
+        ref.step()
+    rates, expected = [], []
+    for _ in range(5):  # the rate each later step trains with, then the one it logs (metrics.jsonl: get_last_lr)
+        rates.append([g["lr"] for g in opt.param_groups] + sched.get_last_lr())
+        expected.append([g["lr"] for g in ref_opt.param_groups] + ref.get_last_lr())
+        _step(model, opt, sched)
+        ref_opt.step()
+        ref.step()
+    assert rates == expected
+    assert sorted({g["weight_decay"] for g in opt.param_groups}) == sorted({0.0, after["weight_decay"]})
+    _, old_opt, old = resumed(restore=False)  # the old behaviour: the checkpoint's rates and decay win
+    old_values = [g["lr"] for g in old_opt.param_groups] + old.get_last_lr()
+    old_decay = {g["weight_decay"] for g in old_opt.param_groups}
+    assert old_values != expected[0] or old_decay != {0.0, after["weight_decay"]}
+
+
+def test_resume_refusals_name_the_flag_both_values_and_the_fix(tmp_path):
+    """recipe.state.resume_refusal: another --seed, or a --max_steps before the checkpoint's step; nothing else."""
+    from shardtune.recipe.state import resume_refusal
+
+    ck = tmp_path / "checkpoint-4"
+    ck.mkdir()
+    (ck / "meta.json").write_text(json.dumps({"loop": {"step": 4}}))
+    saved = {"train": {"seed": 42, "max_steps": 10, "learning_rate": 1e-3}}
+
+    def refusal(**train):
+        return resume_refusal(ck, saved, {"train": {**saved["train"], **train}}, "latest")
+
+    assert refusal(seed=7) == (
+        f"--seed 7 differs from the checkpoint's 42 ({ck}): the packing of the rows and their order in every epoch "
+        "depend on it; resume with --seed 42, or start afresh with another --output_dir or --overwrite_output_dir."
+    )
+    assert refusal(max_steps=3).startswith(f"--max_steps 3 is below the step of {ck} (4): ")
+    assert refusal() is None and refusal(max_steps=4) is None and refusal(max_steps=0) is None
+    assert refusal(learning_rate=5e-4, max_steps=30) is None  # trained with, from the resumed step
+
+
 def _minimal_checkpoint(folder) -> None:
     """The files a 1-rank FULL_STATE_DICT checkpoint must have, for checkpoint.damage to find it whole."""
     meta = {"world_size": 1, "state_dict_type": "FULL_STATE_DICT", "loop": {"step": 1}, "optimizer": {}}

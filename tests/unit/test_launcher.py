@@ -586,3 +586,35 @@ def test_demo_and_multi_node_examples_use_valid_flags():
         ns, train_flags = launch_parser().parse_known_args(argv)
         assert ns.config_file == "1" or (ROOT / ns.config_file).is_file(), name
         parse_args(train_flags)
+
+
+def _failure(local_rank: int, exitcode: int, timestamp: int = 100, error_file: str = "<N/A>"):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    f = ProcessFailure(local_rank=local_rank, pid=1000 + local_rank, exitcode=exitcode, error_file=error_file)
+    f.timestamp = timestamp  # torchrun's whole seconds: a dead rank and the peers it took down often share one
+    return f
+
+
+def test_a_lost_worker_is_named_in_one_line_with_its_signal_or_exit_code(tmp_path):
+    """shardtune.parallel.torchrun.failure_line: the rank that died, not a peer the agent then stopped (SIGTERM) or
+    that lost contact (exit code 1) in the same second; the launch's exit code is the rank's (128 + a signal)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from shardtune.parallel.torchrun import failure_line
+
+    killed = {0: _failure(0, -15), 1: _failure(1, -9)}
+    line, code = failure_line(killed)
+    assert line.startswith("torchrun: rank 1 (local rank 1, pid 1001) was killed by SIGKILL, and the other workers ")
+    assert code == 137 and "\n" not in line and "its output (if it wrote any before it ended) is above" in line
+    # Control: torch's own pick (the earliest by whole seconds) names the stopped peer here.
+    assert ChildFailedError("shardtune", killed).get_first_failure()[0] == 0
+    line, code = failure_line({0: _failure(0, 1), 1: _failure(1, -9)})  # the peer lost contact and exited 1
+    assert line.startswith("torchrun: rank 1 ") and code == 137
+    line, code = failure_line({2: _failure(0, 2, timestamp=99), 3: _failure(1, 1)})  # exit codes: the earliest
+    assert line.startswith("torchrun: rank 2 (local rank 0, pid 1000) exited with code 2,") and code == 2
+    error_file = tmp_path / "error.json"  # what a worker under torch's @record writes
+    trace = 'Traceback (most recent call last):\n  File "x.py", line 1\nValueError: bad row 7'
+    error_file.write_text(json.dumps({"message": {"message": trace, "extraInfo": {"timestamp": "5"}}}))
+    line, _ = failure_line({0: _failure(0, 1, error_file=str(error_file))})
+    assert f"its error: ValueError: bad row 7 (in {error_file})" in line

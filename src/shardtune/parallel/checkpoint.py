@@ -43,6 +43,9 @@ from shardtune.runtime.log import print0, warn0
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+# What a failed write raises: DCP's CheckpointException (its per-rank failures: on a full disk torch's zip writer's
+# RuntimeError "unexpected pos ..." or an OSError(ENOSPC)) derives from BaseException, not Exception.
+_WRITE_ERRORS = (Exception, dcp.api.CheckpointException)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -168,7 +171,7 @@ def save(
         try:
             _write_rank_files(tmp, state, full, optimizer, shards, rank)
             hooks.at("save", step=step, rank=rank)
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it before anyone raises
+        except _WRITE_ERRORS as e:  # every rank must learn of it before anyone raises
             problem = _describe(e, root, needed)
     problems = [None] * world
     dist.all_gather_object(problems, problem)
@@ -177,7 +180,7 @@ def save(
             _write_rank0_files(tmp, scheduler, config, loop_state, world, state_dict_type, optimizer, shards)
             atomic.replace_folder(tmp, final)
             _prune(output_dir, save_total_limit)
-        except Exception as e:  # noqa: BLE001
+        except _WRITE_ERRORS as e:
             problems[0] = _describe(e, root, needed)
     problems = broadcast_object(problems)
     if any(problems):
@@ -189,8 +192,12 @@ def save(
     return final
 
 
-def _describe(e: Exception, root: Path, needed: int) -> tuple[bool, str]:
-    return atomic.disk_full_during(e, root, needed), f"{type(e).__name__}: {_first_line(e)}"
+def _describe(e: BaseException, root: Path, needed: int) -> tuple[bool, str]:
+    """(whether the disk is full, one line saying what failed): DCP's CheckpointException by its ranks' errors."""
+    failures = getattr(e, "failures", None) or {}
+    inner = {r: f[0] if isinstance(f, tuple) and f else f for r, f in sorted(failures.items())}
+    what = "; ".join(f"rank {r}: {type(f).__name__}: {_first_line(f)}" for r, f in inner.items())
+    return atomic.disk_full_during(e, root, needed), what or f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _raise_save_problem(problems: list, final: Path, needed: int) -> None:
@@ -449,7 +456,7 @@ def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
     _apply(model, optimizer, state)
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from shardtune.config.arguments import RunConfig
@@ -10,7 +12,7 @@ from shardtune.inference.harness import check_tasks, split_tasks
 from shardtune.parallel import checkpoint
 from shardtune.parallel.mesh import broadcast_object
 from shardtune.planning.fit import frozen_base_choice, launch_from_env, warn_if_too_small
-from shardtune.recipe.state import saved_record
+from shardtune.recipe.state import resume_refusal, saved_record
 from shardtune.runtime import hub
 from shardtune.runtime.log import print0, warn0
 from shardtune.training import optimizers, run_dir
@@ -77,6 +79,10 @@ def _optimizer_and_resume_problem(cfg: RunConfig, info) -> str | None:
         other_run = identity_problem(path, record, t.resume_from_checkpoint)
         if other_run:
             return other_run
+        saved = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        refused = resume_refusal(path, saved, record, t.resume_from_checkpoint)
+        if refused:
+            return refused
         checkpoint.check_resumable(
             path,
             checkpoint.read_meta(path),

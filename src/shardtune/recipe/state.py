@@ -1,4 +1,12 @@
-"""A run's checkpoints: what a save records, saving (with hub uploads), and resuming exactly where it stopped."""
+"""A run's checkpoints: what a save records, saving (with hub uploads), and resuming exactly where it stopped.
+
+A resumed run whose flags differ from its checkpoint's run (docs/checkpoints.md, "Changed settings") either refuses
+(`REFUSED_ON_RESUME`: one line naming the flag, both values and the fix, before anything loads) or trains with the new
+value from the resumed step: the optimizer's hyperparameters and the learning-rate schedule are this run's, at the
+checkpoint's step (`run_settings` taken before the checkpoint loads, `restore_run_settings` after), so that the rate
+of every later step is what a fresh run with these flags has there. Only the optimizer's moments, the weights, the
+step and the random states come from the checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -68,6 +76,56 @@ def _loop_dict(s, t, info) -> dict:
     return d
 
 
+# The flags a resumed run cannot change, and why; every other optimizer, schedule, length and batch flag takes its
+# new value from the resumed step (the data source is refused by run_dir.identity_problem and check_resumed_data).
+REFUSED_ON_RESUME = {
+    ("train", "seed"): "the packing of the rows and their order in every epoch depend on it",
+}
+
+
+def resume_refusal(path: Path, saved: dict, now: dict, resume_from: str) -> str | None:
+    """One line for a changed flag the resume cannot take (saved and now: config records), or None."""
+    for (part, key), why in REFUSED_ON_RESUME.items():
+        before, after = (saved.get(part) or {}).get(key), (now.get(part) or {}).get(key)
+        if key in (saved.get(part) or {}) and before != after:
+            return (
+                f"--{key} {after} differs from the checkpoint's {before} ({path}): {why}; resume with --{key} "
+                f"{before}, or start afresh with another --output_dir or --overwrite_output_dir."
+            )
+    max_steps, step = (now.get("train") or {}).get("max_steps") or 0, int(checkpoint.read_meta(path)["loop"]["step"])
+    if 0 < max_steps < step:
+        return (
+            f"--max_steps {max_steps} is below the step of {path} ({step}): the run would end before where it "
+            f"resumes; give --max_steps {step} or more, or resume from an earlier checkpoint."
+        )
+    return None
+
+
+def run_settings(optimizer, scheduler) -> tuple[list[dict], dict]:
+    """This run's optimizer hyperparameters (per parameter group) and schedule, as its flags built them: taken
+    before a checkpoint loads over them."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups], scheduler.state_dict()
+
+
+def restore_run_settings(optimizer, scheduler, fresh: tuple[list[dict], dict]) -> None:
+    """After a checkpoint loaded: this run's hyperparameters (learning rate, weight decay, betas, eps) and schedule
+    (type, warmup, length) over the checkpoint's, at the checkpoint's step; each group's rate is what this run's
+    schedule gives at that step. A scheduler that is not a LambdaLR (every transformers schedule but
+    reduce_lr_on_plateau) keeps the checkpoint's rates."""
+    groups, schedule = fresh
+    step, count = scheduler.last_epoch, getattr(scheduler, "_step_count", None)
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    for group, mine in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: v for k, v in mine.items() if lambdas is not None or k not in ("lr", "initial_lr")})
+    if lambdas is None:
+        return
+    scheduler.load_state_dict({**schedule, "last_epoch": step, **({"_step_count": count} if count else {})})
+    rates = [base * fn(step) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() reads, as LRScheduler.step sets it
+
+
 def check_resumed_data(cfg: RunConfig, train_split) -> None:
     """The checkpoint's training rows must be this run's: compared by content (the cache digest) when both have
     one, so that data moved to another path (another node, another machine) still resumes, and other data under
@@ -107,8 +165,13 @@ def resume(cfg, model, optimizer, scheduler, info):
     if saved_cfg.exists():
         changed = checkpoint.changed_settings(json.loads(saved_cfg.read_text()), saved_record(cfg))
         if changed:
-            warn0(f"Resuming {path} with settings that differ from its run: " + "; ".join(changed))
+            warn0(
+                f"Resuming {path} with settings that differ from its run (this run's values apply from the resumed "
+                "step on): " + "; ".join(changed)
+            )
+    fresh = run_settings(optimizer, scheduler)
     meta = checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    restore_run_settings(optimizer, scheduler, fresh)
     loop, notes = checkpoint.resume_position(
         meta,
         per_device=t.per_device_train_batch_size,

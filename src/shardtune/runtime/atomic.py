@@ -61,30 +61,55 @@ def preallocate(fd: int, size: int, folder: str | Path, what: str, fix: str = RE
         raise
 
 
+# torch's zip writer (torch.save, and DCP's shards, which torch.save writes) on a full disk: a short write carries
+# no errno. Seen with torch 2.13 on a full tmpfs: "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
+# 598" when the end of the archive is written, "PytorchStreamWriter failed writing file data/0: file write failed"
+# when a record is. (A file object instead of a path gives a plain OSError(ENOSPC).)
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+
+
+def _causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, its causes and contexts, and the per-rank errors a library wrapped in it: DCP's CheckpointException
+    (a BaseException, not an Exception) keeps them in `failures`, {rank: (exception, traceback frames)}."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        for inner in (getattr(e, "failures", None) or {}).values():
+            inner = inner[0] if isinstance(inner, tuple) and inner else inner
+            todo.append(inner if isinstance(inner, BaseException) else Exception(str(inner)))
+        todo += [e.__cause__, e.__context__]
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC (or a quota exceeded), also when a library wrapped it (DCP's CheckpointException, RuntimeError)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    for e in _causes(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
             return True
-        # DCP keeps each rank's exception in `failures` ({rank: exception}).
-        for inner in (getattr(exc, "failures", None) or {}).values():
-            if is_disk_full(inner if isinstance(inner, BaseException) else Exception(str(inner))):
-                return True
-        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def is_short_write(exc: BaseException) -> bool:
+    """A write that stopped short without saying why: torch's zip writer (`_SHORT_WRITE`), or an OSError without an
+    errno, also inside DCP's CheckpointException. On a full disk, this is what torch raises."""
+    for e in _causes(exc):
+        if any(s in str(e) for s in _SHORT_WRITE) or (isinstance(e, OSError) and e.errno is None):
+            return True
     return False
 
 
 def disk_full_during(exc: BaseException, folder: str | Path, needed: int | None) -> bool:
-    """Whether a write into `folder` failed for lack of space: ENOSPC, or a library's error without an errno
-    (torch.save says only "file write failed") while less than `needed` bytes are free there."""
+    """Whether a write into `folder` failed for lack of space: ENOSPC, or a short write without an errno (torch's
+    zip writer: `is_short_write`) while less than `needed` bytes are free there."""
     if is_disk_full(exc):
         return True
     free = _free_bytes(folder)
-    return bool(needed) and free is not None and free < needed
+    return is_short_write(exc) and bool(needed) and free is not None and free < needed
 
 
 def _free_bytes(folder: str | Path) -> int | None:
