@@ -245,7 +245,7 @@ def test_flags_that_do_not_apply_are_refused_with_the_fix(tiny_assets, pairs_dir
 
 _NOT_READ = {
     "--simpo_gamma": "--simpo_gamma only applies to --objective simpo; remove it or set it.",
-    "--beta": "--beta only applies to --objective dpo, simpo, orpo or kto; remove it or set one of them.",
+    "--beta": "--beta only applies to --objective dpo, simpo, orpo, kto or grpo; remove it or set one of them.",
     "--precompute_ref_log_probs": (
         "--precompute_ref_log_probs only applies to --objective dpo or kto; remove it or set one of them."
     ),
@@ -285,7 +285,8 @@ def test_a_plugin_objective_that_names_no_knobs_may_read_any(tiny_assets, pairs_
     with pytest.raises(ConfigError, match="--simpo_gamma only applies to --objective simpo or mine;"):
         load_run_config([*base, "--objective", "dpo", "--simpo_gamma", "2"], env={})
     assert cli_main(["train", "--help"]) == 0
-    assert "kto: unpaired prompt/completion/label rows; mine: a plugin's." in " ".join(capsys.readouterr().out.split())
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "kto: unpaired prompt/completion/label rows; grpo: online RL" in help_text and "mine: a plugin's." in help_text
 
 
 def test_tensorboard_tags_are_trls(tmp_path):

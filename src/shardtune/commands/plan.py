@@ -22,7 +22,7 @@ from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig,
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, context_parallel_size, single_process_setting
 from shardtune.config.run import explicit_flags, parse_args
-from shardtune.objectives.loss import apply_objective_defaults, has_reference
+from shardtune.objectives.loss import apply_objective_defaults, has_reference, objective_spec
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -152,7 +152,14 @@ def _launch(plan: PlanArguments) -> Launch:
 
 
 def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None, precompute: bool) -> str:
-    """What the preference objective adds beyond its two rows per pair (counted in the activations above)."""
+    """What the preference objective adds beyond its two rows per pair (counted in the activations above); for
+    online RL, what its rows are (its rollout is the estimate's generation phase)."""
+    if objective_spec(objective).data == "prompts":
+        return (
+            f"--objective {objective}: each micro-batch holds prompt + completion rows (counted above); the rollout "
+            "that samples them is the generation phase; the old and reference log-probs (beta != 0: the adapter "
+            "disabled) are no_grad forwards over the same rows, smaller than the step."
+        )
     rows = (
         "its completion and a mismatched KL row per example"
         if objective == "kto"

@@ -16,6 +16,7 @@ from typing import Any
 # Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
 import shardtune.planning.activations as act
 from shardtune.planning.buffers import state_and_buffers
+from shardtune.planning.generation import GenerationTerms, generation_terms, with_generation
 from shardtune.planning.inputs import DEFAULTS, PlanInputs, as_json
 from shardtune.planning.model import Tensor, resolve_lora_targets, sharded_bytes
 from shardtune.planning.phases import (
@@ -86,6 +87,7 @@ class MemoryEstimate:
     # all-gather cache, the other streams' largest allocated sum, its resident part, the root gradients' own
     # segments, the fragmentation, and the reserved bytes they add up to.
     allocator_terms: dict[str, int] = field(default_factory=dict)
+    generation: GenerationTerms | None = None  # online RL's rollout at its peak (planning.generation), if any
 
     @property
     def allocated(self) -> int:
@@ -127,6 +129,7 @@ class MemoryEstimate:
             "phase_bytes": dict(self.phase_bytes),
             "temporaries_bytes": self.temporaries,
             "allocator": {"expandable_segments": self.inputs.expandable_segments, **self.allocator_terms},
+            "generation": self.generation.to_dict() if self.generation else None,
         }
 
 
@@ -299,8 +302,8 @@ def _dynamic(
 
 def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFAULTS) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine, for the run `inputs`
-    describe (planning.inputs.PlanInputs; planning.fit.plan_inputs builds it from a run's flags). fsdp=False:
-    _plain_buffers; context_parallel and per_document_attention: _dynamic_kwargs."""
+    describe (planning.inputs.PlanInputs; planning.fit.plan_inputs builds it from a run's flags), and online RL's
+    rollout between steps (planning.generation). fsdp=False: _plain_buffers; context parallelism: _dynamic_kwargs."""
     s = inputs
     shape = as_shape(model)
     if (s.use_4bit or s.use_8bit) and not s.use_peft_lora:
@@ -313,6 +316,8 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
                        attn_implementation=s.attn_implementation, **dyn_kwargs)  # fmt: skip
     parts = _step_parts(shape, s, state, dynamic, buffers)
     by_phase = _with_mask_build(step_phases(parts), parts, dynamic.mask_build)
+    gen = generation_terms(shape, s, parts, tensors)
+    by_phase, parts = with_generation(by_phase, parts, gen)
     device = dict(by_phase[phase := peak_phase(by_phase)])
     fragmentation = _fragmentation(s.allocator_overhead, s.expandable_segments)
     terms = _allocator_terms(parts, by_phase, fragmentation, s.gather_stream_cache and s.fsdp)
@@ -326,7 +331,7 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
     notes += _layout_notes(shape, tensors)
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
-    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, s, notes, phase_bytes, temps, terms)
+    return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, s, notes, phase_bytes, temps, terms, gen)
 
 
 MASK_BUILD = "attention mask build"

@@ -22,7 +22,7 @@ from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_p
 from shardtune.config.precision import resolve_precision
 from shardtune.data.templates import padded_rows
 from shardtune.models import families, fastpath, training_module
-from shardtune.objectives.loss import dropout_off, rows_per_example
+from shardtune.objectives.loss import dropout_off, objective_spec, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
 from shardtune.planning.estimate import estimate_memory
@@ -127,6 +127,7 @@ def plan_inputs(
     # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
     # compute dtype.
     storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
+    generates = objective_spec(train.objective).data == "prompts"  # online RL: the run samples its completions
     return PlanInputs(
         world_size=launch.world_size,
         num_nodes=launch.num_nodes,
@@ -148,10 +149,10 @@ def plan_inputs(
         modules_to_save=tuple(_split(model.modules_to_save)),
         batch_size=train.per_device_train_batch_size,
         rows_per_example=rows_per_example(train.objective),
-        seq_len=data.max_length,
+        seq_len=rollout_row_length(data, train) if generates else data.max_length,
         gradient_checkpointing=activation_checkpointing(train, launch.activation_checkpointing),
         attn_implementation=attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
-        packing=data.packing,
+        packing=data.packing and not generates,  # rollouts train on padded prompt + completion rows
         optim=train.optim,
         grad_accum=train.gradient_accumulation_steps,
         loss_chunk_tokens=loss_chunk_tokens,
@@ -166,7 +167,28 @@ def plan_inputs(
             full_mixed_precision=not model.use_peft_lora and precision.param_dtype is not None,
         )
         is not None,
+        **(generation_inputs(train) if generates else {}),
     )
+
+
+def generation_inputs(train: TrainArguments) -> dict[str, Any]:
+    """PlanInputs' online-RL fields from the flags (plan_inputs): steps_per_generation defaults to
+    --gradient_accumulation_steps, as recipe.rl.rollout_settings reads it."""
+    return {
+        "rollout_engine": train.rollout_engine,
+        "num_generations": train.num_generations,
+        "steps_per_generation": train.steps_per_generation or train.gradient_accumulation_steps,
+        "max_prompt_length": train.max_prompt_length,
+        "max_completion_length": train.max_completion_length,
+        "gather_for_generation": train.gather_for_generation,
+    }
+
+
+def rollout_row_length(data: DataArguments, train: TrainArguments) -> int:
+    """An online-RL run's training rows: the longest prompt (--max_prompt_length, else planned at --max_length)
+    and the longest completion."""
+    prompt = train.max_prompt_length if train.max_prompt_length is not None else data.max_length
+    return prompt + train.max_completion_length
 
 
 def replicates_base(model: ModelArguments, world_size: int, offload: bool) -> bool:

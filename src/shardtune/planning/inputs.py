@@ -93,6 +93,20 @@ class PlanInputs:
     # where the family allows it; False: over whole rows (torch.compile, the trace).
     context_parallel: int = 1
     per_document_attention: bool = True
+    # Online RL (--objective grpo; planning.generation), TRL GRPOConfig's names: what generates the completions
+    # between optimizer steps (None: the objective generates nothing; "transformers": the training ranks, with a
+    # KV cache; "vllm": a server, the training ranks only gather the adapter for its sync); completions sampled per
+    # prompt; micro-batches per rank a generation batch feeds (a rank generates batch_size × steps_per_generation
+    # rows at once); the longest prompt (None: seq_len less the completion: plan_inputs then plans prompts of
+    # --max_length tokens); the most tokens a completion may have; whether every block's weights stay gathered for
+    # the whole rollout (False: gathered block by block, as in the forward). Training rows are seq_len long:
+    # prompt + completion.
+    rollout_engine: str | None = None
+    num_generations: int = 1
+    steps_per_generation: int = 1
+    max_prompt_length: int | None = None
+    max_completion_length: int = 0
+    gather_for_generation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lora_target_parameters", "modules_to_save"):
@@ -136,6 +150,12 @@ RUN_FIELDS = (
     "context_parallel",
     "per_document_attention",
     "fsdp",
+    "rollout_engine",
+    "num_generations",
+    "steps_per_generation",
+    "max_prompt_length",
+    "max_completion_length",
+    "gather_for_generation",
 )
 # In the JSON, each of lora_target_parameters follows lora_target_modules' names after this mark.
 JSON_PARAMETER_MARK = "@"

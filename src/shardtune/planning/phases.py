@@ -28,6 +28,8 @@ traced under fake tensors (shardtune.planning.trace, tests/unit/test_plan_trace.
 - the root's backward (when the root trains: full fine-tuning, saved modules, new token rows): every block's
   gradient shards (not yet the root's own) and the root's unsharded gradients with their fp32 reduce-scatter
   input; the root is already resharded (FSDP2 reshards before it reduces) and the activations are freed.
+- online RL's rollout (GENERATION, between optimizer steps: planning.generation): the weights gathered for it,
+  the KV cache, a forward's activations, the last position's logits and sampling's temporaries; no gradients.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ LOSS = "loss backward"
 LAYER = "decoder-layer backward"
 BLOCK_SCATTER = "a block's reduce-scatter"
 ROOT = "root backward (root gradients' reduce-scatter)"
+# Between optimizer steps, not in one: online RL's rollout on the training ranks (planning.generation).
+GENERATION = "generation (the rollout between optimizer steps)"
 
 
 @dataclass
@@ -78,6 +82,7 @@ class StepParts:
     block_stored: int = 0  # one block's part of layer_stored, freed once that block has run backward
     block_scatter_input: int = 0  # one block's fp32 reduce-scatter input, kept until the next block reduces
     batch_inputs: int = 0  # the micro-batch's tensors, alive through the whole step
+    generation_gather_alive: int = 0  # flat all-gather outputs alive at the generation phase's peak
 
 
 def temporaries(p: StepParts, phase: str) -> int:
@@ -87,7 +92,8 @@ def temporaries(p: StepParts, phase: str) -> int:
     return {LOSS: p.logits_peak, LAYER: p.working}.get(phase, 0)
 
 
-def _rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
+def device_rows(p: StepParts, *, gradients: int, activations: int, logits: int, gather: int, scatter: int) -> dict:
+    """A phase's rows: the resident state (on the GPU unless offloaded) and what the phase adds."""
     return {
         "frozen base weights": p.state["frozen"] * p.on_gpu,
         "quantization constants": p.quant_constants,
@@ -108,7 +114,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
     block_grads = p.state["gradients"] - (p.root_grad_shard if p.grad_accum == 1 else 0)
     copies = 2 if p.flat_copy else 1
     phases = {
-        FORWARD: _rows(
+        FORWARD: device_rows(
             p,
             gradients=early_grads,
             activations=p.forward_activations,
@@ -116,7 +122,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             gather=copies * (p.root_gathered + p.block_gathered) + p.offload_copies,
             scatter=0,
         ),
-        BLOCK_FORWARD: _rows(
+        BLOCK_FORWARD: device_rows(
             p,
             gradients=early_grads,
             activations=p.layer_stored + p.forward_working,
@@ -124,7 +130,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             gather=p.root_gathered + copies * p.block_gathered + p.offload_copies,
             scatter=0,
         ),
-        LOSS_FORWARD: _rows(
+        LOSS_FORWARD: device_rows(
             p,
             gradients=early_grads,
             activations=p.stored,
@@ -133,7 +139,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             gather=p.root_gathered + (p.kept_after_forward + copies - 1) * p.block_gathered + p.offload_copies,
             scatter=0,
         ),
-        LOSS: _rows(
+        LOSS: device_rows(
             p,
             gradients=early_grads,
             activations=p.stored,
@@ -142,7 +148,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             scatter=0,
         ),
         LAYER: _layer_phase(p, block_grads),
-        BLOCK_SCATTER: _rows(
+        BLOCK_SCATTER: device_rows(
             p,
             gradients=block_grads,
             activations=p.forward_activations,
@@ -153,7 +159,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
     }
     if p.num_blocks > 1:
         # the last block's all-gather: every earlier block's stored activations exist
-        phases[LATER_FORWARD] = _rows(
+        phases[LATER_FORWARD] = device_rows(
             p,
             gradients=early_grads,
             activations=p.forward_activations + (p.num_blocks - 1) * p.block_stored,
@@ -162,7 +168,7 @@ def step_phases(p: StepParts) -> dict[str, dict[str, int]]:
             scatter=0,
         )
     if p.root_scatter:
-        phases[ROOT] = _rows(
+        phases[ROOT] = device_rows(
             p, gradients=block_grads, activations=p.batch_inputs, logits=0, gather=0, scatter=p.root_scatter
         )
     return phases
@@ -180,7 +186,7 @@ def _layer_phase(p: StepParts, block_grads: int) -> dict[str, int]:
     for j in sorted({0, min(1, n - 1), max(n - 2, 0), n - 1}):
         grads = block_grads if p.grad_accum > 1 else block_grads * j // n
         in_flight = p.blocks_in_flight if j < n - 1 or p.kept_after_forward > 1 else 1
-        rows = _rows(
+        rows = device_rows(
             p,
             gradients=grads + (p.block_scatter_input if j else 0),
             activations=p.layer_stored - j * p.block_stored + p.working,
@@ -241,4 +247,5 @@ def forward_gather_alive(p: StepParts, phase: str) -> int:
         LATER_FORWARD: 2 * p.block_gathered,
         LAYER: prefetched,
         BLOCK_SCATTER: prefetched,
+        GENERATION: p.generation_gather_alive,
     }.get(phase, 0)

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.generation import TRANSFORMERS, whole_groups
 from shardtune.planning.inputs import PlanInputs
+from shardtune.planning.phases import GENERATION
 
 MAX_GPUS = 4096
 
@@ -95,6 +97,47 @@ def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
         more *= 2
 
 
+def generation_candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
+    """When the rollout on the training ranks is what does not fit (planning.generation): each block gathered per
+    forward instead of the whole model for the whole rollout; fewer rows generated at once, by a smaller
+    --steps_per_generation or a smaller per-device batch (the same global batch, --steps_per_generation kept), with
+    the whole model gathered and then per block; then generation on a vLLM server (LoRA: vLLM serves neither DoRA
+    nor modules saved in full)."""
+    if inputs.rollout_engine != TRANSFORMERS:
+        return
+    stages: list[Candidate] = [("", {}, {})]
+    if inputs.gather_for_generation:
+        off = {"gather_for_generation": False}
+        yield "each block gathered per forward in generation", dict(off), dict(off)
+        stages.append(("each block gathered per forward in generation", off, off))
+    keep = {"steps_per_generation": inputs.steps_per_generation}
+    for label, flags, change in stages:
+        steps = inputs.steps_per_generation
+        while steps > 1:
+            steps //= 2
+            desc = _joined(label, f"{steps} micro-batches per generation batch")
+            yield desc, {**flags, "steps_per_generation": steps}, {**change, "steps_per_generation": steps}
+        for desc, bflags, bchange in _halvings(inputs.batch_size, accumulation):
+            yield _joined(label, desc), {**flags, **bflags, **keep}, {**change, **bchange}
+    if inputs.use_peft_lora and not inputs.use_dora and not inputs.modules_to_save:
+        yield "generation on a vLLM server", {"rollout_engine": "vllm"}, {"rollout_engine": "vllm"}
+
+
+def _joined(*parts: str) -> str:
+    return ", ".join(p for p in parts if p)
+
+
+def _ordered(inputs: PlanInputs, accumulation: int, rollout_first: bool) -> Iterator[Candidate]:
+    """The candidates in the order tried: the rollout's first when the rollout is what does not fit. An online-RL
+    run's batch halvings keep --steps_per_generation as it was (its default follows the accumulation, which would
+    keep the rows generated at once)."""
+    if rollout_first:
+        yield from generation_candidates(inputs, accumulation)
+    keep = {"steps_per_generation": inputs.steps_per_generation} if inputs.rollout_engine else {}
+    for desc, flags, change in candidates(inputs, accumulation):
+        yield desc, ({**flags, **keep} if keep and "gradient_accumulation_steps" in flags else flags), change
+
+
 def _context_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulation: int):
     """Each row split over more of the same GPUs (shardtune.parallel.split), the global batch kept by
     accumulating as many more micro-batches: the step computes the same gradient, a rank holds 1/cp of each row."""
@@ -161,12 +204,17 @@ def recommend(
     estimator: Callable[..., MemoryEstimate] = estimate_memory,
     model: Any = None,
 ) -> Recommendation:
-    """The first candidate change whose estimate fits `gpu_bytes`, or the closest one (fits=False) if none does."""
+    """The first candidate change whose estimate fits `gpu_bytes`, or the closest one (fits=False) if none does;
+    the rollout's changes first when the rollout is the phase that does not fit (generation_candidates)."""
     best: Recommendation | None = None
     tried = 0
-    for description, flags, change in candidates(inputs, accumulation):
+    first = inputs.rollout_engine is not None and estimator(model, inputs).peak_phase == GENERATION
+    for description, flags, change in _ordered(inputs, accumulation, first):
+        candidate = replace(inputs, **change)
+        if not whole_groups(candidate):  # a generation batch must be whole groups of num_generations
+            continue
         tried += 1
-        est = estimator(model, replace(inputs, **change))
+        est = estimator(model, candidate)
         if est.total <= gpu_bytes:
             return Recommendation(description, flags, est, True, tried)
         if best is None or est.total < best.estimate.total:

@@ -9,9 +9,19 @@ from typing import Any
 
 from shardtune.config.arguments import RunConfig
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.generation import VLLM, kv_bytes_per_position
 from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
 from shardtune.planning.model import EXPERT_LORA, ROUTER_LORA, lora_param_count, resolve_lora_targets
-from shardtune.planning.phases import BLOCK_FORWARD, BLOCK_SCATTER, FORWARD, LATER_FORWARD, LAYER, LOSS, LOSS_FORWARD
+from shardtune.planning.phases import (
+    BLOCK_FORWARD,
+    BLOCK_SCATTER,
+    FORWARD,
+    GENERATION,
+    LATER_FORWARD,
+    LAYER,
+    LOSS,
+    LOSS_FORWARD,
+)
 from shardtune.planning.recommend import Recommendation
 from shardtune.planning.shape import ModelShape, base_param_count
 from shardtune.planning.state import GiB
@@ -84,6 +94,7 @@ def traced_run_inputs(inputs: PlanInputs, device: str) -> PlanInputs:
     context parallelism the trace splits real host rows (planning.trace): one document per row, per document."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
     out = replace(inputs, attn_implementation="sdpa", packing=True, per_document_attention=False, fsdp=True)
+    out = replace(out, rollout_engine=None)  # the trace runs the training step, not a rollout
     if inputs.context_parallel > 1:  # the split does read positions: rows of one document each, no mask
         out = replace(out, packing=False, per_document_attention=True)
     if device == "cpu":
@@ -280,6 +291,7 @@ def format_plan(p: Plan) -> str:
         f"  {'  PyTorch allocated / reserved':<32}{_gib(e.allocated)} / {e.reserved / GiB:.2f}",
         f"  peak during {_phase(e.peak_phase)}; logits + loss alone peak at {e.logits_peak / GiB:.2f} GiB",
         _allocator_line(e),
+        *generation_lines(p),
         "",
         "Activations + logits (GiB)         checkpointing  no checkpointing",
     ]
@@ -290,6 +302,55 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  {'peak':<32}{_gib(e.host_total)}")
     lines += ["", *_verdict(p)]
     return "\n".join(lines + ([""] + [f"note: {n}" for n in e.notes] if e.notes else []))
+
+
+def generation_lines(p: Plan) -> list[str]:
+    """The rollout of an online-RL run (planning.generation), estimated per GPU: the weights it gathers and its KV
+    cache apart, and whether it is the run's peak."""
+    g, k, e = p.estimate.generation, p.inputs, p.estimate
+    if g is None:
+        return []
+    if g.engine == VLLM:
+        return [
+            "",
+            (
+                "Generation on a vLLM server (--rollout_engine vllm): nothing on the training GPUs but the adapter's "
+                f"sync, one tensor gathered at a time (largest {g.weights / 2**20:.1f} MiB; estimate)."
+            ),
+        ]
+    whole = "whole model" if k.gather_for_generation else "root + one block"
+    rows = [
+        (f"gathered weights ({whole})", g.weights, f"--gather_for_generation {k.gather_for_generation}"),
+        (f"KV cache at the {g.moment}", g.kv_cache, ""),
+        ("KV cache at its longest", g.kv_cache_longest, _kv_text(p.shape, g.prompt_len + g.completion_len - 1)),
+        ("activations", g.activations, ""),
+        ("logits and sampling", g.logits + g.sampling, ""),
+        ("all-gather in flight, KV cache copy", g.gather_alive + g.kv_growth, ""),
+        ("phase allocated (with resident state)", e.phase_bytes[GENERATION], f"peaks at the {g.moment}"),
+    ]
+    lines = [
+        "",
+        "Generation, per GPU (estimate)           GiB",
+        f"  transformers engine: {g.rows} completions at once (batch {k.batch_size} x steps_per_generation "
+        f"{k.steps_per_generation}), prompt {g.prompt_len} + completion {g.completion_len} tokens" + _prompt_source(k),
+    ]
+    lines += [f"  {name:<38}{_gib(b)}" + (f"  {why}" if why else "") for name, b, why in rows]
+    if e.peak_phase != GENERATION:
+        lines.append(f"  the step peaks higher, during {_phase(e.peak_phase)}")
+    return lines
+
+
+def _kv_text(shape: ModelShape, positions: int) -> str:
+    keys, values = kv_bytes_per_position(shape, 1)
+    if shape.latent_attention:
+        per = f"latent {keys} + rotary key {values}"
+    else:
+        per = f"2 x {shape.num_kv_heads} KV heads x {shape.head_dim}"
+    return f"{positions} positions x {shape.num_layers} layers x {per}"
+
+
+def _prompt_source(k: PlanInputs) -> str:
+    return "" if k.max_prompt_length is not None else " (--max_prompt_length unset: prompts planned at --max_length)"
 
 
 def _phase(name: str) -> str:
