@@ -286,7 +286,9 @@ def test_a_plugin_objective_that_names_no_knobs_may_read_any(tiny_assets, pairs_
         load_run_config([*base, "--objective", "dpo", "--simpo_gamma", "2"], env={})
     assert cli_main(["train", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "kto: unpaired prompt/completion/label rows; grpo: online RL" in help_text and "mine: a plugin's." in help_text
+    assert (
+        "kto: unpaired prompt/completion/label rows; grpo: online RL" in help_text and "mine: a plugin's." in help_text
+    )
 
 
 def test_tensorboard_tags_are_trls(tmp_path):

@@ -185,7 +185,11 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
     logger = _logger(cfg, info, run.model, run.settings.total_steps, trackers)
     start = time.perf_counter()
     try:
-        loop_state = _train_loop(cfg, info, run, logger, repo_id)
+        try:
+            loop_state = _train_loop(cfg, info, run, logger, repo_id)
+        finally:
+            if hasattr(run.train_split, "close"):  # online RL: its rollout engine (a server's adapters)
+                run.train_split.close()
     except NonFiniteError as e:
         error(str(e))
         logger.close()
@@ -233,7 +237,7 @@ def _build(cfg: RunConfig, info) -> _Built:
     tokenizer, new_ids = _load_tokenizer(cfg)
     train_split, eval_split = data.prepare_data(cfg, tokenizer, info)
     if objective_spec(t.objective).data == "prompts":  # online RL: the loop trains on rollouts of the prompts
-        train_split = rl.rollouts(cfg, train_split, tokenizer, info)
+        train_split = rl.rollouts(cfg, train_split, tokenizer, info, new_token_rows=bool(new_ids))
     if t.resume_from_checkpoint:  # before the model loads: another run's data is refused at no cost
         state.check_resumed_data(cfg, train_split)
     spe = data.steps_per_epoch_for(cfg, train_split, info)

@@ -224,15 +224,25 @@ def context_limit(config) -> tuple[int | None, str]:
     return max(base, scaled), f"{field} = {base} with RoPE scaling (factor {factor:g})"
 
 
-def max_length_problem(max_length: int, config, name: str) -> str | None:
+def max_length_problem(max_length: int, config, name: str, flag: str = "--max_seq_len") -> str | None:
+    """`flag` (the flags whose sum is the longest row, `max_length`) beyond the model's context, with the fix."""
     limit, how = context_limit(config)
     if limit is None or max_length <= limit:
         return None
     return (
-        f"--max_seq_len {max_length} is longer than {name} was trained for ({how} in its config.json); lower "
-        f"--max_seq_len to {limit} or less, or, to extend the context on purpose, train from a copy of the model "
+        f"{flag} {max_length} is longer than {name} was trained for ({how} in its config.json); lower "
+        f"{flag} to {limit} or less, or, to extend the context on purpose, train from a copy of the model "
         "whose config.json sets rope_scaling (or a larger max_position_embeddings)."
     )
+
+
+def _longest_row(cfg) -> tuple[int, str]:
+    """The longest row a run trains on and the flags that set it: online RL (--objective grpo) trains on a prompt
+    and its generated completion, every other objective on rows of --max_seq_len."""
+    t = cfg.train
+    if t.objective == "grpo":
+        return (t.max_prompt_length or 0) + t.max_completion_length, "--max_prompt_length + --max_completion_length"
+    return cfg.data.max_length, "--max_seq_len"
 
 
 def meta_skeleton(config, trust_remote_code: bool = False):
@@ -316,7 +326,7 @@ def modules_to_save_problems(model, spec: str | None, model_name: str) -> list[s
 
 def model_input_problems(cfg) -> list[str]:
     """Every model-side problem of a training run (cfg: a RunConfig), from configs and headers only."""
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     config, problem = model_config_or_problem(m.model_name_or_path, trust_remote_code=m.trust_remote_code)
     if problem:
         return [problem]
@@ -325,7 +335,8 @@ def model_input_problems(cfg) -> list[str]:
         problems.append(tokenizer_problem(m.tokenizer_name_or_path, "--tokenizer_name_or_path"))
     elif not is_hub_id(m.model_name_or_path):
         problems.append(tokenizer_problem(m.model_name_or_path, "--model_name_or_path"))
-    problems.append(max_length_problem(d.max_length, config, m.model_name_or_path))
+    longest, flag = _longest_row(cfg)
+    problems.append(max_length_problem(longest, config, m.model_name_or_path, flag))
     if m.use_4bit_quantization:
         problems.append(_4bit_layout_problem(config))
     if m.use_peft_lora or cfg.train.router_aux_loss_coef is not None:

@@ -12,6 +12,7 @@ from shardtune.rl.generate import TransformersEngine
 from shardtune.rl.probe import TOLERANCE, SyncProbe
 from shardtune.rl.rewards import load_reward_functions
 from shardtune.rl.rollout import Rollouts, RolloutSettings
+from shardtune.rl.vllm_server import VLLMServerEngine, vllm_engine_problems
 from shardtune.runtime.log import print0
 
 
@@ -65,8 +66,11 @@ def rollout_settings(cfg: RunConfig, info, tokenizer) -> RolloutSettings:
     )
 
 
-def rollouts(cfg: RunConfig, prompts, tokenizer, info) -> Rollouts:
-    """The loop's training split of an RL run: the prompts and how they are rolled out (no model yet)."""
+def rollouts(cfg: RunConfig, prompts, tokenizer, info, *, new_token_rows: bool) -> Rollouts:
+    """The loop's training split of an RL run: the prompts and how they are rolled out (no model yet). A vLLM
+    server is checked here, before the model loads: what it cannot serve, and how it was started."""
+    if cfg.train.rollout_engine == "vllm" and (problems := _vllm_problems(cfg, new_token_rows)):
+        raise ValueError("; ".join(problems))
     split = Rollouts(prompts, settings=rollout_settings(cfg, info, tokenizer), info=info, tokenizer=tokenizer)
     need = split.s.prompts_per_generation(info.dims.dp_size)
     if len(prompts) < need:
@@ -83,7 +87,7 @@ def attach(cfg: RunConfig, split: Rollouts, model, info) -> None:
     rewards = load_reward_functions(reward_specs(t.reward_funcs), reward_weights(t.reward_weights))
     tolerance = t.sync_probe_tolerance or TOLERANCE[cfg.precision.compute]
     probe = SyncProbe.from_prompts(split.prompts.prompt_ids, tolerance, split.s.pad_id)
-    split.attach(model=model, engine=_engine(cfg, model, info), rewards=rewards, probe=probe)
+    split.attach(model=model, engine=_engine(cfg, model, info, split.tokenizer), rewards=rewards, probe=probe)
     print0(
         f"GRPO: {t.num_generations} completions per prompt, engine {t.rollout_engine}, rewards "
         f"{', '.join(f'{f.name}×{f.weight:g}' for f in rewards)}; the engine is checked against the trainer after "
@@ -91,17 +95,38 @@ def attach(cfg: RunConfig, split: Rollouts, model, info) -> None:
     )
 
 
-def _engine(cfg: RunConfig, model, info):
+def _engine(cfg: RunConfig, model, info, tokenizer):
     t = cfg.train
     if t.rollout_engine == "transformers":
         return TransformersEngine(model, info.device, gather_once=t.gather_for_generation)
-    from shardtune.rl.vllm_server import VLLMServerEngine  # urllib only, but kept off the transformers engine's path
-
-    url = t.vllm_server_base_url or f"http://{t.vllm_server_host}:{t.vllm_server_port}"
     return VLLMServerEngine(
-        url,
-        model_name=cfg.model.model_name_or_path,
-        adapter_dir=Path(t.output_dir) / ".rollout_adapters",
-        tokenizer=None,
-        timeout_s=t.vllm_server_timeout,
+        _vllm_url(cfg), _adapter_dir(cfg), tokenizer, rank=info.rank, timeout_s=t.vllm_server_timeout
+    )
+
+
+def _vllm_url(cfg: RunConfig) -> str:
+    """TRL's rule: --vllm_server_base_url, else http://host:port."""
+    t = cfg.train
+    return t.vllm_server_base_url or f"http://{t.vllm_server_host}:{t.vllm_server_port}"
+
+
+def _adapter_dir(cfg: RunConfig) -> Path:
+    """Where rank 0 writes each adapter version for the server to load: a path both must read (one machine, or a
+    shared filesystem)."""
+    return Path(cfg.train.output_dir).resolve() / "vllm_adapters"
+
+
+def _vllm_problems(cfg: RunConfig, new_token_rows: bool) -> list[str]:
+    m, t = cfg.model, cfg.train
+    adapter_dir = _adapter_dir(cfg)
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    return vllm_engine_problems(
+        use_peft_lora=m.use_peft_lora,
+        use_dora=m.use_dora,
+        new_token_rows=new_token_rows,
+        modules_to_save=[x for x in (m.modules_to_save or "").split(",") if x],
+        lora_r=m.lora_r,
+        server_url=_vllm_url(cfg),
+        adapter_dir=adapter_dir,
+        timeout_s=min(t.vllm_server_timeout, 10.0),
     )

@@ -118,6 +118,11 @@ class Rollouts:
         per_generation = self.s.prompts_per_generation(world_size)
         return len(self) // max(per_generation, 1) * self.s.steps_per_generation * self.s.num_iterations
 
+    def close(self) -> None:
+        """Release the engine (a server's adapters); the run's end, or its failure."""
+        if self.engine is not None:
+            self.engine.close()
+
     def metrics(self) -> dict[str, float]:
         """The last generation's metrics (logged with the step that trained on it)."""
         return dict(self.last_metrics)
