@@ -118,8 +118,8 @@ def _train(cfg: RunConfig) -> int:
         first = first.split(". ")[0]
         error(
             f"error: lost contact with another rank ({first}). Another process of this run has died: the "
-            "launcher's report names it (torchrun: 'Root Cause'). Fix its error, then resume with "
-            "--resume_from_checkpoint latest."
+            "launcher's report names it (shardtune launch: its 'torchrun: rank N' line; plain torchrun: 'Root "
+            "Cause'). Fix its error, then resume with --resume_from_checkpoint latest."
         )
         return EXIT_FAILED
     finally:

@@ -85,14 +85,16 @@ def token_logps(
         return logp.gather(-1, yc[:, None]).squeeze(-1), entropy
 
     h, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    keep = y != -100
-    out = h.new_zeros(y.shape, dtype=torch.float32)
+    keep = labels != -100
+    # [batch, seq] tensors of their own, not views of flat ones: FSDP2 warns of a root output that is a view.
+    out = h.new_zeros(labels.shape, dtype=torch.float32)
     if not keep.any():
         # No target (every completion masked): zeros that still run through the head, so that backward reaches
         # every parameter and this rank's FSDP reduce-scatters run like the other ranks' (as token_loss).
         logp, _ = chunk_logps(h[:1], torch.zeros_like(y[:1]))
-        return (out + logp.sum() * 0.0).view(labels.shape), out.view(labels.shape)
-    parts = list(_chunked(chunk_logps, h[keep], y[keep], model.chunk_size))
+        return out + logp.sum() * 0.0, out.clone()
+    flat = keep.reshape(-1)
+    parts = list(_chunked(chunk_logps, h[flat], y[flat], model.chunk_size))
     logps = out.masked_scatter(keep, torch.cat([lp for _, (lp, _) in parts]))
     entropy = out.masked_scatter(keep, torch.cat([e for _, (_, e) in parts]))
-    return logps.view(labels.shape), entropy.view(labels.shape)
+    return logps, entropy
