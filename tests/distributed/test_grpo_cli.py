@@ -6,6 +6,7 @@
   old log-probs) and the KL to the adapter-disabled reference (beta 0.04) included;
 - a run killed inside a generation batch on 2 ranks and resumed on 1 process from its checkpoint continues exactly: the
   generation batch, the data position and the policy version come back from the checkpoint;
+- the same with QLoRA (the 4-bit base sampled from and, adapter disabled, the reference);
 - planted: advantages normalised per rank (each rank's half of a group as if it were the group) make the 2-rank run
   differ from the 1-process one beyond the tolerance.
 
@@ -159,6 +160,30 @@ def test_stopped_inside_a_generation_on_two_ranks_resumes_on_one_process_exactly
     assert sorted(_by_step(runs["stopped"])) == list(range(1, STEPS + 1))
     # step 2 trains on the generation batch sampled before the stop; steps 3-4 on one sampled after the resume
     assert _differences(runs["single"], runs["stopped"], range(2, STEPS + 1)) == []
+
+
+QLORA = {
+    "use_4bit_quantization": True, "use_nested_quant": True, "bnb_4bit_quant_type": "nf4",
+    "bnb_4bit_quant_storage_dtype": "float32", "bnb_4bit_compute_dtype": "float32",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(tiny_assets, tmp_path_factory):
+    """QLoRA: the rollouts sample from the 4-bit base with the adapter, the reference is that base alone."""
+    root = tmp_path_factory.mktemp("grpo_qlora")
+    data = _data(root / "data")
+    one, two = root / "single", root / "sharded"
+    run_cli(_args(tiny_assets, data, one, per_device=8, **QLORA), nproc=1)
+    run_cli(_args(tiny_assets, data, two, per_device=4, **QLORA), nproc=2, env=FSDP_ENV)
+    return one, two
+
+
+def test_qlora_two_ranks_train_as_one_process(qlora_runs):
+    one, two = qlora_runs
+    first = _by_step(one)[1]
+    assert first["sync/probe_gap"] <= 1e-3 and first["kl"] >= 0.0
+    assert _differences(one, two, range(1, STEPS + 1)) == []
 
 
 def test_planted_per_rank_advantages_differ_from_one_process(runs):

@@ -40,6 +40,9 @@ class TransformersEngine:
         # left padding, one token at a time) against the training forward.
         self.version = version
 
+    def close(self) -> None:
+        """Nothing to release: the engine is the trainer's own module."""
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingSettings) -> list[Completion]:
         out: list[Completion] = []
