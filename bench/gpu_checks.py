@@ -25,6 +25,7 @@ from gpu_numerics import (
     check_context_parallel,
     check_qlora,
     free_port,
+    record,
 )
 
 # By value: what only a GPU can show first (the guide's run and its memory against the plan), then the numerics,
@@ -47,31 +48,39 @@ CHECKS = [
 OPT_IN = {"offload_loading", "reference_stack"}
 NEEDS_CUDA = {"memory_vs_plan"}
 # Seconds each check may take on one H200 with the 1B model (its timeout there; a check is started only when its
-# budget fits in what is left of the run's). Each check is a fresh process: ~10 s of imports and CUDA start, ~2 s
-# to read the 2.2 GB checkpoint from the page cache, then its work; a training step of 8 rows of 2048 tokens is
-# ~6·1.1e9·16384 ≈ 1.1e14 FLOPs, ~0.4 s at 35% of the ~790 TFLOP/s bf16 peak.
-BUDGET_S = {
-    "setup": 45,  # imports, the 1B model and data built and written, the numerics model, the matmul peak
-    "lora_world1": 50,  # the data tokenized once (the cache serves the later checks), 11 steps
-    # 3 steps, `shardtune plan`, and `shardtune plan --trace` in a fresh process: fake tensors on the CPU, 34
-    # CPU-seconds for this model on a 2-core EPYC
-    "memory_vs_plan": 70,
-    "attention": 30,  # 2 layers: 2 loads, logits, 4 timed steps each, the planted leak
-    # attention only: an 8192-position row, cp 2 and 4 simulated, the planted leak (last of the default run: it
-    # has the budget's margin, and the CPU tests prove the same math on gloo)
-    "context_parallel": 15,
-    "qlora": 35,  # 2 layers quantized and sharded, the dequantized reference, the planted control
-    "kill_resume": 60,  # 3 runs of 4 steps of 4 rows of 512 tokens (one SIGKILLed), 1 of them in a fresh process
-    "bnb_optimizers": 35,  # one 8-bit optimizer, 2 runs in this process
-    "lora_world2": 60,  # not started on one GPU
-    "offload_loading": 120,
-    "reference_stack": 90,
+# budget fits in what is left of the run's), from a stated model, not a GPU measurement (none exists yet): each
+# budget is its estimate below plus 25%, rounded up to 5 s. The model's terms: a fresh process PROCESS_S (imports
+# and CUDA start; stated: the same imports measured 33-39 s on this repository's shared, busy 2-core CPU, and
+# taken as 10 s on the device's 16 cores), reading the 2.2 GB checkpoint LOAD_S, a training step of 8 rows of 2048
+# tokens ~6·1.1e9·16384 ≈ 1.1e14 FLOPs, STEP_S at 35% of the ~790 TFLOP/s bf16 peak; `shardtune plan --trace` of
+# this model measured at 34 CPU-seconds on a 2-core EPYC (TRACE_S).
+PROCESS_S, LOAD_S, STEP_S, TRACE_S = 10.0, 3.0, 0.4, 34.0
+ESTIMATE_S = {
+    "setup": 31,  # imports 10, the 1B model drawn and written 11, data 2, numerics model 1, matmul peak 5, tokenizer 2
+    "lora_world1": PROCESS_S + LOAD_S + 5 + 11 * STEP_S + 3,  # tokenizing once (5), 11 steps, NCCL's start (3)
+    "memory_vs_plan": PROCESS_S + LOAD_S + 3 * STEP_S + 2 + PROCESS_S + TRACE_S,  # 3 steps, plan, the trace
+    "attention": PROCESS_S + 2 + 8 * 0.25,  # 2 loads of the 2-layer model, logits, 4 timed steps each
+    "context_parallel": PROCESS_S + 2,  # attention only, on an 8192-position row
+    "qlora": PROCESS_S + LOAD_S + 2,  # 2 layers quantized and sharded, the reference, 14 layers dequantized
+    # 3 runs of 4 steps of 4 rows of 512 tokens with 2 checkpoints: 2 in this process, 1 (SIGKILLed) in its own
+    "kill_resume": PROCESS_S + 3 * (LOAD_S + 3) + PROCESS_S,
+    "bnb_optimizers": PROCESS_S + 2 * (LOAD_S + 3),  # one 8-bit optimizer, 2 runs in this process
+    "lora_world2": PROCESS_S + 2 * PROCESS_S + LOAD_S + 11 * STEP_S,  # not started on one GPU
+    "offload_loading": 3 * (2 * PROCESS_S + 2 * LOAD_S + 4 * STEP_S),  # opt-in: host-memory loading, 3 runs
+    "reference_stack": PROCESS_S + 4 * LOAD_S + 11 * 1.0 + 30,  # opt-in: fp32 base, TRL's start
 }
-# The whole check on one H200, from its start (the default run's budgets add up to 340 s): with ≤ 30 s to install
-# the carried wheels, a device command of 6 minutes, so that two of them (a rerun) and two machine starts of 1-2
-# minutes each fit a 15-minute device budget.
-DEVICE_BUDGET_S = 330
-GPUS = {"lora_world2": 2}  # NCCL runs one rank per GPU
+BUDGET_S = {k: int(5 * -(-1.25 * v // 5)) for k, v in ESTIMATE_S.items()}
+# The whole check on one H200, from its start (the default run's budgets add up to 290 s): with <= 30 s to install
+# the carried wheels, a device command of at most 320 s (timeout_s), so that two of them (a rerun) and two machine
+# starts of up to 2 minutes each fit a 15-minute device budget: 2 x 320 + 2 x 120 = 880 <= 900 s.
+DEVICE_BUDGET_S = 290
+GPUS = {"lora_world2": 2}
+SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"  # shardtune.config.fsdp.SINGLE_PROCESS_ENV
+# Planted bugs, for the controls that run on the CPU (tests/e2e/test_gpu_check.py): lora_world1 on the setting named
+# here instead of "fsdp" (auto: the plain module, which the check must report as a failure), and the command that
+# `memory_vs_plan` traces with (a failing one: the measurements taken before must survive).
+LORA_WORLD1_PLANT = "GPU_CHECK_PLANT_SINGLE_PROCESS"
+TRACE_CMD_PLANT = "GPU_CHECK_PLANT_TRACE_CMD"  # NCCL runs one rank per GPU
 
 
 @dataclass
@@ -221,7 +230,9 @@ def resume_check(ctx: dict, name: str, *, kill: bool = False, world: int = 1, de
     train(ctx, resumed, world=world, resume_from_checkpoint="latest", **flags)
     want, got = losses(full), losses(resumed)
     diffs = [abs(got[k] - want[k]) / abs(want[k]) for k in (3, 4) if k in got]
+    record(ctx, f"{name}_losses", {"full": want, "resumed": got})
     return {
+        "control": resume_control(full, resumed, got),
         "losses": [want[k] for k in sorted(want)],
         "resumed_losses": [got[k] for k in sorted(got) if k > 2],
         "resume_equal": [got.get(3), got.get(4)] == [want[3], want[4]] and same_adapter(full, resumed),
@@ -231,7 +242,49 @@ def resume_check(ctx: dict, name: str, *, kill: bool = False, world: int = 1, de
     }
 
 
+def resume_control(full: Path, resumed: Path, got: dict) -> dict:
+    """The planted control of the resume checks: the resumed run's adapter with one element moved by one bf16 ulp,
+    and its step-4 loss by one float32 ulp, must each fail the comparison that passes the real resume (a comparison
+    that cannot see one ulp cannot see a state the checkpoint missed)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    planted = resumed.parent / "planted"
+    shutil.rmtree(planted, ignore_errors=True)
+    planted.mkdir()
+    tensors = load_file(resumed / "adapter_model.safetensors")
+    key = min(tensors)
+    t = tensors[key].clone()
+    flat = t.view(-1)
+    flat[0] = torch.nextafter(flat[0].float(), torch.tensor(float("inf"))).to(t.dtype)
+    if torch.equal(flat[0:1], tensors[key].view(-1)[0:1]):  # one float32 ulp can round away in bf16
+        flat[0] = flat[0] + flat[0].abs().clamp_min(1e-3) * 2**-7
+    save_file({**tensors, key: t}, planted / "adapter_model.safetensors")
+    adapter_seen = not same_adapter(full, planted)
+    loss4 = got.get(4)
+    loss_seen = loss4 is not None and float(torch.nextafter(torch.tensor(loss4), torch.tensor(float("inf")))) != loss4
+    return {
+        "planted": f"{key}[0] moved by one ulp; step 4's loss moved by one ulp",
+        "failed": adapter_seen and loss_seen,
+    }
+
+
 # ------------------------------------------------------------------------------------------------- checks
+
+
+def recording_fsdp(decisions: list) -> None:
+    """Record every `use_fsdp` decision of the runs in this process (shardtune.parallel.setup reads it by name):
+    (FSDP or the plain module, the one line why), so that a check says which path it ran."""
+    from shardtune.parallel import setup
+
+    original = setup.use_fsdp
+
+    def use_fsdp(*a, **kw):
+        fsdp, why = original(*a, **kw)
+        decisions.append([fsdp, why])
+        return fsdp, why
+
+    setup.use_fsdp = use_fsdp
 
 
 def check_lora(ctx: dict, world: int) -> dict:
@@ -250,8 +303,11 @@ def check_lora(ctx: dict, world: int) -> dict:
     spec = speed.worker_spec(c, s, ctx, workdir, ctx["device"], ctx["pad_id"])
     spec["cache_dir"] = ctx["cache"]
     Path(spec["dir"], "spec.json").write_text(json.dumps(spec))
-    if world == 1:  # bench/speed.py's worker, in this process
+    decisions: list = []
+    if world == 1:  # bench/speed.py's worker, in this process, on FSDP2 (one process skips FSDP by default)
         os.environ.update({k: v for k, v in speed._env(c, s).items() if k.startswith(("ACCELERATE_", "FSDP_"))})
+        os.environ[SINGLE_PROCESS_ENV] = os.environ.get(LORA_WORLD1_PLANT, "fsdp")
+        recording_fsdp(decisions)
         ranks = {0: speed.run_shardtune_worker(spec)}
     else:
         me = [str(REPO / "bench" / "speed.py"), "--_worker", str(Path(spec["dir"], "spec.json"))]
@@ -263,8 +319,10 @@ def check_lora(ctx: dict, world: int) -> dict:
     fm = speed.FlopModel(**ctx["flop_model"])
     summary = speed.summarize([ranks], s, fm, ctx["peak_flops"], recompute=1.0)
     got = losses(Path(spec["output_dir"]))
-    ordered = [got[k] for k in sorted(got)]
+    ordered = record(ctx, "losses", [got[k] for k in sorted(got)])
     return {
+        "fsdp": all(d[0] for d in decisions) if decisions else world > 1,
+        "fsdp_decisions": decisions or [[True, f"FSDP: {world} processes shard the model."]],
         "losses": ordered,
         "loss_falls": statistics.fmean(ordered[-2:]) < statistics.fmean(ordered[:2]),
         "tokens_per_s": summary["tokens_per_s"],
@@ -343,15 +401,12 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     """One rank trains in this process; its CUDA peaks against `shardtune plan` on the same flags: allocated and
     reserved in all, and the weights (what is allocated when the first step starts: the frozen base and the
     trainable weights, before the optimizer's states exist) against the plan's weight terms."""
-    import contextlib
-    import io
 
     import torch
 
     if ctx["device"] != "cuda":
         raise Skip("needs CUDA")
     from shardtune import cli
-    from shardtune.config import cuda_allocator
     from shardtune.config.accelerate import accelerate_env
     from shardtune.training import trainer
 
@@ -373,59 +428,89 @@ def check_memory_vs_plan(ctx: dict) -> dict:
     if cli.run_command("train", argv[1:]) != 0:
         raise RuntimeError("shardtune train failed")
     measured = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
-    # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
-    # constant comes from"): the device memory in use outside torch's allocator (CUDA context, cuBLAS/NCCL
-    # buffers: CUDA_CONTEXT_BYTES; the parent's own context, which measured the matmul peak, left out) and this
-    # process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
+    record(ctx, "measured_bytes", {**measured, "weights": at_first_step[0]})
     free, total = torch.cuda.mem_get_info()
     outside_allocator = total - free - torch.cuda.memory_reserved() - ctx["parent_device_bytes"]
     import resource
 
     host_peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return against_plan(ctx, argv, {**measured, "weights": at_first_step[0]}, outside_allocator, host_peak_rss)
+
+
+def against_plan(ctx: dict, argv: list[str], measured: dict, outside_allocator: int, host_peak_rss: int) -> dict:
+    """The measured peaks (recorded first, so that nothing after can lose them) against `shardtune plan` on the same
+    flags, then against the allocator replayed over `shardtune plan --trace`: a failed trace is reported
+    (`trace_error`, and the check fails) beside the measurements and the plan, never instead of them."""
+    import contextlib
+    import io
+
+    from shardtune import cli
+    from shardtune.config import cuda_allocator
+
+    gib = 2**30
+    out = {
+        "measured_gib": {k: v / gib for k, v in measured.items()},
+        # The calibration data for the planner's constants that fake tensors cannot give (docs/plan.md, "Where each
+        # constant comes from"): the device memory in use outside torch's allocator (CUDA context, cuBLAS/NCCL
+        # buffers: CUDA_CONTEXT_BYTES; the parent's own context, which measured the matmul peak, left out) and this
+        # process's peak host RSS (HOST_PROCESS_BYTES, plus the loading).
+        "outside_allocator_gib": outside_allocator / gib,
+        "host_peak_rss_gib": host_peak_rss / gib,
+        # the plan estimates for the setting this process trained with (shardtune.cli.prepare_process set it)
+        "allocator": cuda_allocator.describe(),
+        "expandable_segments": cuda_allocator.expandable_segments(),
+        # One process trains LoRA without FSDP by default (SHARDTUNE_FSDP_SINGLE_PROCESS=auto), and the plan says
+        # so; the replay below is of the FSDP trace (a model without weights is traced under FSDP2's tracker).
+        "single_process_setting": os.environ.get(SINGLE_PROCESS_ENV, "auto"),
+    }
+    for key in ("measured_gib", "outside_allocator_gib", "host_peak_rss_gib"):
+        record(ctx, key, out[key])
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         if cli.run_command("plan", [*argv[1:], "--json", "True"]) != 0:
-            raise RuntimeError("shardtune plan failed")
+            out["plan_error"] = "shardtune plan failed"
+            return out
     plan = json.loads(buf.getvalue())
     weights = plan["device"]["frozen base weights"] + plan["device"]["trainable weights"]
-    gib = 2**30
-    replay = _replayed(argv[1:])
-    return {
-        # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
-        # setting this process ran with (shardtune.config.cuda_allocator): the replay's rules against the real allocator
-        "replayed_gib": {k: v / gib for k, v in replay.items() if k != "reserved_by_stream"},
-        "replayed_reserved_by_stream_gib": {k: v / gib for k, v in replay["reserved_by_stream"].items()},
-        "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],
-        "measured_gib": {**{k: v / gib for k, v in measured.items()}, "weights": at_first_step[0] / gib},
-        "plan_gib": {
-            "allocated": plan["allocated_bytes"] / gib,
-            "reserved": plan["reserved_bytes"] / gib,
-            "weights": weights / gib,
-        },
+    out.update({
+        "plan_gib": {"allocated": plan["allocated_bytes"] / gib, "reserved": plan["reserved_bytes"] / gib,
+                     "weights": weights / gib},
         "plan_terms_gib": {k: v / gib for k, v in plan["device"].items()},
         "allocated_over_plan": measured["allocated"] / plan["allocated_bytes"],
         "reserved_over_plan": measured["reserved"] / plan["reserved_bytes"],
         # what ALLOCATOR_OVERHEAD(_EXPANDABLE) stands for, as this run measures it (no published row)
         "reserved_over_allocated": measured["reserved"] / measured["allocated"],
-        # the plan estimates for the setting this process trained with (shardtune.cli.prepare_process set it)
-        "allocator": cuda_allocator.describe(),
-        "expandable_segments": cuda_allocator.expandable_segments(),
+        "weights_over_plan": measured["weights"] / weights,
         "plan_expandable_segments": plan["allocator"]["expandable_segments"],
-        # One process trains LoRA without FSDP by default (SHARDTUNE_FSDP_SINGLE_PROCESS=auto), and the plan says
-        # so; the replay above is of the FSDP trace (a model without weights is traced under FSDP2's tracker).
         "plan_fsdp": plan["settings"]["fsdp"],
-        "single_process_setting": os.environ.get("SHARDTUNE_FSDP_SINGLE_PROCESS", "auto"),
-        "outside_allocator_gib": outside_allocator / gib,
-        "host_peak_rss_gib": host_peak_rss / gib,
-        "weights_over_plan": at_first_step[0] / weights,
-    }
+    })  # fmt: skip
+    record(ctx, "plan_gib", out["plan_gib"])
+    try:
+        replay = _replayed(argv[1:])
+    except Exception as e:  # noqa: BLE001 - the trace is the last step: what was measured stays in the result
+        tail = getattr(e, "stderr", None) or ""
+        out["trace_error"] = f"{type(e).__name__}: {str(e)[:300]} {tail[-1000:]}".strip()
+        return out
+    # the caching allocator replayed over the traced history of the same run (planning.allocator), for the
+    # setting this process ran with (shardtune.config.cuda_allocator): the replay's rules against the real allocator
+    out.update({
+        "replayed_gib": {k: v / gib for k, v in replay.items() if k != "reserved_by_stream"},
+        "replayed_reserved_by_stream_gib": {k: v / gib for k, v in replay["reserved_by_stream"].items()},
+        "reserved_over_replay": measured["reserved"] / replay["max_memory_reserved"],
+    })  # fmt: skip
+    return out
 
 
 def _replayed(train_argv: list[str]) -> dict[str, int]:
     """`shardtune plan --trace` of the same flags, in a fresh process (a trace owns its fake process group):
     the replayed max_memory_allocated/reserved for this process's allocator setting."""
+    cmd = (
+        json.loads(os.environ[TRACE_CMD_PLANT])
+        if TRACE_CMD_PLANT in os.environ
+        else [sys.executable, "-m", "shardtune"]
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "shardtune", "plan", *train_argv, "--json", "True", "--trace", "True"],
+        [*cmd, "plan", *train_argv, "--json", "True", "--trace", "True"],
         capture_output=True,
         text=True,
         check=True,
@@ -433,6 +518,19 @@ def _replayed(train_argv: list[str]) -> dict[str, int]:
     plan = json.loads(out)
     setting = "expandable_segments" if plan["allocator"]["expandable_segments"] else "default"
     return plan["trace"]["allocator_replay"][setting]
+
+
+def planted_hang(ctx: dict) -> dict:
+    """A planted check for the timeout's test (not in CHECKS): it records a measurement, starts a child that
+    sleeps, then sleeps itself; killed at its budget, no process of its tree may be left and the measurement kept."""
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    record(ctx, "child_pid", child.pid)
+    record(ctx, "check_pid", os.getpid())
+    record(ctx, "measured", 1.5)
+    time.sleep(600)
+    return {}
 
 
 def check_reference_stack(ctx: dict) -> dict:
@@ -460,4 +558,5 @@ RUN = {
     "kill_resume": check_kill_resume,
     "memory_vs_plan": check_memory_vs_plan,
     "reference_stack": check_reference_stack,
+    "_planted_hang": planted_hang,
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import socket
 import statistics
@@ -73,6 +74,21 @@ def compare(ref, got) -> dict:
     rms = float(ref.float().pow(2).mean().sqrt())
     diff = float((got.float() - ref.float()).abs().max())
     return {"max_abs_diff": diff, "tol": tol * rms, "over_tol": diff / (tol * rms), "equal": diff <= tol * rms}
+
+
+def compare_rounded(ref, got) -> dict:
+    """Two dequantizations of the same weight, element by element: equal up to one rounding of either to bf16 (half
+    a bf16 ulp each, 2^-8 of the value together); a wrong code, block size or absmax is a whole step away."""
+    diff = (got.float() - ref.float()).abs()
+    bound = 2.0**-8 * torch_maximum(got.float().abs(), ref.float().abs()) + 1e-12
+    over = float((diff / bound).max())
+    return {"max_abs_diff": float(diff.max()), "tol": "2^-8 x |value|", "over_tol": over, "equal": over <= 1.0}
+
+
+def torch_maximum(a, b):
+    import torch
+
+    return torch.maximum(a, b)
 
 
 def _control(planted: str, result: dict) -> dict:
@@ -265,14 +281,81 @@ def bnb_or_skip():
         raise Skip("bitsandbytes is not installed: carry its wheel (docs/gpu.md) or pip install 'shardtune[qlora]'")
 
 
+def record(ctx: dict, key: str, value):
+    """One measurement written at once as a JSON line, flushed and synced to the check's partial file
+    (ctx["partial_path"]): a check killed at its budget, or failing later, keeps what it measured so far."""
+    path = ctx.get("partial_path")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({key: value}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return value
+
+
+def read_partial(path) -> dict:
+    """The measurements a check recorded (record), merged in order; a torn last line is left out."""
+    out = {}
+    p = Path(path)
+    for line in p.read_text().splitlines() if p.exists() else []:
+        try:
+            out.update(json.loads(line))
+        except ValueError:
+            break
+    return out
+
+
 class Skip(Exception):
     """A check that cannot run here; the message says why."""
 
 
+# NF4's 16 values as bitsandbytes publishes them (bitsandbytes.functional.get_4bit_type("nf4"), the QLoRA paper's
+# Appendix E), written out here so that the check's dequantization does not read the library it checks.
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
+def absmax_of(state):
+    """The float32 absmax of each block of a 4-bit weight: stored as is, or (double quantization) as 8-bit codes of
+    the dynamic map (`state2.code`, stored with the weight) scaled per block of `state2.blocksize` by `state2.absmax`,
+    plus `offset`, dequantized here without bitsandbytes' kernels."""
+    import torch
+
+    if getattr(state, "nested", False) or getattr(state, "state2", None) is not None:
+        s2 = state.state2
+        codes = s2.code.float().cpu()[state.absmax.cpu().long()]
+        scale = s2.absmax.float().cpu().repeat_interleave(s2.blocksize)[: codes.numel()]
+        return codes * scale + float(state.offset)
+    return state.absmax.float().cpu().to(torch.float32)
+
+
+def dequantize_nf4(packed, state, *, code=NF4_CODE, blocksize: int | None = None):
+    """A 4-bit NF4 weight dequantized independently of bitsandbytes: the packed bytes (any storage dtype, viewed as
+    uint8; each byte holds two values, the first in its high nibble), NF4's code table above, each block of
+    `blocksize` values (the state's) scaled by its absmax (absmax_of). fp32, on the CPU, in the state's shape."""
+    import torch
+
+    data = packed.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    idx = torch.stack([data >> 4, data & 0xF], dim=1).reshape(-1).long()
+    n = 1
+    for d in state.shape:
+        n *= d
+    values = torch.tensor(code, dtype=torch.float32)[idx[:n]]
+    scale = absmax_of(state).repeat_interleave(blocksize or state.blocksize)[:n]
+    return (values * scale).reshape(tuple(state.shape))
+
+
 def check_qlora(ctx: dict) -> dict:
     """One rank: the sharded 4-bit model (shardtune's loader, FSDP2) against a bf16 model holding its 4-bit weights
-    dequantized (the adapter starts at zero, so both compute the same function): the logits at every target,
-    element by element. The planted control, one layer dequantized with its scales (absmax) doubled, must fail."""
+    dequantized by this check (dequantize_nf4: the packed bytes, the double-quantized absmax and NF4's table written
+    out here, not bitsandbytes' kernels; the adapter starts at zero, so both compute the same function): the logits
+    at every target, element by element. Each layer's independent dequantization is also compared with
+    bitsandbytes' dequantize_4bit and with the layer's forward (bitsandbytes.matmul_4bit on its packed weight, as
+    Linear4bit.forward calls it). The planted control, one layer dequantized with its scales (absmax) doubled,
+    must fail."""
     bnb_or_skip()
     import torch
 
@@ -290,10 +373,10 @@ def check_qlora(ctx: dict) -> dict:
     # No new tokens: new embedding rows are initialised at random, differently here and in the reference.
     spec = ModelSpec(model_name_or_path=ctx["numerics_model"], dtype=torch.bfloat16, n_tokens=ctx["base_vocab"],
                      param_dtype=torch.bfloat16, attn_impl=attn, quantization_config=qcfg)  # fmt: skip
-    model = build_sharded_model(spec, info)
+    model = build_sharded_model(spec, info)  # single_process "fsdp": FSDP2 at world size 1
     batch = packed_batch(ctx, ctx["device"])
     got = target_logits(model, batch)
-    deq = _dequantized(model)
+    deq, layers = _dequantized(model)
     ref_model = loading.load_base_model(ctx["numerics_model"], dtype=torch.bfloat16, attn_impl=attn,
                                          trust_remote_code=False)  # fmt: skip
     ref_model = training_module.CausalLMForTraining(_with_weights(ref_model, deq).to(ctx["device"]))
@@ -302,28 +385,45 @@ def check_qlora(ctx: dict) -> dict:
     wrong = {**deq, planted: deq[planted] * 2}  # every block of one layer with its absmax doubled
     _with_weights(ref_model.model, wrong)
     control = compare(target_logits(ref_model, batch), got)
+    worst = lambda k: max(v[k]["over_tol"] for v in layers.values())
     return {
         **result,
+        "equal": result["equal"]
+        and all(v["bnb_dequantize"]["equal"] and v["forward"]["equal"] for v in layers.values()),
+        "logits_equal": result["equal"],
+        "dequantization": "independent (NF4 table, packed bytes, double-quantized absmax in bench/gpu_numerics.py)",
+        "bnb_dequantize_over_tol": worst("bnb_dequantize"),
+        "forward_over_tol": worst("forward"),
+        "layers": layers,
         "control": _control(f"{planted} dequantized with doubled scales", control),
         "elements": got.numel(),
         "packed_mib_per_rank": quant.quantized_bytes(model)["packed_local"] / 2**20,
     }
 
 
-def _dequantized(model) -> dict:
-    """Each 4-bit layer's weight dequantized to bf16, by the name of its layer (`layers.<i>....`)."""
+def _dequantized(model) -> tuple[dict, dict]:
+    """Each 4-bit layer's weight dequantized by dequantize_nf4 (bf16, by the name of its layer `layers.<i>....`),
+    and per layer its comparison with bitsandbytes' dequantize_4bit and with the layer's forward on random rows."""
     import bitsandbytes as bnb
     import torch
 
     from shardtune.models import quant
 
-    out = {}
+    out, layers = {}, {}
+    gen = torch.Generator().manual_seed(2)
     for name, layer in quant.linear4bit_modules(model):
         key = name[name.index("layers.") :].removesuffix(".base_layer")
         w = layer.weight  # a DTensor shard, or the whole (unsharded) weight after a forward of the root's
         w = w.full_tensor() if hasattr(w, "full_tensor") else w
-        out[key] = bnb.functional.dequantize_4bit(w, layer.quant_state).to(torch.bfloat16)
-    return out
+        mine = dequantize_nf4(w, layer.quant_state)
+        out[key] = mine.to(torch.bfloat16)
+        theirs = bnb.functional.dequantize_4bit(w, layer.quant_state).float().cpu()
+        x = torch.randn(16, mine.shape[1], generator=gen).to(w.device, torch.bfloat16)
+        with torch.no_grad():
+            fwd = bnb.matmul_4bit(x, w, bias=None, quant_state=layer.quant_state).float().cpu()
+        layers[key] = {"bnb_dequantize": compare_rounded(theirs, mine),
+                       "forward": compare(x.float().cpu() @ mine.to(torch.bfloat16).float().T, fwd)}  # fmt: skip
+    return out, layers
 
 
 def _with_weights(model, weights: dict):
