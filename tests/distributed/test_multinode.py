@@ -75,7 +75,7 @@ def _launch_two_machines(config, flags, port, node_flags=([], [])):
         assert p.returncode == 0, err[-4000:]
 
 
-# bench: HYBRID_SHARD on 2 simulated machines, 3 launches and a resume, 170 s; the launcher's two-machine rendezvous stays in tests/unit/test_launcher.py (`python -m pytest tests -m bench`; docs/testing.md)
+# bench: HYBRID_SHARD on 2 simulated machines, 3 launches and a resume, 170 s; the launcher's two-machine rendezvous stays in tests/unit/test_launcher.py, HYBRID_SHARD over 2 machines' steps in tests/distributed/test_strategy_steps.py (`python -m pytest tests -m bench`; docs/testing.md)
 @pytest.mark.bench
 def test_hybrid_two_nodes_equals_one_node_full_shard_and_resumes_on_one_node(tiny_assets, tmp_path):
     hybrid, full = tmp_path / "hybrid", tmp_path / "full"

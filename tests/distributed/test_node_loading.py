@@ -78,7 +78,7 @@ def _read_by(load_log) -> list[str]:
     return sorted(p.name for p in load_log.iterdir())
 
 
-# bench: 2 simulated machines reading once per node, 75 s; rank-0 reading and scattering stays in test_loading.py (`python -m pytest tests -m bench`; docs/testing.md)
+# bench: 2 simulated machines reading once per node, 75 s; rank-0 reading and scattering stays in test_loading.py, one read per machine in test_strategy_steps.py (`python -m pytest tests -m bench`; docs/testing.md)
 @pytest.mark.bench
 def test_full_shard_two_nodes_read_once_per_node_and_train_like_one_node(tiny_assets, tmp_path):
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"

@@ -70,7 +70,7 @@ def _assert_planner_matches(out, model_dir, **kwargs):
 
 
 # SHARD_GRAD_OP and NO_SHARD: bench (20 s each; `python -m pytest tests -m bench`; docs/testing.md); FULL_SHARD, the
-# guide's, stays in the suite.
+# guide's, stays in the suite, and both strategies' steps in tests/distributed/test_strategy_steps.py.
 @pytest.mark.parametrize(
     "strategy",
     [

@@ -37,7 +37,7 @@ def _losses(out):
     return torch.tensor(losses)
 
 
-# bench: a checkpointing variant, 20 s; gradient checkpointing itself runs in most parity tests (`python -m pytest tests -m bench`; docs/testing.md)
+# bench: a checkpointing variant, 20 s; gradient checkpointing itself runs in most parity tests, every second block's step in tests/unit/test_speed_options_step.py (`python -m pytest tests -m bench`; docs/testing.md)
 @pytest.mark.bench
 def test_checkpointing_every_second_block_trains_the_same(tiny_assets, tmp_path):
     """With dropout on: the recomputed blocks draw the same dropout masks as the blocks that keep activations."""
@@ -49,7 +49,7 @@ def test_checkpointing_every_second_block_trains_the_same(tiny_assets, tmp_path)
     _same_training(tmp_path / "every", tmp_path / "second")
 
 
-# bench: torch.compile's compilation, 20 s (`python -m pytest tests -m bench`; docs/testing.md)
+# bench: torch.compile's compilation, 20 s; compiled blocks' step (aot_eager) in tests/unit/test_speed_options_step.py (`python -m pytest tests -m bench`; docs/testing.md)
 @pytest.mark.bench
 def test_torch_compile_with_fsdp2_and_checkpointing_trains_the_same(tiny_assets, tmp_path):
     """Compiled blocks run transformers' masked SDPA; eager ones the per-document attention: same numbers."""
