@@ -156,6 +156,27 @@ def test_loss_plot_png(tmp_path):
     assert blue > 200 and orange > 50
 
 
+def test_an_rl_runs_plot_has_its_reward_curve_below_the_loss(tmp_path):
+    """Online RL (TRL's metric names): the reward and each function's mean in green and their own colours, in a
+    panel below the loss; a run without rewards keeps the one-panel plot (test_loss_plot_png)."""
+    import matplotlib.image
+
+    from shardtune.training.metrics import plot_run
+
+    records = [
+        {"type": "train", "step": s, "loss": 0.0, "learning_rate": 1e-3, "reward": 0.1 * s,
+         "rewards/exact_answer_reward/mean": 0.9 - 0.1 * s}
+        for s in range(1, 9)
+    ]  # fmt: skip
+    path = plot_run(tmp_path, records)
+    image = matplotlib.image.imread(path)
+    assert image.shape == (700, 1000, 4)
+    rgb = image[..., :3]
+    green = (abs(rgb - [0.173, 0.627, 0.173]) < 0.06).all(-1)  # tab:green, the reward line
+    rows = green.any(-1).nonzero()[0]
+    assert green.sum() > 200 and rows.min() > 350  # drawn, and in the lower panel only
+
+
 def test_summary_table_matches_metrics(tmp_path, capsys):
     _run(tmp_path)
     records = read_metrics(tmp_path)

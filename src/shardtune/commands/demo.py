@@ -16,6 +16,7 @@ import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from shardtune.commands.chat import generate_reply
+from shardtune.commands.demo_rl import grpo_demo
 from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.data.preference import tokenize_pair
 from shardtune.inference.load import load_for_chat
@@ -372,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--objective",
         default="sft",
-        choices=["sft", "dpo"],
-        help="sft: fine-tune on chats; dpo: preference-tune on generated right/wrong answer pairs.",
+        choices=["sft", "dpo", "grpo"],
+        help="sft: fine-tune on chats; dpo: preference-tune on generated right/wrong answer pairs; grpo: a short SFT "
+        "warm start, then online RL (GRPO) rewarded for the right answer.",
     )
     args = ap.parse_args(argv)
     # Before peft and transformers load: their notices that are not about the demo's run (bitsandbytes' missing
@@ -384,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     assets = build_demo_assets(root)
     if args.objective == "dpo":
         return _preference_demo(assets, root, args.nproc, args.epochs)
+    if args.objective == "grpo":
+        return grpo_demo(assets, root, args.nproc, _launch_train, {"capital": CAPITALS, "opposite": OPPOSITES})
     out = root / "output"
     before = _answers(assets["model"], None)
     flags = demo_train_flags(assets["model"], assets["data"], out, args.epochs or 6.0)

@@ -3,6 +3,8 @@ dropout, the token rows it trains and saves, attached to the base model."""
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from shardtune.models import quant_experts, targets
@@ -52,7 +54,11 @@ def attach_adapter(
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter_path:
-        model = PeftModel.from_pretrained(model, adapter_path, adapter_name=adapter_name, is_trainable=True)
+        with warnings.catch_warnings():
+            # Ranks that do not read the weights hold a meta skeleton: torch warns, per tensor, that loading the
+            # adapter onto it is a no-op. It is meant to be: the reading rank's shards fill those ranks.
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter .* to a meta parameter")
+            model = PeftModel.from_pretrained(model, adapter_path, adapter_name=adapter_name, is_trainable=True)
         print0(f"Continuing training of the adapter in {adapter_path}.")
         if model.peft_config[adapter_name].target_parameters:
             _linear_dropout(model, lora_dropout, adapter_name)

@@ -92,6 +92,12 @@ def _unsupported(cfg) -> list[str]:
             "does not hold yet; train an adapter (--use_peft_lora True: the reference is the adapter disabled) or "
             "set --beta 0."
         )
+    if t.beta > 0 and m.adapter_path:
+        p.append(
+            "--beta > 0 with --adapter_path: GRPO's reference is the model with its adapter disabled (TRL's rule), "
+            "so the KL term would pull the adapter you continue back to the base without it; merge that adapter "
+            "into the base first (shardtune merge) and train a new one on the merged model, or set --beta 0."
+        )
     if t.rollout_engine != "vllm" and any(getattr(t, f) != FLAG_DEFAULTS[f] for f in VLLM_FLAGS):
         used = [f"--{f}" for f in VLLM_FLAGS if getattr(t, f) != FLAG_DEFAULTS[f]]
         p.append(f"{', '.join(used)} only apply to --rollout_engine vllm; remove them or set --rollout_engine vllm.")

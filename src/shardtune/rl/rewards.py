@@ -54,7 +54,7 @@ _KEYWORDS = "prompts=, completions=, completion_ids=, trainer_state=, log_extra=
 
 @dataclass(frozen=True)
 class RewardFunction:
-    name: str  # as the user wrote it: metric names are rewards/<name>/mean
+    name: str  # as the user wrote it, for messages; metrics use the function's __name__, as TRL's
     fn: Callable
     weight: float
 

@@ -397,7 +397,7 @@ def summary_table(records: list[dict]) -> str:
 
 def plot_run(output_dir: str | Path, records: list[dict] | None = None) -> Path:
     """Draw training and eval loss against step, and the learning rate on a second axis, into
-    `output_dir/loss.png` (1000x400 px); return its path."""
+    `output_dir/loss.png` (1000x400 px; 1000x700 with an online-RL run's rewards below); return its path."""
     _require("matplotlib", "The loss plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -409,9 +409,12 @@ def plot_run(output_dir: str | Path, records: list[dict] | None = None) -> Path:
     if not train and not evals:
         raise ValueError(f"{output_dir / METRICS_FILE} has no train or eval records to plot.")
     # A Figure on its own Agg canvas: no pyplot global state, no display needed.
-    fig = Figure(figsize=(10, 4), dpi=100)
+    rewarded = any(r.get("reward") is not None for r in train)  # online RL: the reward curve below the loss
+    fig = Figure(figsize=(10, 7 if rewarded else 4), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if rewarded else fig.add_subplot()
+    if rewarded:
+        _plot_rewards(fig.add_subplot(2, 1, 2), train)
     lines = _plot_series(ax, train, "loss", label="train loss", color="tab:blue")
     lines += _plot_series(ax, evals, "eval_loss", label="eval loss", color="tab:orange", marker="o")
     ax.set_xlabel("step")
@@ -432,6 +435,21 @@ def plot_run(output_dir: str | Path, records: list[dict] | None = None) -> Path:
     with replaced_file(path) as f:  # a viewer open on loss.png never sees half a file
         fig.savefig(f, dpi=100, format="png")
     return path
+
+
+def _plot_rewards(ax, train: list[dict]) -> None:
+    """The mean reward and each reward function's (TRL's names: reward, rewards/<function>/mean) against step."""
+    from matplotlib.ticker import MaxNLocator
+
+    lines = _plot_series(ax, train, "reward", label="reward", color="tab:green")
+    per_function = sorted({k for r in train for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    for key in per_function:
+        lines += _plot_series(ax, train, key, label=key.removeprefix("rewards/").removesuffix("/mean"), alpha=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="lower right")
 
 
 def _plot_series(ax, records: list[dict], key: str, **style) -> list:
