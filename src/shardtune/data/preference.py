@@ -38,7 +38,7 @@ from shardtune.runtime.log import print0, warn0
 
 from .collate import collate_rows, epoch_order
 from .packing import Document, build_rows
-from .sources import check_not_empty, dataset_identity, load_split, parse_splits
+from .sources import dataset_identity, requested_splits
 from .templates import tokenize_completions
 
 if TYPE_CHECKING:
@@ -129,21 +129,12 @@ def build_preference_datasets(
             "--objective kto estimates its KL term from other examples of the same micro-batch: it needs "
             "--per_device_train_batch_size × ranks >= 2 (TRL: a batch size > 1); raise --per_device_train_batch_size."
         )
-    request = parse_splits(data.splits)
     out = []
-    for split, limit, flag in (
-        (request.train, data.max_train_samples, "--max_train_samples"),
-        (request.eval, data.max_eval_samples, "--max_eval_samples"),
-    ):
-        if split is None:
+    for requested in requested_splits(data):
+        if requested is None:
             out.append(None)
             continue
-        ds = load_split(dataset_name, split, is_train=split == request.train)
-        check_not_empty(ds, dataset_name, split)
-        if limit is not None:
-            if limit < 1:
-                raise ValueError(f"{flag} must be >= 1 (got {limit}).")
-            ds = ds.select(range(min(len(ds), limit)))
+        split, ds = requested
         _check_columns(ds.column_names, dataset_name, split, unpaired=kto_group is not None)
         opts = {"max_length": max_length, "add_special_tokens": add_special_tokens, "drop_long": drop_long_samples}
         if kto_group is not None:

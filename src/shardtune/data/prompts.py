@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.runtime.log import print0
 
-from .sources import check_not_empty, load_split, parse_splits
+from .sources import requested_splits
 from .templates import chat_encoder, template_kwargs, validate_messages
 
 if TYPE_CHECKING:
@@ -54,21 +54,12 @@ def build_prompt_datasets(
 ) -> tuple[PromptSplit, PromptSplit | None]:
     """The train split's and the optional eval split's prompts (--splits), each cut to --max_train_samples /
     --max_eval_samples."""
-    request = parse_splits(data.splits)
     out = []
-    for split, limit, flag in (
-        (request.train, data.max_train_samples, "--max_train_samples"),
-        (request.eval, data.max_eval_samples, "--max_eval_samples"),
-    ):
-        if split is None:
+    for requested in requested_splits(data):
+        if requested is None:
             out.append(None)
             continue
-        ds = load_split(data.dataset_name, split, is_train=split == request.train)
-        check_not_empty(ds, data.dataset_name, split)
-        if limit is not None:
-            if limit < 1:
-                raise ValueError(f"{flag} must be >= 1 (got {limit}).")
-            ds = ds.select(range(min(len(ds), limit)))
+        split, ds = requested
         if PROMPT_COLUMN not in ds.column_names:
             raise ValueError(
                 f"--dataset_name {data.dataset_name}, split {split!r}: --objective grpo reads TRL's prompt-only "

@@ -97,6 +97,28 @@ def dataset_identity(dataset, dataset_name: str, split: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def requested_splits(data) -> list[tuple[str, object] | None]:
+    """The train and eval splits --splits asks for (`data`: the run's DataArguments), each loaded, checked not
+    empty and cut to --max_train_samples / --max_eval_samples: [(name, dataset) or None, (name, dataset) or None]."""
+    request = parse_splits(data.splits)
+    out = []
+    for split, limit, flag in (
+        (request.train, data.max_train_samples, "--max_train_samples"),
+        (request.eval, data.max_eval_samples, "--max_eval_samples"),
+    ):
+        if split is None:
+            out.append(None)
+            continue
+        ds = load_split(data.dataset_name, split, is_train=split == request.train)
+        check_not_empty(ds, data.dataset_name, split)
+        if limit is not None:
+            if limit < 1:
+                raise ValueError(f"{flag} must be >= 1 (got {limit}).")
+            ds = ds.select(range(min(len(ds), limit)))
+        out.append((split, ds))
+    return out
+
+
 def check_not_empty(dataset, dataset_name: str, split: str) -> None:
     if len(dataset) == 0:
         _empty(dataset_name, split)
