@@ -135,3 +135,27 @@ def test_the_context_check_reads_an_rl_runs_prompt_plus_completion(tiny_assets, 
     long = [*ok, "--max_prompt_length", "100000"]
     problems = [p for p in model_input_problems(load_run_config(_argv(tiny_assets, prompts, *long), env={})) if p]
     assert problems and problems[0].startswith("--max_prompt_length + --max_completion_length 100512 is longer than")
+
+
+def test_a_conversational_prompt_gets_the_template_and_the_generation_prompt(tmp_path):
+    """TRL's conversational prompt-only rows: the chat template with add_generation_prompt, a row's
+    chat_template_kwargs passed to it; the other columns kept for the rewards."""
+    from transformers import AutoTokenizer
+
+    from shardtune.commands.demo import build_tokenizer
+    from shardtune.config.arguments import DataArguments
+    from shardtune.data.prompts import build_prompt_datasets
+    from shardtune.data.templates import setup_tokenizer
+
+    build_tokenizer(tmp_path / "tok", vocab_size=300)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    setup_tokenizer(tok, "chatml")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is one plus one?"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": messages, "solution": "2"}) + "\n")
+    split, _ = build_prompt_datasets(DataArguments(dataset_name=str(data), splits="train"), tokenizer=tok,
+                                     max_prompt_length=None)  # fmt: skip
+    want = tok.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+    assert split.prompt_ids[0] == list(want["input_ids"])
+    assert tok.decode(split.prompt_ids[0]).endswith("<|im_start|>assistant\n")  # the generation prompt
+    assert split.prompts[0] == messages and split.row_columns([0]) == {"solution": ["2"]}
