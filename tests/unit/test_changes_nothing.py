@@ -93,6 +93,8 @@ def test_the_router_loss_coefficient_on_a_dense_model_is_refused():
         "mixture of experts, or its family defines none), so the flag would change nothing; remove it."
     )
     assert preflight.router_aux_problem(dense, None, "tiny-llama") is None  # not given: nothing to say
+    # 0, "no such loss", is true of a dense model: a command line shared by several families may say it
+    assert preflight.router_aux_problem(dense, 0.0, "tiny-llama") is None
     _, moe = _tiny("mixtral")
     assert preflight.router_aux_problem(moe, 0.02, "tiny-mixtral") is None  # negative control: it matters there
 

@@ -379,9 +379,10 @@ def model_input_problems(cfg) -> list[str]:
 
 
 def router_aux_problem(skeleton, coef: float | None, model_name: str) -> str | None:
-    """--router_aux_loss_coef on a model without a router load-balancing loss (a dense model, or a mixture of
-    experts whose family defines none: shardtune.models.router_aux) would change nothing: refused."""
-    if coef is None or family_router_aux(skeleton) is not None:
+    """A non-zero --router_aux_loss_coef on a model without a router load-balancing loss (a dense model, or a
+    mixture of experts whose family defines none: shardtune.models.router_aux) would change nothing: refused. 0
+    ("no such loss") is true of every such model, so a command line shared by several families may say it."""
+    if not coef or family_router_aux(skeleton) is not None:
         return None
     return (
         f"--router_aux_loss_coef {coef:g}: {model_name} ({type(skeleton).__name__}) has no router load-balancing "
