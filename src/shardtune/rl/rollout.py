@@ -40,6 +40,7 @@ from shardtune.rl.engine import RolloutEngine, SamplingSettings
 from shardtune.rl.metrics import rollout_metrics
 from shardtune.rl.probe import SyncProbe
 from shardtune.rl.rewards import RewardError, RewardFunction, combine_rewards, compute_rewards
+from shardtune.runtime.log import warn0
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,14 @@ class Rollouts:
         return len(self) // max(per_generation, 1) * self.s.steps_per_generation * self.s.num_iterations
 
     def close(self) -> None:
-        """Release the engine (a server's adapters); the run's end, or its failure."""
-        if self.engine is not None:
+        """Release the engine (a server's adapters); the run's end, or its failure. A failure to release is a
+        warning: it must neither skip a finished run's final save nor hide the loop's own error."""
+        if self.engine is None:
+            return
+        try:
             self.engine.close()
+        except Exception as e:  # noqa: BLE001  (any engine's error: reported, the run's outcome stands)
+            warn0(f"the rollout engine '{self.engine.name}' could not release what it holds: {e}")
 
     def metrics(self) -> dict[str, float]:
         """The last generation's metrics (logged with the step that trained on it)."""
