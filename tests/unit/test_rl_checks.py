@@ -159,3 +159,17 @@ def test_a_conversational_prompt_gets_the_template_and_the_generation_prompt(tmp
     assert split.prompt_ids[0] == list(want["input_ids"])
     assert tok.decode(split.prompt_ids[0]).endswith("<|im_start|>assistant\n")  # the generation prompt
     assert split.prompts[0] == messages and split.row_columns([0]) == {"solution": ["2"]}
+
+
+def test_a_completion_ends_at_the_tokenizers_eos_or_a_stop_token_of_the_models_generation_config(tmp_path):
+    """Llama 3 Instruct stops on <|eot_id|>, listed in its generation_config.json beside the tokenizer's EOS."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from shardtune.commands.demo import build_tokenizer
+    from shardtune.recipe.rl import eos_ids
+
+    build_tokenizer(tmp_path / "m", vocab_size=300)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert eos_ids(tok, str(tmp_path / "m")) == (tok.eos_token_id,)  # no generation_config.json: the tokenizer's
+    GenerationConfig(eos_token_id=[tok.eos_token_id, 7]).save_pretrained(tmp_path / "m")
+    assert eos_ids(tok, str(tmp_path / "m")) == tuple(sorted({tok.eos_token_id, 7}))

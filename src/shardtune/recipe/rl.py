@@ -16,14 +16,18 @@ from shardtune.rl.vllm_server import VLLMServerEngine, vllm_engine_problems
 from shardtune.runtime.log import print0
 
 
-def eos_ids(tokenizer) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's EOS and, for a chat template, its end-of-turn token when it
-    has another (the generation config's list, as transformers' generate stops on it)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "</s>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and token in tokenizer.get_vocab():
-            ids.add(tid)
+def eos_ids(tokenizer, model_path: str | None) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's EOS (a chat format's end of turn, data.templates) and the
+    model's own stop tokens from its generation_config.json, which transformers' generate stops on too (Llama 3
+    Instruct lists <|eot_id|> there)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} - {None}
+    try:
+        listed = GenerationConfig.from_pretrained(model_path).eos_token_id if model_path else None
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+        listed = None
+    ids.update(listed if isinstance(listed, list) else [] if listed is None else [listed])
     return tuple(sorted(ids))
 
 
@@ -52,7 +56,7 @@ def rollout_settings(cfg: RunConfig, info, tokenizer) -> RolloutSettings:
             temperature=t.temperature,
             top_p=t.top_p,
             top_k=t.top_k,
-            eos_token_ids=eos_ids(tokenizer),
+            eos_token_ids=eos_ids(tokenizer, cfg.model.model_name_or_path),
             pad_token_id=tokenizer.pad_token_id,
         ),
         beta=t.beta,

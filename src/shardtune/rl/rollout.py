@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shardtune.data.collate import epoch_order
 from shardtune.data.prompts import PromptSplit
 from shardtune.objectives.grpo import group_advantages
 from shardtune.parallel.adapters import disabled_adapter
@@ -174,7 +175,7 @@ class Rollouts:
 
     def _dataset_rows(self, epoch: int, index: int) -> list[int]:
         """The generation batch's rows: each of its prompts' dataset rows repeated num_generations times."""
-        order = torch.randperm(len(self.prompts), generator=torch.Generator().manual_seed(self.s.seed + epoch))
+        order = epoch_order(len(self.prompts), seed=self.s.seed, epoch=epoch, shuffle=True)  # the loop's own rule
         n = self.s.prompts_per_generation(self.info.dims.dp_size)
         picked = order[index * n : (index + 1) * n].tolist()
         return [r for r in picked for _ in range(self.s.num_generations)]
