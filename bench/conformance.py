@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch
 
+from shardtune.models import documents as document_rows
 from shardtune.models import families, fastpath, targets
 from shardtune.models.training_module import CausalLMForTraining
 
@@ -67,6 +68,7 @@ def check_family(model_type: str) -> dict:
         "decoder": v.fast.decoder if v.fast else None,
         "head": v.fast.head if v.fast else None,
         "packing_path": packed.path,
+        "packing_split": packed.split,  # each packed document decoded as a row of its own (models.documents)
         "packing": v.packing_ok(packed),
         "attention": v.attention,
         "reason": v.reason,
@@ -146,7 +148,7 @@ def run_many(fn, args: list, timeout: float, jobs: int, on_row=None) -> dict:
 
 def planted_bugs_fail(_=None) -> list[str]:
     """The check must catch a dropped head multiplier and a leak across packed documents; returns what it missed."""
-    from transformers import GraniteConfig, LlamaConfig
+    from transformers import GraniteConfig, LlamaConfig, Mamba2Config
 
     missed = []
     granite = families.tiny_config(GraniteConfig(logits_scaling=4.0))
@@ -166,7 +168,21 @@ def planted_bugs_fail(_=None) -> list[str]:
             missed.append("a packed row attended as one document")
     finally:
         fastpath.packed_documents, fastpath._family_mask = documents, mask
+    # A recurrent state carried across documents: the split layout's rows taken whole, not one document each.
+    rows = document_rows.document_rows
+    document_rows.document_rows = _whole_rows
+    try:
+        if families.check(families.tiny_config(Mamba2Config()), fastpath.ATTENTION, CausalLMForTraining).split_packing:
+            missed.append("a recurrent state carried across packed documents")
+    finally:
+        document_rows.document_rows = rows
     return missed
+
+
+def _whole_rows(position_ids):
+    batch, seq = position_ids.shape
+    flat = torch.arange(batch * seq)
+    return document_rows.DocumentRows(batch, seq, flat, flat, torch.arange(seq).repeat(batch, 1))
 
 
 def sweep(types: list[str], timeout: float, jobs: int, out: Path) -> dict:
@@ -218,12 +234,19 @@ def _cells(row: dict) -> list[str]:
         forward = f"fast path{dec}{head}"
     else:
         forward = "own forward"
+    split = row.get("packing_split", False)
     if row["packing"]:
-        packing = "ok" + (" (own forward)" if row["packing_path"] == "own" and row["fast"] else "")
+        own = " (own forward)" if row["packing_path"] == "own" and row["fast"] else ""
+        packing = "ok" + own + (" (rows of their own)" if split else "")
     else:
         packing = "refused"
     e = row["errors"]
-    packed = e.get("fast packed") if row["packing_path"] == "fast" else _max(e["own packed"], e["own path packed"])
+    if split:
+        packed = e.get("split packed")
+    elif row["packing_path"] == "fast":
+        packed = e.get("fast packed")
+    else:
+        packed = _max(e["own packed"], e["own path packed"])
     err = f"{_fmt(e.get('fast'))} / {_fmt(packed)}"
     lora = row["lora"]
     lora_cell = f"{lora['layers']} layers" if lora.get("forward") == "ok" else f"✗ {lora.get('forward', '')}"
@@ -245,10 +268,11 @@ def markdown(result: dict) -> str:
     n_skip = sum(r["status"] == "skipped" for r in rows.values())
     n_not_run = sum(r["status"] == "not run" for r in rows.values())
     n_refused = sum(r["status"] == "checked" and not r["packing"] for r in rows.values())
+    n_split = sum(r["status"] == "checked" and r["packing"] and r.get("packing_split", False) for r in rows.values())
     counts = (
         f"{len(rows)} architectures: {n_fast} on the fast path, {n_own} on their own forward, {n_skip} skipped "
-        f"(not buildable on CPU from their defaults){f', {n_not_run} not run' if n_not_run else ''}; packing refused on "
-        f"{n_refused}. Tested with transformers "
+        f"(not buildable on CPU from their defaults){f', {n_not_run} not run' if n_not_run else ''}; packed documents "
+        f"decoded as rows of their own on {n_split}, packing refused on {n_refused}. Tested with transformers "
         f"{result['transformers']}, peft {result['peft']}, torch {result['torch']}."
     )
     lines = [

@@ -133,7 +133,7 @@ FAMILIES = {
             dense=False,
         ),
         # GPT-OSS: attention sinks, alternating sliding and full attention, experts stored (E, in, out) with biases
-        # and a clamped, interleaved gate; its sinks keep packed documents from being kept apart, so unpacked rows.
+        # and a clamped, interleaved gate; packed, each document decoded as a row of its own (models.documents).
         Family(
             "gpt-oss",
             "GptOssConfig",
@@ -147,7 +147,14 @@ FAMILIES = {
                 "layer_types": ["sliding_attention", "full_attention"],
             },
             dense=False,
-            packing=False,
+        ),
+        # Falcon-H1: Mamba-2 mixers beside attention in every block (a recurrent state and a short convolution that
+        # must restart at each packed document) and muP multipliers on the head and the blocks.
+        Family(
+            "falcon-h1",
+            "FalconH1Config",
+            {**_LLAMA, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_state": 16,
+             "mamba_n_groups": 1, "mamba_chunk_size": 16, "lm_head_multiplier": 2.5},  # fmt: skip
         ),
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
         # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.
@@ -328,10 +335,15 @@ for job in json.loads(sys.argv[1]):
     total, count = 0.0, 0
     with torch.no_grad():
         for r in rows:
-            ids, pos, y = torch.tensor([r["input_ids"]]), torch.tensor([r["position_ids"]]), torch.tensor(r["labels"])
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0].float()
-            total += F.cross_entropy(logits, y, reduction="sum", ignore_index=-100).item()
-            count += int((y != -100).sum())
+            # Each packed document alone (a new one wherever the position does not follow): the model's function
+            # on it, whatever its mixers would carry across a packed row.
+            pos = r["position_ids"]
+            starts = [i for i in range(len(pos)) if i == 0 or pos[i] != pos[i - 1] + 1] + [len(pos)]
+            for s, e in zip(starts, starts[1:]):
+                ids, y = torch.tensor([r["input_ids"][s:e]]), torch.tensor(r["labels"][s:e])
+                logits = model(input_ids=ids, position_ids=torch.tensor([pos[s:e]]), use_cache=False).logits[0]
+                total += F.cross_entropy(logits.float(), y, reduction="sum", ignore_index=-100).item()
+                count += int((y != -100).sum())
     result[job["name"]] = total / count
 assert "shardtune" not in sys.modules
 print(json.dumps(result))

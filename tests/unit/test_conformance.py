@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import CONFIG_MAPPING
 
 from shardtune.config.errors import ConfigError
-from shardtune.models import builder, families, fastpath
+from shardtune.models import builder, documents, families, fastpath
 from shardtune.models.training_module import CausalLMForTraining
 from shardtune.objectives.heads import token_loss
 
@@ -111,7 +111,7 @@ def test_a_dropped_head_multiplier_is_caught(monkeypatch):
         train = CausalLMForTraining(model)
         got = train.logits(ids, pos)[0]
     assert _rel(bare, want) > 0.1
-    assert train.verdict.fast is None and train.layout == families.OWN
+    assert train.verdict.fast is None and train.layout.path == "own"
     assert _rel(got, want) <= RTOL
 
 
@@ -143,22 +143,91 @@ def test_chunked_attention_uses_the_familys_mask_within_documents(monkeypatch):
     assert CausalLMForTraining(_model(config, attention), packing=False).layout == families.OWN
 
 
-@pytest.mark.parametrize(("model_type", "refused"), [("llama", False), ("gpt_oss", True), ("mamba2", True)])
-def test_packing_is_refused_before_weights_load(tmp_path, model_type, refused):
-    """A config.json alone (no weights): shardtune train's layout step refuses --packing on a family whose forward
-    cannot keep packed documents apart, and names the fix; without packing it trains."""
+@pytest.mark.parametrize(("model_type", "split"), [("llama", False), ("gpt_oss", True), ("mamba2", True)])
+def test_packing_layout_is_chosen_before_weights_load(tmp_path, model_type, split):
+    """A config.json alone (no weights): shardtune train's layout step keeps packed documents apart on every family,
+    with per-document attention (Llama) or each document a row of its own (GPT-OSS's sinks, Mamba-2's state);
+    without packing the rows are decoded as they are."""
     config, _ = _tiny(model_type)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     spec = builder.ModelSpec(str(tmp_path), torch.float32, 128, attn_impl=fastpath.register_attention(), packing=True)
-    if refused:
-        with pytest.raises(
-            ConfigError, match=f"--packing: {model_type} cannot keep packed documents apart.*--packing False"
-        ):
-            builder.training_layout(spec)
-    else:
-        assert builder.training_layout(spec).path == "fast"
+    assert builder.training_layout(spec) == families.Layout(split=split)
     spec.packing = False
-    assert builder.training_layout(spec).path == "fast"
+    assert builder.training_layout(spec) == families.Layout()
+
+
+def _one_document_per_row(position_ids):
+    """Planted bug: the split layout with each packed row taken as one document (state carried across them)."""
+    batch, seq = position_ids.shape
+    flat = torch.arange(batch * seq)
+    return documents.DocumentRows(batch, seq, flat, flat, torch.arange(seq).repeat(batch, 1))
+
+
+def test_a_state_carried_across_documents_is_refused(tmp_path, monkeypatch):
+    """Planted bug: rows of their own that are not one document each (Mamba-2's state runs across the packed
+    documents). The check measures the leak and shardtune train refuses --packing, naming the fix."""
+    config, _ = _tiny("mamba2")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    monkeypatch.setattr(documents, "document_rows", _one_document_per_row)
+    spec = builder.ModelSpec(str(tmp_path), torch.float32, 128, attn_impl=fastpath.register_attention(), packing=True)
+    with pytest.raises(ConfigError, match="--packing: mamba2 cannot keep packed documents apart.*--packing False"):
+        builder.training_layout(spec)
+    assert families._CACHE and all(v.errors["split packed"] > 100 * RTOL for v in families._CACHE.values())
+
+
+def test_outputs_put_back_in_the_wrong_place_are_caught(monkeypatch):
+    """Planted bug: the split layout's outputs joined one position late: the check rejects the layout."""
+    join = documents.DocumentRows.join
+    monkeypatch.setattr(documents.DocumentRows, "join", lambda self, x: join(self, x).roll(1, dims=1))
+    config, attention = _tiny("falcon_h1")
+    verdict = CausalLMForTraining(_model(config, attention), packing=True).verdict
+    assert not verdict.split_packing and verdict.errors["split packed"] > 100 * RTOL
+
+
+def _packed_batch(vocab: int):
+    """Two packed rows of several documents (the second ends with padding, a document of its own), their
+    shifted labels (no target across a document's end) and each document alone."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(11, 6, 7), (9, 12, 3)]
+    ids = torch.randint(5, vocab, (2, 24), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    labels = torch.full_like(ids, -100)
+    docs = []
+    for b, r in enumerate(rows):
+        start = 0
+        for n in r:
+            labels[b, start : start + n - 1] = ids[b, start + 1 : start + n]
+            docs.append((ids[b : b + 1, start : start + n], labels[b : b + 1, start : start + n]))
+            start += n
+    return ids, pos, labels, docs
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_next", "falcon_h1"])
+def test_packed_rows_train_each_document_alone(model_type):
+    """Attention sinks (GPT-OSS) and recurrent mixers (Qwen3-Next's gated DeltaNet, Falcon-H1's Mamba-2) on packed
+    rows: the loss and every parameter's gradient equal the sums over each document alone in the model's own
+    forward. fp32, the same products batched otherwise: 1e-5 relative (measured below 1e-6), while the state
+    carried across documents differs by 8e-4 and more (test_a_state_carried_across_documents_is_refused)."""
+    config, attention = _tiny(model_type)
+    model = _model(config, attention).train()
+    train = CausalLMForTraining(model, packing=True)
+    assert train.layout.split and train.verdict.split_packing
+    ids, pos, labels, docs = _packed_batch(config.get_text_config().vocab_size)
+    loss, n = train(ids, pos, labels, head=token_loss)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    want_loss = 0.0
+    for d, y in docs:
+        logits = model(input_ids=d, position_ids=torch.arange(d.shape[1])[None], use_cache=False).logits[0]
+        part = F.cross_entropy(logits.float(), y[0], ignore_index=-100, reduction="sum")
+        part.backward()
+        want_loss += part.item()
+    assert int(n) == int((labels != -100).sum())
+    assert abs(loss.item() - want_loss) <= RTOL * abs(want_loss)
+    for k, p in model.named_parameters():
+        if p.grad is not None and p.grad.abs().max() > 0:
+            assert _rel(got[k], p.grad) <= 10 * RTOL, k
 
 
 def test_tiny_copy_keeps_what_sets_the_family_apart():

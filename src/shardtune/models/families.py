@@ -25,6 +25,7 @@ table; `shardtune train` runs it on a tiny copy of the run's own config before l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -252,11 +253,14 @@ def _with_cap(f, cap):
 @dataclass(frozen=True)
 class Layout:
     """How the training module computes logits. fast: the decoder at `decoder` (an attribute path of the base
-    model; "" for get_decoder()) and the head with transform `head`; own: the model's own forward."""
+    model; "" for get_decoder()) and the head with transform `head`; own: the model's own forward. split: each
+    packed document decoded as a row of its own (shardtune.models.documents), for families whose mixers carry
+    state or attention across documents."""
 
     path: str = "fast"
     decoder: str = ""
     head: str = "identity"
+    split: bool = False
 
 
 OWN = Layout(path="own")
@@ -272,17 +276,26 @@ class Verdict:
     reason: str = ""  # why the fast path or packing was not verified
     checked: bool = True  # False: the check could not run (the fast path is then not used)
     errors: dict[str, float] = field(default_factory=dict)  # the relative errors measured, by comparison
+    split_packing: bool = False  # ... on the base layout (fast, else own) with each document a row of its own
+
+    @property
+    def base(self) -> Layout:
+        """The layout of one document: the fast path where it is the model's function, else its own forward."""
+        return OWN if self.fast is None else self.fast
 
     def layout(self, packing: bool | None) -> Layout:
-        """The layout to train with: the fast path where it is the model's function (on packed rows too, when
-        rows may be packed), else the model's own forward."""
-        if self.fast is None:
-            return OWN
-        if packing is False or self.fast_packing or not self.own_packing:
-            return self.fast
-        return OWN
+        """The layout to train with: on rows that may be packed, the first that keeps documents apart of the fast
+        path, the model's own forward, and the base layout with each document a row of its own; else the base."""
+        if packing is False:
+            return self.base
+        for candidate in (self.fast, OWN, dataclasses.replace(self.base, split=True)):
+            if candidate is not None and self.packing_ok(candidate):
+                return candidate
+        return self.base
 
     def packing_ok(self, layout: Layout) -> bool:
+        if layout.split:
+            return self.split_packing and dataclasses.replace(layout, split=False) == self.base
         return self.fast_packing if layout.path == "fast" else self.own_packing
 
 
@@ -400,11 +413,17 @@ def check(tiny, attn_impl: str, training_cls) -> Verdict:
             errors["fast packed"] = error(_train_logits(model, training_cls, fast, ids, pos), alone)
         fast_packing = fast is not None and errors["fast packed"] <= RTOL
         own_packing = max(errors["own packed"], errors["own path packed"]) <= RTOL
+        split = None
+        if not (fast_packing or own_packing):  # each document a row of its own, on the base layout
+            split = dataclasses.replace(OWN if fast is None else fast, split=True)
+            errors["split packed"] = error(_train_logits(model, training_cls, split, ids, pos), alone)
     if fast is not None and not fast_packing:
         reason = "the fast path lets packed documents see each other"
     if not own_packing:
         reason = (reason + "; " if reason else "") + "its own forward lets packed documents affect each other"
-    return Verdict(tiny.model_type, fast, fast_packing, own_packing, attention, reason, errors=errors)
+    split_packing = split is not None and errors["split packed"] <= RTOL
+    v = Verdict(tiny.model_type, fast, fast_packing, own_packing, attention, reason, errors=errors)
+    return dataclasses.replace(v, split_packing=split_packing)
 
 
 def _probe_attention(config, attn_impl: str) -> str:
@@ -448,11 +467,14 @@ def summary(v: Verdict, layout: Layout, packing: bool) -> str:
         what = "the model's own forward (full logits)"
     if not v.checked:
         return f"{v.model_type}: training {what}; {v.reason}."
-    if v.packing_ok(layout):
+    if layout.split and v.packing_ok(layout):
+        rows = "packed documents stay apart, each decoded as a row of its own"
+    elif v.packing_ok(layout):
         rows = "packed documents stay apart"
     else:
         rows = "packed documents would not stay apart" + ("" if packing else " (rows are not packed)")
-    why = f"; {v.reason}" if v.reason and (packing or layout.path != "fast") else ""
+    shown = v.reason and (packing or layout.path != "fast") and not (layout.split and v.packing_ok(layout))
+    why = f"; {v.reason}" if shown else ""
     return f"{v.model_type}: training {what}, checked against its own forward on a tiny copy; {rows}{why}."
 
 

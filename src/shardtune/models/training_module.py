@@ -9,7 +9,7 @@ import inspect
 import torch
 from torch import nn
 
-from shardtune.models import families, fastpath, router_aux
+from shardtune.models import documents, families, fastpath, router_aux
 from shardtune.runtime.log import warn0
 
 
@@ -102,15 +102,23 @@ class CausalLMForTraining(nn.Module):
         the term is on, so that a run without it computes exactly what it did before."""
         with_aux = with_aux and self.router_aux_loss_coef > 0
         extra = {"output_router_logits": True} if with_aux else {}
+        rows = None
+        if self.layout.split:  # each packed document decoded as a row of its own (models.documents)
+            rows = documents.document_rows(position_ids)
+            input_ids, position_ids = rows.split(input_ids), rows.positions
         if self.layout.path == "fast":
             out = self._decode(input_ids, position_ids, **extra)
             h = out.last_hidden_state
         else:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
             h = out.logits
+        if rows is not None:
+            h = rows.join(h)
         if not with_aux:
             return h, None
         logits = getattr(out, "router_logits", None)
+        if rows is not None and isinstance(logits, tuple):
+            logits = tuple(rows.join_tokens(t) for t in logits)
         if self.cp_shard is not None and isinstance(logits, tuple) and logits:  # the whole rows' tokens
             mask = self.cp_shard.real() if aux_mask is None else aux_mask
             logits, aux_mask = self.cp_shard.gather_tokens(logits, mask)
