@@ -149,3 +149,35 @@ def test_the_planner_counts_the_router_loss_at_the_loss_not_in_the_blocks_backwa
     assert phases[0]["loss backward"] - phases[1]["loss backward"] == per_copy
     assert phases[0]["loss forward"] - phases[1]["loss forward"] == 2 * per_copy
     assert phases[0]["decoder-layer backward"] == phases[1]["decoder-layer backward"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_default_target_modules_that_peft_maps_onto_fused_experts_keep_their_dropout(model_type, monkeypatch):
+    """The default --lora_target_modules (q/k/v/o, gate/up/down_proj) on a family whose experts transformers 5
+    fused: PEFT's conversion adapts the experts' fused tensors for those names, and its parameter wrappers refuse
+    any lora_dropout. attach_adapter asks PEFT's conversion first, so the adapter is made, the experts adapted, and
+    --lora_dropout 0.1 kept on the linear layers' LoRA input. Planted bug: without asking, PEFT's raw ValueError."""
+    from peft.tuners.lora import LoraLayer, ParamWrapper
+
+    from shardtune.models import adapter
+
+    default = "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj"
+    names = {"qwen3_moe": default, "mixtral": "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"}[model_type]
+    kw = dict(lora_r=2, lora_alpha=4, lora_dropout=0.1, target_modules=names, use_dora=False, modules_to_save=None,
+              new_token_ids=[])  # fmt: skip
+    from shardtune.models.preflight import target_module_problems
+
+    assert target_module_problems(_model(model_type), names, explicit=True, model_name=model_type) == []
+    peft = adapter.attach_adapter(_model(model_type), **kw)
+    wrappers = [m for m in peft.modules() if isinstance(m, ParamWrapper)]
+    linear = [m for m in peft.modules() if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper)]
+    assert wrappers and linear
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Dropout) for m in linear)
+    assert all(m.lora_dropout["default"].p == 0.1 for m in linear)
+    assert peft.peft_config["default"].lora_dropout == 0.0  # what PEFT needs to load the saved adapter
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    peft(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.lora_A["default"].weight.grad is not None for m in wrappers)
+    monkeypatch.setattr(adapter, "names_peft_adapts_as_experts", lambda model, modules: (set(), set()))
+    with pytest.raises(ValueError, match="lora_dropout"):
+        adapter.attach_adapter(_model(model_type), **kw)

@@ -74,11 +74,17 @@ def attach_adapter(
     tti = None
     if new_token_ids:
         tti = {name: sorted(set(new_token_ids) | set(grown)) for name, grown in _token_modules(model, mts).items()}
+    modules = _target_modules(target_modules, model, experts_adapted=targets.EXPERTS in plan.words)
+    converted = names_peft_adapts_as_experts(model, modules)[1]
+    if converted:
+        print0(f"--lora_target_modules {target_modules}: on {model.config.model_type}, PEFT adapts "
+               f"{', '.join(sorted(converted))} as fused expert tensors for these names (a weight delta per expert).")  # fmt: skip
+    params = params or (sorted(converted) if converted else None)
     cfg = LoraConfig(
         r=lora_r,
         lora_alpha=lora_alpha,
         lora_dropout=0.0 if params else lora_dropout,
-        target_modules=_target_modules(target_modules, model, experts_adapted=targets.EXPERTS in plan.words),
+        target_modules=modules,
         target_parameters=params,
         use_dora=use_dora,
         modules_to_save=mts,
@@ -99,6 +105,26 @@ def attach_adapter(
             "delta) has no input to drop, and adapter_config.json records lora_dropout 0.0 so that PEFT loads it."
         )
     return model
+
+
+def names_peft_adapts_as_experts(model: nn.Module, modules: str | list[str]) -> tuple[set[str], set[str]]:
+    """(the module names, the fused expert parameters) PEFT adapts them as, on a model whose experts transformers 5
+    fused (Mixtral's w1/w3, Qwen3-MoE's gate/up/down_proj are now mlp.experts.gate_up_proj and down_proj): PEFT's
+    own conversion, run on a probe config, so that shardtune knows before get_peft_model (whose parameter wrappers
+    refuse a lora_dropout) and the preflight does not call those names unmatched."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+    except ImportError:  # a PEFT without the conversion converts nothing
+        return set(), set()
+    if not hasattr(getattr(model, "config", None), "model_type") or isinstance(modules, str):
+        return set(), set()  # all-linear and a regular expression name module paths, not the old expert names
+    probe = LoraConfig(r=8, target_modules=list(modules))
+    convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
+    return set(modules) - set(probe.target_modules or ()), set(probe.target_parameters or ())
 
 
 def _linear_dropout(model: nn.Module, p: float, adapter_name: str) -> None:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from shardtune.models import targets
-from shardtune.models.adapter import _target_modules
+from shardtune.models.adapter import _target_modules, names_peft_adapts_as_experts
 from shardtune.models.adapter_fit import adapter_base_problem, model_shapes
 from shardtune.models.loading import check_4bit_layout
 from shardtune.models.router_aux import family_router_aux
@@ -297,6 +297,7 @@ def target_module_problems(model, spec: str, *, explicit: bool, model_name: str)
         missing = names
     else:
         missing = [n for n in names if not any(_matches(full, n) for full in layers)]
+        missing = [n for n in missing if n not in names_peft_adapts_as_experts(model, names)[0]]
     if not missing:
         return []
     have = ", ".join(_linear_names(model))
