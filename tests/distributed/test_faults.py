@@ -308,6 +308,9 @@ def test_sigterm_to_the_launcher_alone_stops_the_workers_and_it_waits_for_them(t
         ("step:2:1:KILL", 1, "was killed by SIGKILL", 128 + signal.SIGKILL),
         # an error's exit: rank 1 finds the disk full at checkpoint-2, and both ranks end with code 1 (either is named)
         ("save:2:1:ENOSPC", "[01]", "exited with code 1", 1),
+        # an error of one rank alone (rank 0's disk fills while it logs step 2): it leaves at once rather than
+        # waiting for its peer at a barrier, so the launch ends in seconds, not after --ddp_timeout
+        ("step:2:0:ENOSPC", 0, "exited with code 1", 1),
     ],
 )
 def test_a_lost_rank_under_launch_is_one_line_naming_it_and_leaves_no_process(

@@ -92,9 +92,10 @@ def _main(argv: list[str], stopper: StopHandler) -> int:
 def _train(cfg: RunConfig) -> int:
     """The training run on every rank; all ranks leave the process group together at its end (a stopped run
     without waiting: its peers may be in another collective, and they were stopped too)."""
-    stopped = False
+    stopped, rc = False, None
     try:
-        return run(cfg)
+        rc = run(cfg)
+        return rc
     except (Stopped, KeyboardInterrupt):
         stopped = True
         raise
@@ -124,7 +125,10 @@ def _train(cfg: RunConfig) -> int:
         return EXIT_FAILED
     finally:
         release_output_dir(cfg.train.output_dir)  # rank 0's lock on the folder; a no-op on the other ranks
-        shutdown(wait=not stopped)
+        # Only a run that finished waits for its peers: a rank that failed (a full disk while it logs, an error of
+        # its own) leaves at once, since its peers may already be in the next step's collective; they learn it
+        # there (lost contact), and the launcher stops them, instead of both waiting out --ddp_timeout.
+        shutdown(wait=rc == 0 and not stopped)
 
 
 def _eval_harness(cfg: RunConfig) -> int:
