@@ -432,6 +432,17 @@ def test_build_launch_per_machine_processes_and_overrides():
     assert plan.cmd[i + 1 : i + 5] == ["--nnodes", "2", "--nproc-per-node", "3"] and plan.cmd[-1] == "x.py"
 
 
+def test_a_double_dash_between_the_launch_flags_and_the_train_flags_is_a_separator():
+    """`shardtune launch --config_file f.yaml -- --seed 3`, as torchrun's users write it: train gets --seed 3, not
+    a flag named `--`; the same train flags without it give the same command."""
+    cfg = str(CONFIGS / "fsdp_config.yaml")
+    with_sep = build_launch(["--config_file", cfg, "--", "--seed", "3", "--max_steps", "2"])
+    without = build_launch(["--config_file", cfg, "--seed", "3", "--max_steps", "2"])
+    assert with_sep.cmd == without.cmd and with_sep.cmd[-7:] == ["-m", "shardtune", "train", "--seed", "3",
+                                                                  "--max_steps", "2"]  # fmt: skip
+    assert "--" not in with_sep.cmd[with_sep.cmd.index("shardtune.parallel.torchrun") :]
+
+
 def test_omp_threads_as_accelerate_sets_them(monkeypatch: pytest.MonkeyPatch):
     import psutil
 

@@ -185,7 +185,7 @@ def _omp_threads(use_cpu: bool, nproc_per_node: int) -> str:
 
 def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune", "train")) -> LaunchPlan:
     """Parse `shardtune launch` flags; the rest are appended to `entry` (a module with -m, or a script)."""
-    ns, train_args = _parser().parse_known_args(list(argv))
+    ns, train_args = _split(argv)
     cfg = read_accelerate_yaml(ns.config_file)
     t = _topology(cfg, ns, ns.config_file)
     use_cpu = bool(cfg.get("use_cpu", False))
@@ -198,6 +198,15 @@ def build_launch(argv: Sequence[str], entry: Sequence[str] = ("-m", "shardtune",
     cmd = torchrun.command([*torchrun_args(t), *entry, *train_args])
     world = {"WORLD_SIZE": str(t["num_processes"]), "LOCAL_WORLD_SIZE": str(t["nproc_per_node"])}
     return LaunchPlan(cmd=cmd, env=env, dry_run=ns.dry_run, process_env=world)
+
+
+def _split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(the launch's flags, the train flags). A `--` that separates them, as a user of torchrun or of a script's
+    launcher may write (`shardtune launch --config_file f.yaml -- --seed 3`), is not one of train's flags."""
+    ns, rest = _parser().parse_known_args(list(argv))
+    if "--" in rest:
+        rest.remove("--")
+    return ns, rest
 
 
 def _train_problems(train_argv: list[str], env: dict[str, str]) -> list[str]:
@@ -233,7 +242,7 @@ def main(argv: Sequence[str] | None = None, entry: Sequence[str] = ("-m", "shard
         if tuple(entry) == ("-m", "shardtune", "train"):
             stopper.at("checking the flags and the model's files")
             env = {**os.environ, **plan.env, **plan.process_env}
-            problems = _train_problems(_parser().parse_known_args(argv)[1], env)
+            problems = _train_problems(_split(argv)[1], env)
             if problems:
                 print(f"shardtune launch: {ConfigError(problems)}", file=sys.stderr)
                 return 2
