@@ -6,7 +6,8 @@ table (and JSON). Each check runs in its own subprocess, so one failure does not
     python bench/gpu_check.py --only lora_world1,kill_resume
 
 The installed versions are checked against pyproject.toml's ranges first; one out of range stops the run.
-Checks, in this order (docs/gpu.md says what each proves; each has a budget in gpu_checks.BUDGET_S):
+Checks, in this order (docs/gpu.md says what each proves; each has a budget, `budgets` below, sized by the start of a
+fresh process, which the run measures after its setup: bench/process_start.py):
   lora_world1               the guide's LoRA run (bf16, gradient checkpointing, FSDP2) on one rank: the loss falls;
                             tokens/s, MFU and HFU against the bf16 matmul peak measured in the same run.
   memory_vs_plan            max_memory_allocated / reserved of a run against `shardtune plan` and the allocator
@@ -41,9 +42,59 @@ from pathlib import Path
 START = time.monotonic()  # the budget counts from here: the imports are part of the run
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+import process_start
 import speed
-from gpu_checks import BUDGET_S, CHECKS, DEVICE_BUDGET_S, GPUS, NEEDS_CUDA, OPT_IN, RUN, SIZES, Skip, build_assets
+from gpu_checks import CHECKS, GPUS, NEEDS_CUDA, OPT_IN, RUN, SIZES, Skip, build_assets
 from gpu_numerics import read_partial
+
+# ------------------------------------------------------------------------------------------------ the budget
+
+# Seconds each check may take on one H200 with the 1B model: its timeout there, and a check is started only when its
+# budget fits in what is left of the run's. Each budget is its estimate plus 25%, rounded up to 5 s. One term is
+# measured by the run itself: the start of a fresh process (`p`: its imports, `shardtune.cli.prepare_process` and
+# CUDA's start), the largest of --process_start_runs fresh processes timed after the setup (bench/process_start.py).
+# The other terms are a stated model, not a GPU measurement (none exists yet): reading the 2.2 GB checkpoint LOAD_S,
+# a training step of 8 rows of 2048 tokens ~6·1.1e9·16384 ≈ 1.1e14 FLOPs, STEP_S at 35% of the ~790 TFLOP/s bf16
+# peak; `shardtune plan --trace` of this model measured at 34 CPU-seconds on a 2-core EPYC (TRACE_S). PROCESS_S is
+# the start as modelled before a run has measured it: it sizes the measurement's own budget and the budgets
+# docs/gpu.md tabulates (the CPU start measured on a busy 2-core Xeon is in docs/gpu.md, "The budget").
+PROCESS_S, LOAD_S, STEP_S, TRACE_S = 10.0, 3.0, 0.4, 34.0
+
+
+def estimates(p: float) -> dict[str, float]:
+    """Each part's estimated seconds on one H200 when a fresh process takes `p` seconds to start."""
+    return {
+        # its own start; the 1B model drawn and written 11, data 2, numerics model 1, matmul peak 5, tokenizer 2
+        "setup": p + 21,
+        "lora_world1": p + LOAD_S + 5 + 11 * STEP_S + 3,  # tokenizing once (5), 11 steps, NCCL's start (3)
+        "memory_vs_plan": p + LOAD_S + 3 * STEP_S + 2 + p + TRACE_S,  # 3 steps, plan, the trace
+        "attention": p + 2 + 8 * 0.25,  # 2 loads of the 2-layer model, logits, 4 timed steps each
+        "context_parallel": p + 2,  # attention only, on an 8192-position row
+        "qlora": p + LOAD_S + 2,  # 2 layers quantized and sharded, the reference, 14 layers dequantized
+        # 3 runs of 4 steps of 4 rows of 512 tokens with 2 checkpoints: 2 in this process, 1 (SIGKILLed) in its own
+        "kill_resume": p + 3 * (LOAD_S + 3) + p,
+        "bnb_optimizers": p + 2 * (LOAD_S + 3),  # one 8-bit optimizer, 2 runs in this process
+        "lora_world2": p + 2 * p + LOAD_S + 11 * STEP_S,  # not started on one GPU
+        "offload_loading": 3 * (2 * p + 2 * LOAD_S + 4 * STEP_S),  # opt-in: host-memory loading, 3 runs
+        "reference_stack": p + 4 * LOAD_S + 11 * 1.0 + 30,  # opt-in: fp32 base, TRL's start
+    }
+
+
+def _budget(seconds: float) -> int:
+    """An estimate plus 25%, rounded up to 5 s."""
+    return int(5 * -(-1.25 * seconds // 5))
+
+
+def budgets(p: float) -> dict[str, int]:
+    """Each check's budget (and the setup's, reported only) when a fresh process takes `p` seconds to start."""
+    return {k: _budget(v) for k, v in estimates(p).items()}
+
+
+BUDGET_S = budgets(PROCESS_S)  # before a run has measured the start (docs/gpu.md's table)
+# The whole check on one H200, from its start: with <= 30 s to install the carried wheels, a device command of at
+# most 320 s (timeout_s), so that two of them (a rerun) and two machine starts of up to 2 minutes each fit a 15-minute
+# device budget: 2 x 320 + 2 x 120 = 880 <= 900 s.
+DEVICE_BUDGET_S = 290
 
 # --------------------------------------------------------------------------------------------- the parent
 
@@ -219,11 +270,19 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                     f"{', '.join(sorted(OPT_IN))}).")  # fmt: skip
     ap.add_argument("--budget_s", type=float, help=f"A check whose budget does not fit in what is left of this many "
                     f"seconds is skipped (default {DEVICE_BUDGET_S} on CUDA; none on the CPU).")  # fmt: skip
+    ap.add_argument("--process_start_runs", type=_positive, default=process_start.RUNS, help="Fresh processes "
+                    "timed after the setup; the checks' budgets use the slowest (default %(default)s).")  # fmt: skip
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "shardtune-gpu-check"), help="Assets.")
     ap.add_argument("--out", help="JSON output (default bench/results/gpu_check[-cpu]-<date>.json).")
     ap.add_argument("--_check", help=argparse.SUPPRESS)
     ap.add_argument("--_ctx", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError("at least 1: the budgets use the measured start")
+    return int(text)
 
 
 def _context(a: argparse.Namespace, workdir: Path) -> dict:
@@ -318,14 +377,16 @@ def _selected(a: argparse.Namespace) -> tuple[list[str], set[str]]:
     return [c for c in CHECKS if c in a.only.split(",")], set()
 
 
-def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx_path: Path, t0: float) -> dict:
-    """Each check in its own process, started only when its budget (on CUDA) fits in what is left of the run's."""
+def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx_path: Path, t0: float,
+             budget_s: dict[str, int]) -> dict:  # fmt: skip
+    """Each check in its own process, started only when its budget (on CUDA; from the measured process start) fits
+    in what is left of the run's."""
     import torch
 
     gpus, out = torch.cuda.device_count() if a.device == "cuda" else 0, {}
     for name in names:
-        left = a.budget_s - (time.monotonic() - t0) if a.budget_s else float("inf")
-        budget = BUDGET_S[name] if a.device == "cuda" else 600  # the CPU is not held to the device's budgets
+        left = _left(a, t0)
+        budget = budget_s[name] if a.device == "cuda" else 600  # the CPU is not held to the device's budgets
         if name in not_default:
             out[name] = {"status": "skipped", "reason": "not in the default run (name it in --only)"}
         elif name in NEEDS_CUDA and a.device != "cuda":
@@ -342,12 +403,37 @@ def _run_all(a: argparse.Namespace, names: list[str], not_default: set[str], ctx
     return out
 
 
+def _left(a: argparse.Namespace, t0: float) -> float:
+    """Seconds left of --budget_s (none set: no limit)."""
+    return a.budget_s - (time.monotonic() - t0) if a.budget_s else float("inf")
+
+
+def measure_process_start(a: argparse.Namespace, t0: float) -> dict:
+    """The start of a fresh check process on this machine (bench/process_start.py), measured once the setup is done
+    (this process holds its CUDA context then, as while the checks run): --process_start_runs fresh processes, on CUDA
+    within their own budget (modelled: PROCESS_S each) and what is left of --budget_s. The checks' budgets use the
+    slowest (`used_s`: a check's timeout must not be met by a slow start); the median is reported beside it."""
+    cap = _budget(a.process_start_runs * PROCESS_S)
+    print(f"gpu_check: process start x{a.process_start_runs} ...", flush=True)
+    try:
+        m = process_start.measure(a.device, a.process_start_runs, min(cap, _left(a, t0)) if a.device == "cuda" else
+                                  float("inf"))  # fmt: skip
+    except RuntimeError as e:  # a fresh process that cannot start fails every check: they say why, each
+        return {"error": str(e)[-2000:], "spent_s": 0.0, "budget_s": cap, "used_s": PROCESS_S, "used": "modelled"}
+    # no run at all: nothing was left of --budget_s, and no check starts; the modelled start stands in
+    used = m["max_s"] if m["max_s"] is not None else PROCESS_S
+    return {**m, "budget_s": cap, "used_s": used, "used": "max_s" if m["max_s"] is not None else "modelled"}
+
+
 def _budget_line(report: dict, device: str) -> str:
+    b, ps = report["budget_s"], report["process_start"]
     used = {k: v["seconds"] for k, v in report["checks"].items() if "seconds" in v}
-    parts = ", ".join(f"{k} {s:.0f}/{BUDGET_S[k]}" for k, s in used.items())
+    parts = ", ".join(f"{k} {s:.0f}/{b[k]}" for k, s in used.items())
     held = "" if device == "cuda" else " (the device's budgets; a CPU run is not held to them)"
+    start = process_start.summary(ps) if "error" not in ps else f"process start not measured: {ps['error'][-200:]}"
     return (f"budget: {report['total_s']:.0f} s used of {DEVICE_BUDGET_S}{held}: setup {report['setup_s']:.0f}/"
-            f"{BUDGET_S['setup']}, {parts}")  # fmt: skip
+            f"{b['setup']}, process start {ps['spent_s']:.0f}/{ps['budget_s']}, {parts}\n{start}; the budgets use "
+            f"{ps['used_s']:.1f} s per process (modelled before measuring: {PROCESS_S:.0f} s)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,9 +479,12 @@ def main(argv: list[str] | None = None) -> int:
         "flop_model": ctx["flop_model"],
         "setup_s": time.monotonic() - t0,
         "matmul_peak_flops": ctx["peak_flops"],
-        "budget_s": {"device": DEVICE_BUDGET_S, **BUDGET_S},
     }
-    report["checks"] = _run_all(a, *_selected(a), ctx_path, t0)
+    report["process_start"] = measure_process_start(a, t0)
+    budget_s = budgets(report["process_start"]["used_s"])
+    report["budget_s"] = {"device": DEVICE_BUDGET_S, **budget_s}
+    report["budget_s_modelled"] = {"process_s": PROCESS_S, **BUDGET_S}
+    report["checks"] = _run_all(a, *_selected(a), ctx_path, t0, budget_s)
     ref, own = report["checks"].get("reference_stack", {}), report["checks"].get("lora_world1", {})
     if ref.get("status") == "ok" and own.get("status") == "ok":
         ref["ratio"] = own["tokens_per_s"] / ref["tokens_per_s"]

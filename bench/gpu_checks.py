@@ -47,40 +47,13 @@ CHECKS = [
 # stack is a speed comparison that bench/speed.py makes too. Neither fits the device budget beside the others.
 OPT_IN = {"offload_loading", "reference_stack"}
 NEEDS_CUDA = {"memory_vs_plan"}
-# Seconds each check may take on one H200 with the 1B model (its timeout there; a check is started only when its
-# budget fits in what is left of the run's), from a stated model, not a GPU measurement (none exists yet): each
-# budget is its estimate below plus 25%, rounded up to 5 s. The model's terms: a fresh process PROCESS_S (imports
-# and CUDA start; stated: the same imports measured 33-39 s on this repository's shared, busy 2-core CPU, and
-# taken as 10 s on the device's 16 cores), reading the 2.2 GB checkpoint LOAD_S, a training step of 8 rows of 2048
-# tokens ~6·1.1e9·16384 ≈ 1.1e14 FLOPs, STEP_S at 35% of the ~790 TFLOP/s bf16 peak; `shardtune plan --trace` of
-# this model measured at 34 CPU-seconds on a 2-core EPYC (TRACE_S).
-PROCESS_S, LOAD_S, STEP_S, TRACE_S = 10.0, 3.0, 0.4, 34.0
-ESTIMATE_S = {
-    "setup": 31,  # imports 10, the 1B model drawn and written 11, data 2, numerics model 1, matmul peak 5, tokenizer 2
-    "lora_world1": PROCESS_S + LOAD_S + 5 + 11 * STEP_S + 3,  # tokenizing once (5), 11 steps, NCCL's start (3)
-    "memory_vs_plan": PROCESS_S + LOAD_S + 3 * STEP_S + 2 + PROCESS_S + TRACE_S,  # 3 steps, plan, the trace
-    "attention": PROCESS_S + 2 + 8 * 0.25,  # 2 loads of the 2-layer model, logits, 4 timed steps each
-    "context_parallel": PROCESS_S + 2,  # attention only, on an 8192-position row
-    "qlora": PROCESS_S + LOAD_S + 2,  # 2 layers quantized and sharded, the reference, 14 layers dequantized
-    # 3 runs of 4 steps of 4 rows of 512 tokens with 2 checkpoints: 2 in this process, 1 (SIGKILLed) in its own
-    "kill_resume": PROCESS_S + 3 * (LOAD_S + 3) + PROCESS_S,
-    "bnb_optimizers": PROCESS_S + 2 * (LOAD_S + 3),  # one 8-bit optimizer, 2 runs in this process
-    "lora_world2": PROCESS_S + 2 * PROCESS_S + LOAD_S + 11 * STEP_S,  # not started on one GPU
-    "offload_loading": 3 * (2 * PROCESS_S + 2 * LOAD_S + 4 * STEP_S),  # opt-in: host-memory loading, 3 runs
-    "reference_stack": PROCESS_S + 4 * LOAD_S + 11 * 1.0 + 30,  # opt-in: fp32 base, TRL's start
-}
-BUDGET_S = {k: int(5 * -(-1.25 * v // 5)) for k, v in ESTIMATE_S.items()}
-# The whole check on one H200, from its start (the default run's budgets add up to 290 s): with <= 30 s to install
-# the carried wheels, a device command of at most 320 s (timeout_s), so that two of them (a rerun) and two machine
-# starts of up to 2 minutes each fit a 15-minute device budget: 2 x 320 + 2 x 120 = 880 <= 900 s.
-DEVICE_BUDGET_S = 290
-GPUS = {"lora_world2": 2}
+GPUS = {"lora_world2": 2}  # NCCL runs one rank per GPU
 SINGLE_PROCESS_ENV = "SHARDTUNE_FSDP_SINGLE_PROCESS"  # shardtune.config.fsdp.SINGLE_PROCESS_ENV
 # Planted bugs, for the controls that run on the CPU (tests/e2e/test_gpu_check.py): lora_world1 on the setting named
 # here instead of "fsdp" (auto: the plain module, which the check must report as a failure), and the command that
 # `memory_vs_plan` traces with (a failing one: the measurements taken before must survive).
 LORA_WORLD1_PLANT = "GPU_CHECK_PLANT_SINGLE_PROCESS"
-TRACE_CMD_PLANT = "GPU_CHECK_PLANT_TRACE_CMD"  # NCCL runs one rank per GPU
+TRACE_CMD_PLANT = "GPU_CHECK_PLANT_TRACE_CMD"
 
 
 @dataclass

@@ -545,9 +545,10 @@ def summarize(runs: list[dict], s: Settings, fm: FlopModel, peak: float, recompu
         "mfu": model["total"] / step_s / peak,
         "hfu": hardware["total"] / step_s / peak,
         "peak_gb_per_rank": [max(r[i]["peak_gb"] for r in runs) for i in range(world)],
-        # start to exit, every step (warm-up included): the fastest round, as for tokens/s
-        "process_s": min(r[0]["process_s"] for r in runs),
-        "process_s_rounds": [r[0]["process_s"] for r in runs],
+        # start to exit, every step (warm-up included): the fastest round, as for tokens/s; None where the runs
+        # were not started by run_contender (the device check runs the worker in a process of its own)
+        "process_s": min((r[0].get("process_s") for r in runs), default=None, key=lambda x: x or 0.0),
+        "process_s_rounds": [r[0].get("process_s") for r in runs],
         "train_peak_gb_per_rank": [max(r[i]["train_peak_gb"] for r in runs) for i in range(world)],
     }
 
@@ -566,10 +567,10 @@ def format_table(report: dict) -> str:
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
         vs_ref, vs_single = (f"{r['tokens_per_s'] / x:.2f}" if x else "-" for x in (base, single))
-        vs_whole = f"{whole / r['process_s']:.2f}" if whole else "-"
+        vs_whole = f"{whole / r['process_s']:.2f}" if whole and r["process_s"] else "-"
         lines.append(
             f"{name:<{w}}{r['layout']:>10}{r['tokens_per_s']:>10.0f}{vs_ref:>7}{vs_single:>9}"
-            f"{r['process_s']:>10.1f}{vs_whole:>7}{r['step_s']:>8.2f}{r['model_flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{100 * r['hfu']:>6.1f}%"
+            f"{r['process_s'] or float('nan'):>10.1f}{vs_whole:>7}{r['step_s']:>8.2f}{r['model_flops_per_s'] / 1e9:>9.1f}{100 * r['mfu']:>6.1f}%{100 * r['hfu']:>6.1f}%"
             f"{r['tokens_per_cpu_s']:>10.0f}"
             f"{'/'.join(f'{g:.2f}' for g in r['peak_gb_per_rank']):>14}"
             f"{'/'.join(f'{g:.2f}' for g in r['train_peak_gb_per_rank']):>15}"

@@ -23,7 +23,8 @@ def report(tmp_path_factory):
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         env.pop(name, None)  # the checks start with shardtune's default, as a command would
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--only", CHECKS,
-           "--workdir", str(tmp / "work"), "--out", str(tmp / "gpu_check.json")]  # fmt: skip
+           "--workdir", str(tmp / "work"), "--out", str(tmp / "gpu_check.json"),
+           "--process_start_runs", "2"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads((tmp / "gpu_check.json").read_text())
@@ -103,6 +104,21 @@ def test_every_check_ran_under_the_commands_allocator_setting(report):
     assert data["allocator"] == "PYTORCH_ALLOC_CONF=expandable_segments:True"
     assert {r.get("allocator") for r in data["checks"].values() if r["status"] != "skipped"} == {data["allocator"]}
     assert "budget: " in stdout and data["budget_s"]["device"] == 290
+
+
+def test_the_process_start_is_measured_and_sizes_the_budgets(report, monkeypatch):
+    """The run times fresh processes that start as a check's does, records them, and the device budgets in its JSON
+    are those of the slowest start, not of the modelled one."""
+    gpu_check = _gpu_check(monkeypatch)
+    data, stdout = report
+    ps = data["process_start"]
+    assert ps["device"] == "cpu" and ps["runs"] == 2 and len(ps["seconds"]) == 2 and not ps["timed_out"]
+    assert all(s > 0 for s in ps["seconds"]) and all(0 < i < s for i, s in zip(ps["imports_s"], ps["seconds"]))
+    assert ps["used"] == "max_s" and ps["used_s"] == ps["max_s"] == max(ps["seconds"]) >= ps["median_s"]
+    assert ps["cuda_start_s"] == [None, None]  # no CUDA on the CPU run
+    assert data["budget_s"] == {"device": 290, **gpu_check.budgets(ps["used_s"])}
+    assert data["budget_s_modelled"] == {"process_s": gpu_check.PROCESS_S, **gpu_check.BUDGET_S}
+    assert f"median {ps['median_s']:.1f} s, max {ps['max_s']:.1f} s over 2 fresh processes" in stdout
 
 
 def test_versions_out_of_pyproject_ranges_stop_the_run(monkeypatch, tmp_path, capsys):
@@ -215,7 +231,8 @@ def test_lora_world1_on_the_plain_module_fails(monkeypatch, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "GPU_CHECK_PLANT_SINGLE_PROCESS": "auto"}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--only", "lora_world1",
-           "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "gpu_check.json")]  # fmt: skip
+           "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "gpu_check.json"),
+           "--process_start_runs", "1"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]["lora_world1"]
