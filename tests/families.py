@@ -153,8 +153,16 @@ FAMILIES = {
         Family(
             "falcon-h1",
             "FalconH1Config",
-            {**_LLAMA, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_state": 16,
-             "mamba_n_groups": 1, "mamba_chunk_size": 16, "lm_head_multiplier": 2.5},  # fmt: skip
+            {
+                **_LLAMA,
+                "mamba_d_ssm": 64,
+                "mamba_n_heads": 8,
+                "mamba_d_head": 8,
+                "mamba_d_state": 16,
+                "mamba_n_groups": 1,
+                "mamba_chunk_size": 16,
+                "lm_head_multiplier": 2.5,
+            },
         ),
         Family("gpt-neox", "GPTNeoXConfig", _NEOX),
         # GPT-2's config turns dropout on by default; off here, so that 2 ranks and 1 process draw no masks.

@@ -158,7 +158,7 @@ def test_checkpointing_from_either_flag_is_what_the_builder_the_checks_and_the_p
     assert cfg.activation_checkpointing is expected
     assert model_spec(cfg, "cpu", 64, []).gradient_checkpointing is expected
     launch = launch_from_settings(cfg.fsdp, world_size=2, num_nodes=1)
-    assert plan_inputs(cfg.model, cfg.data, cfg.train, launch).gradient_checkpointing is expected
+    assert plan_inputs(cfg, launch).gradient_checkpointing is expected
     # --gradient_checkpointing_kwargs is refused exactly when checkpointing is off.
     argv = [
         *HUB_ARGS,
@@ -188,7 +188,7 @@ def test_dropout_off_is_the_objective_spec_s_rule_for_the_run_and_the_planner(mo
     assert dropout_off("toy", False) is False
     cfg = load_run_config([*HUB_ARGS, "--objective", "toy", "--use_peft_lora", "True", "--lora_dropout", "0.1"], env={})
     launch = launch_from_settings(cfg.fsdp, world_size=2, num_nodes=1)
-    assert plan_inputs(cfg.model, cfg.data, cfg.train, launch).lora_dropout == (0.0 if expected else 0.1)
+    assert plan_inputs(cfg, launch).lora_dropout == (0.0 if expected else 0.1)
     for name in ("sft", "dpo", "kto"):  # the built-in objectives: SFT keeps dropout, the preference ones drop it
         assert dropout_off(name, True) is (name != "sft")
 

@@ -163,8 +163,8 @@ def test_default_target_modules_that_peft_maps_onto_fused_experts_keep_their_dro
 
     default = "q_proj,k_proj,v_proj,o_proj,down_proj,up_proj,gate_proj"
     names = {"qwen3_moe": default, "mixtral": "q_proj,k_proj,v_proj,o_proj,w1,w2,w3"}[model_type]
-    kw = dict(lora_r=2, lora_alpha=4, lora_dropout=0.1, target_modules=names, use_dora=False, modules_to_save=None,
-              new_token_ids=[])  # fmt: skip
+    kw = {"lora_r": 2, "lora_alpha": 4, "lora_dropout": 0.1, "target_modules": names, "use_dora": False,
+          "modules_to_save": None, "new_token_ids": []}  # fmt: skip
     from shardtune.models.preflight import target_module_problems
 
     assert target_module_problems(_model(model_type), names, explicit=True, model_name=model_type) == []

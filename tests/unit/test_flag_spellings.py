@@ -49,10 +49,10 @@ def test_a_value_below_one_is_a_ratio_of_the_total_steps(value, total, steps):
 
 
 def test_the_loop_reads_ratios_against_the_run_total():
-    from shardtune.commands.train import _loop_settings
+    from shardtune.recipe.settings import loop_settings
 
     cfg = _load("--save_steps", "0.5", "--logging_steps", "0.1", "--eval_strategy", "steps", "--splits", "a,b")
-    s = _loop_settings(cfg, total=95, steps_per_epoch=95, pad_id=0)
+    s = loop_settings(cfg, total=95, steps_per_epoch=95, pad_id=0)
     assert (s.save_steps, s.logging_steps, s.eval_steps) == (48, 10, 10)  # eval: --logging_steps' ratio
 
 

@@ -35,7 +35,7 @@ LORA = ("--use_peft_lora", "True", "--lora_r", "8", "--lora_target_modules", "al
 
 def _need(cfg, world: int) -> int:
     shape = plan_shape(load_model_config(MODEL, False), cfg.model.chat_template_format)
-    inputs = replace(plan_inputs(cfg.model, cfg.data, cfg.train, Launch(world_size=world)), replicate_base=True)
+    inputs = replace(plan_inputs(cfg, Launch(world_size=world)), replicate_base=True)
     return estimate_memory(shape, inputs).total
 
 

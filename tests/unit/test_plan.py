@@ -32,7 +32,7 @@ from shardtune.planning import (
 )
 from shardtune.planning.activations import layer_saved_bytes_per_token
 from shardtune.planning.estimate import ALLOCATOR_OVERHEAD, SAVE_COPIES_ROW, SAVE_PHASE
-from shardtune.planning.fit import plan_inputs, warn_if_too_small
+from shardtune.planning.fit import launch_from_settings, plan_inputs, warn_if_too_small
 from shardtune.planning.inputs import RUN_FIELDS, as_json
 from shardtune.planning.known_configs import known_config
 from shardtune.planning.model import quant_constant_bytes, resolve_lora_targets, shard_rows
@@ -798,7 +798,7 @@ def test_main_prints_table_for_guide_lora(guide_yamls, capsys):
         assert row in out
     plan = make_plan(_argv(GUIDE_LORA) + ["--config_file", guide_yamls[0]])
     assert plan.shape.vocab_size == 32008  # chatml tokens, padded to a multiple of 8
-    assert f"Fits: {plan.estimate.total / GiB:.2f} GiB of {80e9 / GiB:.2f} GiB" in out
+    assert f"Fits (estimate): {plan.estimate.total / GiB:.2f} GiB of {80e9 / GiB:.2f} GiB" in out
 
 
 def test_main_json_keys_and_values(guide_yamls, capsys):
@@ -842,7 +842,8 @@ def test_a_run_sets_the_fields_json_prints_under_run():
         model_name_or_path="x", use_peft_lora=True, lora_target_parameters="routers", lora_target_experts=True
     )
     train = TrainArguments(per_device_train_batch_size=3, gradient_accumulation_steps=2, objective="dpo")
-    inputs = plan_inputs(model, DataArguments(max_length=4096), train, Launch(world_size=4), "eager", 256)
+    cfg = RunConfig(model, DataArguments(max_length=4096), train, FSDPSettings())
+    inputs = plan_inputs(cfg, Launch(world_size=4), "eager", 256)
     changed = {f.name for f in fields(PlanInputs) if getattr(inputs, f.name) != f.default}
     assert changed - set(RUN_FIELDS) == {"lora_target_parameters"}
     assert inputs.lora_target_parameters == ("routers", "experts")
@@ -995,12 +996,12 @@ def test_warn_if_too_small():
         TrainArguments(bf16=True, gradient_checkpointing=True, per_device_train_batch_size=2),
         FSDPSettings(enabled=True),
     )
-    env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true"}
-    message = warn_if_too_small(cfg, 24 * GiB, env=env)
+    launch = launch_from_settings(cfg.fsdp, world_size=8, num_nodes=1)
+    message = warn_if_too_small(cfg, 24 * GiB, launch)
     assert message is not None and "24.0 GiB this GPU has" in message and "Smallest change that fits" in message
-    assert warn_if_too_small(cfg, 200 * GiB, env=env) is None
+    assert warn_if_too_small(cfg, 200 * GiB, launch) is None
     cfg.model.model_name_or_path = os.path.join("/nonexistent", "model")
-    assert warn_if_too_small(cfg, 1 * GiB, env=env) is None
+    assert warn_if_too_small(cfg, 1 * GiB, launch) is None
 
 
 @pytest.mark.parametrize(

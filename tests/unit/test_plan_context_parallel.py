@@ -81,7 +81,7 @@ def test_the_longest_sequence_that_fits_grows_with_cp(capsys):
 
 @pytest.mark.parametrize(
     ("flags", "want"),
-    [(["--context_parallel_size", "3"], "--context_parallel_size 3 must divide --num_processes 8."),
+    [(["--context_parallel_size", "3"], "--context_parallel_size 3: it must be a whole number ≥ 1 that divides the 8 processes."),
      (["--longest_seq_len", "True"], "--longest_seq_len needs --gpu_memory")],
 )  # fmt: skip
 def test_what_the_plan_cannot_do_with_cp_is_refused(flags, want):

@@ -16,7 +16,7 @@ def test_only_the_cli_imports_the_plan_command():
 
 
 def test_train_and_plan_read_the_same_planner_inputs():
-    assert "shardtune.planning.fit" in GRAPH["shardtune.recipe.checks"]
+    assert "shardtune.planning.fit" in GRAPH["shardtune.recipe.settings"]  # train's start-up plan
     assert "shardtune.planning.fit" in GRAPH["shardtune.commands.plan"]
     # docs/plan.md names shardtune.commands.plan.warn_if_too_small: the same function, not a copy.
     assert (plan.warn_if_too_small, plan.plan_inputs, plan.plan_shape) == (

@@ -203,14 +203,19 @@ def test_the_family_decides_whether_attention_runs_per_document(monkeypatch):
 def test_the_run_and_the_trace_decide_it_too():
     """Compiled blocks and the trace run transformers' SDPA over whole rows: the row-wide terms, for the same
     family. On a packed row they differ from the per-document ones."""
-    from shardtune.config.arguments import DataArguments, ModelArguments, TrainArguments
+    from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+    from shardtune.config.fsdp import FSDPSettings
     from shardtune.planning.report import Launch
 
     model, data = ModelArguments(model_name_or_path="x"), DataArguments(packing=True, max_length=8192)
-    assert plan_inputs(model, data, TrainArguments(), Launch(world_size=1)).per_document_attention
-    inputs = plan_inputs(model, data, TrainArguments(torch_compile=True), Launch(world_size=1))
+
+    def run(train: TrainArguments) -> RunConfig:
+        return RunConfig(model, data, train, FSDPSettings())
+
+    assert plan_inputs(run(TrainArguments()), Launch(world_size=1)).per_document_attention
+    inputs = plan_inputs(run(TrainArguments(torch_compile=True)), Launch(world_size=1))
     assert not inputs.per_document_attention
-    inputs = plan_inputs(model, data, TrainArguments(), Launch(world_size=1))
+    inputs = plan_inputs(run(TrainArguments()), Launch(world_size=1))
     traced = traced_run_inputs(inputs, "cuda")
     shape = plan_shape(_config())
     row_wide = estimate_memory(shape, replace(inputs, per_document_attention=False)).device["activations"]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from shardtune.commands import plan as plan_command
-from shardtune.config.arguments import DataArguments, ModelArguments, TrainArguments
+from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.fsdp import FSDPSettings
 from shardtune.planning import generation
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import plan_inputs
@@ -147,7 +148,9 @@ def _grpo_inputs(world_size: int = 8, **train) -> PlanInputs:
     train = {"objective": "grpo", "max_prompt_length": 256, "max_completion_length": 2048, **train}
     model = ModelArguments(model_name_or_path="x", use_peft_lora=True, lora_r=8)
     args = TrainArguments(bf16=True, gradient_checkpointing=True, **train)
-    return plan_inputs(model, DataArguments(max_length=1024), args, Launch(world_size=world_size))
+    return plan_inputs(
+        RunConfig(model, DataArguments(max_length=1024), args, FSDPSettings()), Launch(world_size=world_size)
+    )
 
 
 def test_plan_inputs_of_a_grpo_run():
@@ -158,7 +161,9 @@ def test_plan_inputs_of_a_grpo_run():
     assert k.seq_len == 256 + 2048 and k.max_prompt_length == 256 and k.gather_for_generation
     unset = _grpo_inputs(max_prompt_length=None)
     assert unset.seq_len == 1024 + 2048 and generation.prompt_len(unset) == 1024
-    sft = plan_inputs(ModelArguments(model_name_or_path="x"), DataArguments(), TrainArguments(), Launch())
+    sft = plan_inputs(
+        RunConfig(ModelArguments(model_name_or_path="x"), DataArguments(), TrainArguments(), FSDPSettings()), Launch()
+    )
     assert sft.rollout_engine is None and estimate_memory(_shape_8b(), sft).generation is None
 
 

@@ -96,7 +96,7 @@ def test_a_generation_batch_of_partial_groups_is_refused_naming_the_flags():
     from shardtune.recipe.rl import rollout_settings
 
     cfg = SimpleNamespace(train=SimpleNamespace(
-        per_device_train_batch_size=3, gradient_accumulation_steps=1, steps_per_generation=None, num_generations=4,
+        per_device_train_batch_size=3, generation_steps=1, num_generations=4,
     ))  # fmt: skip
     info = SimpleNamespace(dims=SimpleNamespace(dp_size=2))
     with pytest.raises(ValueError, match=r"a generation batch of 6 completions .* is not whole groups of "

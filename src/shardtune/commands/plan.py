@@ -16,13 +16,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardtune.config import cuda_allocator
 from shardtune.config.accelerate import fsdp_settings_from_yaml, read_accelerate_yaml
 from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
-from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, context_parallel_size, single_process_setting
-from shardtune.config.run import explicit_flags, parse_args
-from shardtune.objectives.loss import apply_objective_defaults, has_reference, objective_spec
+from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, single_process_setting
+from shardtune.config.run import explicit_flags, parse_args, resolve_parallel_sizes
+from shardtune.models.builder import LOSS_CHUNK_TOKENS
+from shardtune.objectives.loss import has_reference, objective_spec
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
@@ -39,7 +39,7 @@ from shardtune.planning.recommend import longest_sequences, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
 from shardtune.planning.trace import trace_step
-from shardtune.recipe.run_config import flag_choices, run_problems
+from shardtune.recipe.run_config import complete_run_config, flag_choices
 from shardtune.training import optimizers
 
 _UNITS = {
@@ -94,7 +94,9 @@ class PlanArguments:
         None,
         "sdpa, flash_attention_2 or eager (default: flash_attention_2 with --use_flash_attn True, otherwise sdpa).",
     )
-    loss_chunk_tokens: int = _f(1024, "Positions per chunk of shardtune's chunked lm_head + cross-entropy.")
+    loss_chunk_tokens: int = _f(
+        LOSS_CHUNK_TOKENS, "Positions per chunk of shardtune's chunked lm_head + cross-entropy (the run's default)."
+    )
     longest_seq_len: bool = _f(
         False,
         "With --gpu_memory: the longest --max_seq_len that fits, with this run's --context_parallel_size and "
@@ -124,6 +126,10 @@ def _strategy(value: Any, source: str) -> str:
     return name
 
 
+# What `shardtune plan` leaves out of a run's checks: it reads no dataset and runs no reward function.
+NOT_NEEDED = ("--dataset_name", "--objective grpo needs --reward_funcs")
+
+
 def read_accelerate_config(path: str) -> Launch:
     """World size, machines and FSDP settings of an accelerate YAML, read and checked as `shardtune launch` does."""
     cfg = read_accelerate_yaml(path)
@@ -132,23 +138,28 @@ def read_accelerate_config(path: str) -> Launch:
     )
 
 
-def _launch(plan: PlanArguments) -> Launch:
-    launch = read_accelerate_config(plan.config_file) if plan.config_file else Launch()
-    launch.expandable_segments = cuda_allocator.expandable_segments()  # the environment the run would start in
-    launch.single_process = single_process_setting(os.environ.get(SINGLE_PROCESS_ENV, "auto"))
-    if plan.num_processes is not None:
-        launch.world_size = plan.num_processes
-    if plan.num_machines is not None:
-        launch.num_nodes = plan.num_machines
+def _fsdp_settings(plan: PlanArguments) -> FSDPSettings:
+    """The FSDP settings `shardtune train` would read from the environment `accelerate launch` sets for the YAML (no
+    YAML: a start without accelerate's), with this command's --sharding_strategy and --offload_params over them and
+    SHARDTUNE_FSDP_SINGLE_PROCESS from this environment: the one structure the run and its launch are built from."""
+    fsdp = fsdp_settings_from_yaml(plan.config_file) if plan.config_file else FSDPSettings()
     if plan.sharding_strategy is not None:
-        launch.sharding_strategy = _strategy(plan.sharding_strategy, "--sharding_strategy")
+        fsdp.sharding_strategy = _strategy(plan.sharding_strategy, "--sharding_strategy")
+        fsdp.reshard_after_forward = None  # the strategy named says it
     if plan.offload_params is not None:
-        launch.offload = plan.offload_params
-    if launch.world_size < 1 or launch.num_nodes < 1 or launch.world_size % launch.num_nodes:
-        raise ConfigError(
-            [(f"--num_processes {launch.world_size} must be a positive multiple of --num_machines {launch.num_nodes}.")]
-        )
-    return launch
+        fsdp.offload_params = plan.offload_params
+    fsdp.single_process = single_process_setting(os.environ.get(SINGLE_PROCESS_ENV, "auto"))
+    return fsdp
+
+
+def _launch(plan: PlanArguments, fsdp: FSDPSettings) -> Launch:
+    """The processes and machines (the YAML's, --num_processes and --num_machines over them) with `fsdp`."""
+    yaml_cfg = read_accelerate_yaml(plan.config_file) if plan.config_file else {}
+    world = plan.num_processes if plan.num_processes is not None else int(yaml_cfg.get("num_processes") or 1)
+    nodes = plan.num_machines if plan.num_machines is not None else int(yaml_cfg.get("num_machines") or 1)
+    if world < 1 or nodes < 1 or world % nodes:
+        raise ConfigError([f"--num_processes {world} must be a positive multiple of --num_machines {nodes}."])
+    return launch_from_settings(fsdp, world, nodes)  # the allocator's settings: the environment the run starts in
 
 
 def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None, precompute: bool) -> str:
@@ -179,18 +190,17 @@ def reference_note(objective: str, use_peft_lora: bool, adapter_path: str | None
     )
 
 
-def _validate(model: ModelArguments, data: DataArguments, train: TrainArguments) -> None:
-    """The training flags' own checks, except that planning needs no dataset."""
-    problems = run_problems(RunConfig(model, data, train, FSDPSettings()), check_paths=False)
-    # Planning needs no dataset and runs no reward function.
-    problems = [p for p in problems if not p.startswith(("--dataset_name", "--objective grpo needs --reward_funcs"))]
-    if problems:
+def _run_config(
+    model: ModelArguments, data: DataArguments, train: TrainArguments, fsdp: FSDPSettings, launch: Launch, explicit
+) -> RunConfig:
+    """The run `shardtune train` would start on this launch, decided by train's own rules: the parallel sizes
+    (config.run.resolve_parallel_sizes), the objective's defaults and every check but the dataset's
+    (recipe.run_config.complete_run_config)."""
+    local = launch.world_size // launch.num_nodes
+    if problems := resolve_parallel_sizes(train, fsdp, launch.world_size, local, explicit):
         raise ConfigError(problems)
-
-
-def _check_context_parallel(cp: int, launch: Launch) -> None:
-    if launch.world_size % cp:
-        raise ConfigError([f"--context_parallel_size {cp} must divide --num_processes {launch.world_size}."])
+    run = RunConfig(model, data, train, fsdp, explicit=explicit)
+    return complete_run_config(run, check_paths=False, not_needed=NOT_NEEDED)
 
 
 def make_plan(argv: list[str]) -> Plan:
@@ -198,12 +208,9 @@ def make_plan(argv: list[str]) -> Plan:
     model, data, train, plan = parse_args(argv, extra=(PlanArguments,), prog="shardtune plan", choices=flag_choices())
     if not model.model_name_or_path:
         raise ConfigError(["--model_name_or_path is required: a hub id, a local model folder or a config.json."])
-    apply_objective_defaults(train, explicit_flags(argv))
-    _validate(model, data, train)
-    launch = _launch(plan)
-    if plan.config_file and train.context_parallel_size == 1:  # the YAML's parallelism_config_cp_size
-        train.context_parallel_size = context_parallel_size(fsdp_settings_from_yaml(plan.config_file))
-    _check_context_parallel(train.context_parallel_size, launch)
+    fsdp = _fsdp_settings(plan)
+    launch = _launch(plan, fsdp)
+    run = _run_config(model, data, train, fsdp, launch, explicit_flags(argv))
     if plan.attn_implementation and plan.attn_implementation not in ("sdpa", "flash_attention_2", "eager"):
         raise ConfigError(
             [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]
@@ -212,9 +219,8 @@ def make_plan(argv: list[str]) -> Plan:
     shape = plan_shape(config, model.chat_template_format)
     if train.router_aux_loss_coef is not None:  # --router_aux_loss_coef over the config's
         shape = dataclasses.replace(shape, router_aux_loss_coef=train.router_aux_loss_coef)
-    inputs = plan_inputs(model, data, train, launch, plan.attn_implementation, plan.loss_chunk_tokens)
+    inputs = plan_inputs(run, launch, plan.attn_implementation, plan.loss_chunk_tokens)
     gpu_bytes = parse_bytes(plan.gpu_memory) if plan.gpu_memory else None
-    run = RunConfig(model, data, train, _fsdp_settings(launch))
     inputs, placement_note = _frozen_base_note(run, launch, gpu_bytes, shape, inputs)
     result = Plan(
         model.model_name_or_path,
@@ -274,17 +280,6 @@ def _frozen_base_note(
             f"for it ({need / GiB:.1f} GiB per GPU replicated, plus a margin: --gpu_memory decides it here)."
         )
     return inputs, why
-
-
-def _fsdp_settings(launch: Launch) -> FSDPSettings:
-    """The FSDP settings `shardtune train` would get from the launcher for this launch."""
-    return FSDPSettings(
-        enabled=True,
-        sharding_strategy=launch.sharding_strategy,
-        offload_params=launch.offload,
-        mixed_precision=launch.mixed_precision,
-        activation_checkpointing=launch.activation_checkpointing,
-    )
 
 
 def run_trace(p: Plan) -> Any:

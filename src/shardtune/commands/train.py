@@ -17,18 +17,18 @@ import torch
 
 from shardtune.cli import run_command
 from shardtune.config import cuda_allocator
-from shardtune.config.arguments import RunConfig, interval_steps
+from shardtune.config.arguments import RunConfig
 from shardtune.config.errors import ConfigError
 from shardtune.config.run import build_parser, precision_line
 from shardtune.inference.harness import EvalArguments, evaluate_model
 from shardtune.models import loading
-from shardtune.models.builder import model_spec
 from shardtune.models.preflight import model_input_problems, tokenizer_load_error
 from shardtune.objectives.loss import objective_spec
 from shardtune.parallel import checkpoint, setup
 from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.mesh import all_gather_objects, init_distributed, is_peer_failure, shutdown
-from shardtune.recipe import checks, data, objective, output, rl, state
+from shardtune.planning.fit import RunFit
+from shardtune.recipe import checks, data, objective, output, rl, settings, state
 from shardtune.recipe.run_config import flag_choices, load_run_config
 from shardtune.rl.probe import SyncError
 from shardtune.rl.rewards import RewardError
@@ -167,25 +167,29 @@ def _seed_everything(seed: int) -> None:
 def run(cfg: RunConfig) -> int:
     STOP.at("starting the processes")
     info = init_distributed(
-        cfg.fsdp.sharding_strategy, timeout_s=cfg.train.ddp_timeout, cp=cfg.train.context_parallel_size
+        cfg.fsdp.sharding_strategy,
+        timeout_s=cfg.train.ddp_timeout,
+        cp=cfg.train.context_parallel_size,
+        tp=cfg.train.tensor_parallel_size,
     )
     if info.is_main and (msg := bf16_check(info.device.type, cfg.precision.bf16)):  # AVX2-only CPUs emulate bf16
         warn0(msg)
     if info.device.type == "cuda":
         print0(f"CUDA allocator: {cuda_allocator.describe()}")
     repo_id = checks.preflight_run(cfg, info)
+    fit = settings.start_plan(cfg, info)  # the planner's one pass, before any data is read
     trackers = checks.open_trackers_for_run(cfg, info)
     try:
-        return _run(cfg, info, repo_id, trackers)
+        return _run(cfg, info, repo_id, trackers, fit)
     except BaseException:
         for tracker in trackers:  # a W&B/MLflow run of a failed run is marked failed, not left running
             tracker.close(finished=False)
         raise
 
 
-def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list) -> int:
+def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list, fit: RunFit) -> int:
     """Build, train, export."""
-    run = _build(cfg, info)
+    run = _build(cfg, info, fit)
     logger = _logger(cfg, info, run.model, run.settings.total_steps, trackers)
     start = time.perf_counter()
     try:
@@ -232,8 +236,9 @@ class _Built:
     stop: StopFlag | None = None  # the loop's signal handler, which stays installed through the final save
 
 
-def _build(cfg: RunConfig, info) -> _Built:
-    """Data first (a bad dataset fails before the model loads), then the model, optimizer, objective and state."""
+def _build(cfg: RunConfig, info, fit: RunFit) -> _Built:
+    """Data first (a bad dataset fails before the model loads), then the model (its frozen base where the start-up
+    plan put it), optimizer, objective and state."""
 
     t = cfg.train
     _seed_everything(t.seed)
@@ -249,8 +254,7 @@ def _build(cfg: RunConfig, info) -> _Built:
     _seed_everything(t.seed)
     STOP.at("loading the model")
     hooks.at("load", step=0, rank=info.rank)
-    spec = model_spec(cfg, info.device.type, len(tokenizer), new_ids)
-    spec.frozen_base = checks.frozen_base_placement(cfg, info)
+    spec = settings.model_settings(cfg, info, len(tokenizer), new_ids, fit)
     model = setup.build_sharded_model(spec, info, cfg.fsdp.single_process)
     optimizer, scheduler = _optimizer_and_scheduler(cfg, model, total)
     # Before a checkpoint is loaded: a precomputed reference is the run's starting point, also on resume.
@@ -260,10 +264,10 @@ def _build(cfg: RunConfig, info) -> _Built:
         rl.attach(cfg, train_split, model, info)
     STOP.at("loading the checkpoint")
     loop_state = state.resume(cfg, model, optimizer, scheduler, info) if t.resume_from_checkpoint else LoopState()
-    settings = _loop_settings(cfg, total, spe, tokenizer.pad_token_id)
+    loop = settings.loop_settings(cfg, total, spe, tokenizer.pad_token_id)
     global_batch = t.per_device_train_batch_size * info.dims.dp_size * t.gradient_accumulation_steps
     print0(f"Training {total} steps ({spe} per epoch), global batch {global_batch} rows.")
-    return _Built(tokenizer, train_split, eval_split, model, optimizer, scheduler, goal, settings, loop_state)
+    return _Built(tokenizer, train_split, eval_split, model, optimizer, scheduler, goal, loop, loop_state)
 
 
 def _train_loop(cfg: RunConfig, info, run: _Built, logger, repo_id: str | None) -> LoopState:
@@ -338,27 +342,6 @@ def _optimizer_and_scheduler(cfg: RunConfig, model, total: int):
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * total)
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     return optimizer, scheduler
-
-
-def _loop_settings(cfg: RunConfig, total: int, steps_per_epoch: int, pad_id: int) -> LoopSettings:
-    t = cfg.train
-    return LoopSettings(
-        batch_size=t.per_device_train_batch_size,
-        eval_batch_size=t.per_device_eval_batch_size,
-        grad_accum=t.gradient_accumulation_steps,
-        max_grad_norm=t.max_grad_norm,
-        total_steps=total,
-        steps_per_epoch=steps_per_epoch,
-        seed=t.seed,
-        pad_id=pad_id,
-        logging_steps=interval_steps(t.logging_steps, total),
-        logging_strategy=t.logging_strategy,
-        eval_strategy=t.eval_strategy,
-        eval_steps=interval_steps(t.eval_steps or t.logging_steps, total),
-        save_strategy=t.save_strategy,
-        save_steps=interval_steps(t.save_steps, total),
-        max_nonfinite_steps=t.max_nonfinite_steps,
-    )
 
 
 def _logger(cfg: RunConfig, info, model, total: int, trackers: list):

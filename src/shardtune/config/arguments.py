@@ -132,15 +132,25 @@ class DataArguments:
     # Corpora larger than memory (docs/data.md).
     streaming: bool = _f(
         False,
-        "Read the training split as a stream and pack it --packing_window rows at a time while training; needs "
-        "--max_steps. The evaluation split is still prepared into the cache.",
+        "Read the training split as a stream, --packing_window rows at a time (packed with --packing True) while "
+        "training; needs --max_steps. The evaluation split is still prepared into the cache.",
     )
     packing_window: int = _f(
-        10_000, "With --streaming: rows read, tokenized and packed best-fit together (more: fuller rows, more memory)."
+        10_000,
+        "With --streaming: rows read and tokenized together, and with --packing packed best-fit together (more: "
+        "fuller rows, more memory).",
     )
     dataset_num_proc: int | None = _f(
         None, "Processes that tokenize a split into the cache (default: one per CPU, at most 16)."
     )
+
+    @property
+    def packed_rows(self) -> bool:
+        """Whether the run's rows hold several documents: --packing, for the cached and the streamed split alike
+        (--streaming reads and tokenizes a window at a time, and packs it only with --packing). The one rule the
+        data (its rows), the builder (ModelSpec.packing: the layout that keeps documents apart) and the planner
+        (PlanInputs.packing) read. Objectives that train on pairs or on generated rows refuse --packing."""
+        return self.packing
 
 
 @dataclass
@@ -220,6 +230,13 @@ class TrainArguments:
         "Split every row's positions over this many ranks (context parallelism, for long sequences): FSDP shards "
         "over all ranks, each batch is shared by this many; accelerate's parallelism_config_cp_size sets it too "
         "(docs/long_context.md).",
+    )
+    tensor_parallel_size: int = _f(
+        1,
+        "Slice each decoder block's linear layers over this many ranks of a machine (tensor parallelism: q/k/v/gate/"
+        "up column-parallel, o/down row-parallel, LoRA's factors placed to match); FSDP shards over the rest. "
+        "Llama-style families, LoRA or full fine-tuning; accelerate's parallelism_config_tp_size sets it too "
+        "(docs/parallelism.md).",
     )
     ddp_timeout: int = _f(
         1800,
@@ -305,6 +322,12 @@ class TrainArguments:
     remove_unused_columns: bool = _f(True, "Accepted for compatibility.")
     do_train: bool = _f(True, "Accepted for compatibility.")
     do_eval: bool = _f(False, "Accepted for compatibility.")
+
+    @property
+    def generation_steps(self) -> int:
+        """--objective grpo: the micro-batches per rank one generation batch feeds, --steps_per_generation or else
+        --gradient_accumulation_steps (TRL's default); what the rollouts (recipe.rl) and the planner read."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
 
 
 @dataclass

@@ -133,6 +133,16 @@ def single_process_fsdp_reason(setting: str, *, offload: bool, full_mixed_precis
     return None
 
 
+def fsdp_reason(world_size: int, setting: str, *, offload: bool, full_mixed_precision: bool) -> str | None:
+    """Why a run shards with FSDP, or None when its one process trains the plain module: "processes" (several
+    processes always shard), else single_process_fsdp_reason's. The one rule `shardtune train`
+    (parallel.parallelize.use_fsdp) and the planner (PlanInputs.fsdp) apply; `full_mixed_precision` is
+    config.precision.casts_every_weight."""
+    if world_size > 1:
+        return "processes"
+    return single_process_fsdp_reason(setting, offload=offload, full_mixed_precision=full_mixed_precision)
+
+
 def single_process_setting(value: str) -> str:
     """SHARDTUNE_FSDP_SINGLE_PROCESS as one of SINGLE_PROCESS_CHOICES (empty: auto); anything else is refused."""
     v = value.strip().lower() or "auto"
@@ -153,7 +163,6 @@ def single_process_setting(value: str) -> str:
 # The sizes `accelerate launch` passes as PARALLELISM_CONFIG_<NAME> (accelerate/utils/launch.py), its defaults 1.
 PARALLELISM_SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 _NOT_IMPLEMENTED = {
-    "tp_size": "tensor parallelism is not implemented in shardtune yet",
     "sp_size": "sequence parallelism (accelerate's DeepSpeed Ulysses) is not implemented in shardtune",
 }
 # The context-parallel choices accelerate passes beside the sizes, and the one shardtune runs: its context
@@ -180,8 +189,8 @@ def parallelism_from_env(env: Mapping[str, str]) -> dict[str, str] | None:
 
 def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: int) -> tuple[str, list[str]]:
     """The sharding strategy that builds the mesh the parallelism_config asks for, and the problems (each naming the
-    keys and the fix): tensor and sequence parallel sizes above 1 are refused; dp_replicate_size × dp_shard_size ×
-    cp_size must be the processes (cp_size: config.fsdp.context_parallel_size), replicated across machines and sharded within one (HYBRID_SHARD), all
+    keys and the fix): a sequence parallel size above 1 is refused; dp_replicate_size × dp_shard_size ×
+    cp_size × tp_size must be the processes (cp_size: config.fsdp.context_parallel_size), replicated across machines and sharded within one (HYBRID_SHARD), all
     sharded (FULL_SHARD) or all replicated (NO_SHARD)."""
     strategy, sizes = settings.sharding_strategy, settings.parallelism
     if not sizes:
@@ -198,19 +207,20 @@ def parallelism_plan(settings: FSDPSettings, world_size: int, local_world_size: 
     p += [f"{key(k)} {n[k]}: {why}; set {key(k)}: 1." for k, why in _NOT_IMPLEMENTED.items() if n[k] > 1]
     if p:  # the data-parallel sizes follow once these are 1
         return strategy, p
-    r, s, cp = n["dp_replicate_size"], n["dp_shard_size"], n["cp_size"]
+    r, s, cp, tp = n["dp_replicate_size"], n["dp_shard_size"], n["cp_size"], n["tp_size"]
     if cp > 1:
         p += _cp_option_problems(sizes)
-    if min(r, s, cp) < 1 or r * s * cp != world_size:
+    if min(r, s, cp, tp) < 1 or r * s * cp * tp != world_size:
+        tp_term = f" × {key('tp_size')} {tp}" if tp != 1 else ""
         p.append(
-            f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} × {key('cp_size')} {cp} = {r * s * cp}, "
-            f"but the run has {world_size} processes; make the product {world_size} (e.g. "
-            f"{key('dp_shard_size')}: {max(world_size // max(cp, 1), 1)})."
+            f"{key('dp_replicate_size')} {r} × {key('dp_shard_size')} {s} × {key('cp_size')} {cp}{tp_term} = "
+            f"{r * s * cp * tp}, but the run has {world_size} processes; make the product {world_size} (e.g. "
+            f"{key('dp_shard_size')}: {max(world_size // max(cp * tp, 1), 1)})."
         )
     if p:
         return strategy, p
-    # the data-parallel ranks, each group of cp ranks sharing a batch (on one machine: config.py checks cp divides it)
-    world_size, local_world_size = world_size // cp, max(local_world_size // cp, 1)
+    # the data-parallel ranks, each group of cp × tp ranks sharing a batch (config.run checks they fit a machine)
+    world_size, local_world_size = world_size // (cp * tp), max(local_world_size // (cp * tp), 1)
     # The sizes decide the mesh (as accelerate's FSDP2 builds it from them); the strategy keeps its resharding.
     if r * s == 1:
         return strategy, []
@@ -241,6 +251,12 @@ def _cp_option_problems(sizes: Mapping[str, str]) -> list[str]:
         for k, want in CP_OPTIONS.items()
         if sizes.get(k, want).strip().lower() != want
     ]
+
+
+def tensor_parallel_size(settings: FSDPSettings) -> int:
+    """The parallelism_config's tp_size (1 without one); a whole number once parallelism_plan has passed."""
+    sizes = settings.parallelism or {}
+    return int(sizes.get("tp_size", "1"))
 
 
 def context_parallel_size(settings: FSDPSettings) -> int:

@@ -52,3 +52,10 @@ def resolve_precision(*, bf16: bool, fp16: bool, mixed_precision: str = "no", pe
     else:
         compute, flags = torch.float32, "neither --bf16 nor --fp16"
     return Precision(compute=compute, storage=compute if peft else torch.float32, flags=flags)
+
+
+def casts_every_weight(use_peft_lora: bool, param_dtype: torch.dtype | None) -> bool:
+    """Full fine-tuning computing its fp32 master weights in a 16-bit dtype: every weight gets a compute-dtype copy
+    (FSDP holds one block's at a time, the plain module all of them). What config.fsdp.fsdp_reason's "auto" reads,
+    for the run (parallel.parallelize.use_fsdp) and the planner (planning.fit.plan_inputs) alike."""
+    return not use_peft_lora and param_dtype not in (None, torch.float32)

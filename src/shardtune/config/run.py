@@ -26,7 +26,13 @@ from transformers import HfArgumentParser
 from shardtune.config import dtypes
 from shardtune.config.arguments import ARG_CLASSES, DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
-from shardtune.config.fsdp import FSDPSettings, context_parallel_size, fsdp_settings_from_env, parallelism_plan
+from shardtune.config.fsdp import (
+    FSDPSettings,
+    context_parallel_size,
+    fsdp_settings_from_env,
+    parallelism_plan,
+    tensor_parallel_size,
+)
 from shardtune.runtime.log import warn0
 
 __all__ = [
@@ -394,16 +400,28 @@ def parse_run_config(
     if problems:
         raise ConfigError([f"the accelerate config's {p}" for p in problems])
     explicit = explicit_flags(argv)
-    problems = _context_parallel(train, fsdp, world, local, explicit)
+    problems = resolve_parallel_sizes(train, fsdp, world, local, explicit)
     if problems:
         raise ConfigError(problems)
     return RunConfig(model, data, train, fsdp, explicit=explicit)
 
 
-def _context_parallel(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:
+def resolve_parallel_sizes(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:
+    """The parallel axes' sizes of a run on `world` processes (`local` a machine's), from the flags or the
+    accelerate config, into `train`, and their problems: the one place `shardtune train` (parse_run_config) and
+    `shardtune plan` take them. The tensor axis is checked once the context axis is whole (its check reads
+    both), so that one mistake is one line."""
+    return resolve_context_parallel(train, fsdp, world, local, explicit) or resolve_tensor_parallel(
+        train, fsdp, world, local, explicit
+    )
+
+
+def resolve_context_parallel(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:
     """--context_parallel_size, or the accelerate config's parallelism_config_cp_size (the same number when both
     are given), into train.context_parallel_size; it must divide the processes, and a machine's processes where
-    a HYBRID strategy shards within each machine (a batch's cp ranks share one shard group)."""
+    a HYBRID strategy shards within each machine (a batch's cp ranks share one shard group). The one place the
+    size is decided and checked, for `shardtune train` (from the launcher's environment) and `shardtune plan`
+    (from its YAML and --num_processes) through resolve_parallel_sizes; the problems, each naming the flag."""
     from_config = context_parallel_size(fsdp)
     if from_config > 1:
         if "context_parallel_size" in explicit and train.context_parallel_size != from_config:
@@ -419,5 +437,25 @@ def _context_parallel(train, fsdp: FSDPSettings, world: int, local: int, explici
     if fsdp.sharding_strategy.startswith("HYBRID") and world > local and local % cp:
         why = (f"--context_parallel_size {cp} with fsdp_sharding_strategy {fsdp.sharding_strategy}: it must divide "
                f"the {local} processes of a machine, where the strategy shards; use a divisor of {local}.")  # fmt: skip
+        return [why]
+    return []
+
+
+def resolve_tensor_parallel(train, fsdp: FSDPSettings, world: int, local: int, explicit) -> list[str]:
+    """--tensor_parallel_size, or the accelerate config's parallelism_config_tp_size (the same number when both
+    are given; PARALLELISM_CONFIG_TP_SIZE from any launcher), into train.tensor_parallel_size; it must divide a
+    machine's processes (its ranks exchange activations in every layer) and the processes with cp."""
+    from_config = tensor_parallel_size(fsdp)
+    flag = "--tensor_parallel_size"
+    if from_config > 1:
+        if "tensor_parallel_size" in explicit and train.tensor_parallel_size != from_config:
+            why = (f"{flag} {train.tensor_parallel_size} and the accelerate config's parallelism_config_tp_size "
+                   f"{from_config} differ: give one of them.")  # fmt: skip
+            return [why]
+        train.tensor_parallel_size = from_config
+    tp, cp = train.tensor_parallel_size, train.context_parallel_size
+    if tp < 1 or local % tp or world % (tp * cp):
+        why = (f"{flag} {tp}: it must be a whole number ≥ 1 that divides the {local} processes of a machine "
+               f"(and the {world} processes with --context_parallel_size {cp}); use a divisor of {local}.")  # fmt: skip
         return [why]
     return []

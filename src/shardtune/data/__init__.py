@@ -120,7 +120,8 @@ def build_datasets(
     request = parse_splits(splits)
     # What decides the tokenized rows (and so the cache key): the data flags that shape them, the seed, the template.
     options = {name: getattr(data, name) for name in TOKENIZE_FLAGS}
-    options.update(seed=seed, chat_template_format=chat_template_format)
+    # Packed or one document a row, for the cached and the streamed split alike: the run's one rule.
+    options.update(packing=data.packed_rows, seed=seed, chat_template_format=chat_template_format)
     if data.streaming:
         train = _stream_split(tokenizer, request.train, max_train_samples, data.packing_window, options)
     else:
@@ -146,7 +147,8 @@ def _stream_split(tokenizer, split: str, max_samples: int | None, window: int, o
     if first is None:
         raise ValueError(f"--dataset_name {name!r}: split {split!r} is empty; give a split with rows.")
     column = _text_column(tokenizer, list(first), split, opts)
-    print0(f"data: split {split!r} is streamed, packed {window} rows at a time (--packing_window).")
+    rows = "packed" if opts["packing"] else "one document a row (--packing False)"
+    print0(f"data: split {split!r} is streamed, {window} rows at a time (--packing_window), {rows}.")
     return StreamingSplit(
         tokenizer, name, split, column, opts, _pad_id(tokenizer), window, max_samples, columns=tuple(first)
     )

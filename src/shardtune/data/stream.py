@@ -1,8 +1,10 @@
-"""`--streaming True`: the training split read as a stream, packed online window by window, resumable exactly.
+"""`--streaming True`: the training split read as a stream, tokenized (and packed with --packing) online window by
+window, resumable exactly.
 
 The stream's rows are cut into windows of `--packing_window` consecutive rows. Each window is tokenized, packed
-best-fit-decreasing (as the cached path packs a whole split: no row mixes documents' attention, same row format)
-and its rows shuffled; the windows' rows, one window after the other, form the epoch's row stream. Global batches
+best-fit-decreasing with --packing (as the cached path packs a whole split: no row mixes documents' attention, same
+row format; without it one document a row, as the cached path too: DataArguments.packed_rows decides both) and its
+rows shuffled; the windows' rows, one window after the other, form the epoch's row stream. Global batches
 of batch_size × world_size rows are cut from that stream and each rank takes its contiguous slice, as
 `iterate_batches` does: every rank reads and packs the same windows, so they agree on every batch without talking
 to each other (each rank tokenizes the stream: far cheaper than the training step it feeds). The last partial

@@ -19,6 +19,7 @@ from shardtune.config.errors import ConfigError
 from shardtune.models import adapter, families, fastpath, loading, quant, training_module
 from shardtune.models.dora import use_fast_dora
 from shardtune.models.fastpath import use_fast_dropout, use_fast_lora
+from shardtune.models.training_module import LOSS_CHUNK_TOKENS
 from shardtune.runtime.log import print0
 
 
@@ -58,12 +59,12 @@ class ModelSpec:
     transformer_cls_to_wrap: str | None = None
     reshard_after_forward: bool | None = None
     # LoRA/DoRA/QLoRA on several ranks: the frozen base "sharded" by FSDP (gathered for every block's forward and
-    # backward) or "replicated", whole on every rank (recipe.checks.frozen_base_placement decides --frozen_base auto).
+    # backward) or "replicated", whole on every rank (recipe.settings.start_plan decides --frozen_base auto).
     frozen_base: str = "sharded"
     torch_compile: bool = False
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = LOSS_CHUNK_TOKENS
     router_aux_loss_coef: float | None = None  # None: the config's (shardtune.models.router_aux)
-    # Rows hold several documents (--packing, --streaming): the training forward must keep them apart.
+    # Rows hold several documents (DataArguments.packed_rows): the training forward must keep them apart.
     packing: bool = False
     # Ranks each row's positions are split over (shardtune.parallel.split); the fast path's attention only.
     context_parallel: int = 1
@@ -122,7 +123,7 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         transformer_cls_to_wrap=f.transformer_cls_to_wrap,
         reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
-        packing=cfg.data.packing or cfg.data.streaming,
+        packing=cfg.data.packed_rows,
         router_aux_loss_coef=t.router_aux_loss_coef,
         context_parallel=t.context_parallel_size,
         cp_varlen=cp_varlen,

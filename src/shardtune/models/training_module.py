@@ -12,6 +12,11 @@ from torch import nn
 from shardtune.models import documents, families, fastpath, router_aux
 from shardtune.runtime.log import warn0
 
+# Positions per chunk of the chunked lm_head + cross-entropy every run trains with (chunk_logits): the one value
+# models.builder.ModelSpec, the planner's default (planning.inputs.PlanInputs.loss_chunk_tokens) and `shardtune plan
+# --loss_chunk_tokens` read.
+LOSS_CHUNK_TOKENS = 1024
+
 
 class CausalLMForTraining(nn.Module):
     """Wraps a (PEFT) causal LM: runs the decoder, then the objective's head (shardtune.objectives.heads) on its
@@ -34,7 +39,7 @@ class CausalLMForTraining(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        chunk_size: int = 1024,
+        chunk_size: int = LOSS_CHUNK_TOKENS,
         per_document_attention: bool = True,
         layout: families.Layout | None = None,
         packing: bool | None = None,

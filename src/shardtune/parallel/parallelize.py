@@ -6,8 +6,9 @@ ranks) and before the shards are filled (parallel.setup).
    (SDPA per part, or one flash-attention varlen call) and refused a family it cannot split; the trainer hands each
    micro-batch's split to the module (`parallel.context_parallel.local_part`); FSDP's shard group spans
    dp_shard x cp (`ParallelDims.shard_size`). Here: the line that says so.
-2. Tensor parallelism (`ParallelDims.tp`, 1 today): a tp axis would shard the blocks' linear layers on the tp
-   submesh here, before FSDP, which then takes the data-parallel submesh.
+2. Tensor parallelism (`ParallelDims.tp`): the family's plan slices each block's linear layers (and their LoRA
+   factors) over the "tp" dimension of the mesh (`parallel.tensor`), before FSDP, which then takes the
+   data-parallel dimensions (`DistInfo.dp_mesh`) and shards each tp slice further.
 3. Data parallelism: `fully_shard` each decoder block, then the root, over the shard mesh (the frozen base left
    out with `--frozen_base replicated`), or, for one process that skips FSDP (`use_fsdp`), the plain module with
    FSDP2's mixed-precision numerics.
@@ -15,11 +16,12 @@ ranks) and before the shards are filled (parallel.setup).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from shardtune.config.fsdp import single_process_fsdp_reason
+from shardtune.config.fsdp import fsdp_reason
+from shardtune.config.precision import casts_every_weight
 from shardtune.models.builder import ModelSpec
+from shardtune.parallel import tensor
 from shardtune.parallel.fsdp import shard_model, without_fsdp
 from shardtune.parallel.mesh import DistInfo
 from shardtune.runtime.log import print0
@@ -33,6 +35,10 @@ def parallelize(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpe
             f"Context parallelism: each row split over {dims.cp} ranks ({2 * dims.cp} chunks, zigzag), "
             f"{dims.dp_size} batch(es) per step; keys and values all-gathered per layer, documents kept apart."
         )
+    if dims.tp > 1:
+        plan = tensor.family_plan(train_module.model.config)
+        assert plan is not None, "setup checks the family's tensor-parallel plan before loading"
+        tensor.apply_tensor_parallel(blocks, info.tp_mesh, plan)
     if fsdp:
         _shard(train_module, blocks, spec, info)
     else:
@@ -44,13 +50,16 @@ def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool
     FSDP unless told to keep it (single_process "fsdp") or unless it needs FSDP itself: fsdp_offload_params is
     FSDP2's CPUOffloadPolicy, and a model built without weights (`shardtune plan --trace`) is traced by FSDP2's
     memory tracker. "auto" also keeps it for mixed-precision full fine-tuning (below); "no_fsdp" does not."""
-    if info.world_size > 1:
+    reason = fsdp_reason(  # the rule the planner applies too (planning.fit.plan_inputs)
+        info.world_size,
+        single_process,
+        offload=spec.offload,
+        full_mixed_precision=casts_every_weight(spec.use_peft_lora, spec.param_dtype),
+    )
+    if reason == "processes":
         return True, f"FSDP: {info.world_size} processes shard the model."
     if not spec.read_weights:
         return True, "FSDP at world size 1: the traced step runs under FSDP2's memory tracker."
-    reason = single_process_fsdp_reason(
-        single_process, offload=spec.offload, full_mixed_precision=_casts_every_weight(spec)
-    )
     if reason == "setting":
         return True, "FSDP at world size 1: kept by SHARDTUNE_FSDP_SINGLE_PROCESS=fsdp."
     if reason == "offload":
@@ -69,10 +78,6 @@ def use_fsdp(spec: ModelSpec, info: DistInfo, single_process: str) -> tuple[bool
     )
 
 
-def _casts_every_weight(spec: ModelSpec) -> bool:
-    return not spec.use_peft_lora and spec.param_dtype not in (None, torch.float32)
-
-
 def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, info: DistInfo) -> None:
     """Step 5: shard each block, then the root.
 
@@ -87,7 +92,7 @@ def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, in
     shard_model(
         train_module,
         blocks=blocks,
-        mesh=info.mesh,
+        mesh=info.dp_mesh,
         param_dtype=spec.param_dtype,
         sharding_strategy=spec.sharding_strategy,
         offload=spec.offload,
@@ -95,5 +100,6 @@ def _shard(train_module: nn.Module, blocks: list[nn.Module], spec: ModelSpec, in
         forward_prefetch=spec.forward_prefetch,
         backward_prefetch=spec.backward_prefetch,
         reshard_after_forward=spec.reshard_after_forward,
-        replicate_frozen=spec.frozen_base == "replicated",
+        # Under tensor parallelism the frozen slices stay sharded (--frozen_base auto's planner does not model tp yet).
+        replicate_frozen=spec.frozen_base == "replicated" and info.dims.tp == 1,
     )

@@ -1,27 +1,23 @@
-"""Whether a training run fits its GPU: a `shardtune train` run's flags and launch as the planner's inputs
-(`plan_inputs`, `plan_shape`, `launch_from_env`), read by `shardtune plan` too, and `warn_if_too_small`, which
-`shardtune train` prints before loading when the estimate exceeds the GPU it found.
+"""Whether a training run fits its GPU: a `shardtune train` run's configuration and launch as the planner's inputs
+(`plan_inputs`, `plan_shape`, `launch_from_settings`), read by `shardtune plan` too, and `fit_run`, the planner's
+one pass when `shardtune train` starts on a GPU (the frozen base's placement and `warn_if_too_small`'s warning,
+from one reading of the model's shape).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardtune.config import cuda_allocator, dtypes
-from shardtune.config.arguments import (
-    DataArguments,
-    ModelArguments,
-    RunConfig,
-    TrainArguments,
-    activation_checkpointing,
-)
+from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
-from shardtune.config.fsdp import FSDPSettings, fsdp_settings_from_env, single_process_fsdp_reason
-from shardtune.config.precision import resolve_precision
+from shardtune.config.fsdp import FSDPSettings, fsdp_reason
+from shardtune.config.precision import casts_every_weight
 from shardtune.data.templates import padded_rows
 from shardtune.models import families, fastpath, training_module
+from shardtune.models.builder import LOSS_CHUNK_TOKENS
 from shardtune.objectives.loss import dropout_off, objective_spec, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
@@ -35,10 +31,17 @@ from shardtune.planning.state import GiB
 
 # chatml and zephyr add up to five tokens; the embeddings are then padded (data.templates.padded_rows).
 CHAT_NEW_TOKENS = 5
+# frozen_base_choice and warn_if_too_small read the model's shape themselves unless the caller passes it.
+_UNREAD = object()
 
 
-def launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> Launch:
-    """The planner's `Launch` for FSDP settings (from the environment or an accelerate YAML) and a world size."""
+def launch_from_settings(
+    s: FSDPSettings, world_size: int, num_nodes: int, env: Mapping[str, str] | None = None
+) -> Launch:
+    """The planner's `Launch` of a run: its FSDP settings as the run decided them (`RunConfig.fsdp`: from the
+    launcher's environment with accelerate's parallelism_config mapped onto the strategy, or `shardtune plan`'s
+    from the YAML and its flags) on `world_size` processes over `num_nodes` machines, with the CUDA allocator's
+    settings of `env` (default: this process's). `shardtune train` and `shardtune plan` both build it here."""
     strategy = s.sharding_strategy
     if s.reshard_after_forward is False:  # FSDP2's way of saying SHARD_GRAD_OP
         strategy = ZERO2_OF.get(strategy, strategy)
@@ -49,18 +52,9 @@ def launch_from_settings(s: FSDPSettings, world_size: int, num_nodes: int) -> La
         offload=s.offload_params,
         mixed_precision=s.mixed_precision,
         activation_checkpointing=s.activation_checkpointing,
+        expandable_segments=cuda_allocator.expandable_segments(env),
         single_process=s.single_process,
     )
-
-
-def launch_from_env(env: dict[str, str] | None = None) -> Launch:
-    """What `accelerate launch`/torchrun put in the environment (used by `shardtune train`)."""
-    env = dict(os.environ if env is None else env)
-    world = int(env.get("WORLD_SIZE", "1"))
-    local = int(env.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    launch = launch_from_settings(fsdp_settings_from_env(env), world, max(1, world // max(local, 1)))
-    launch.expandable_segments = cuda_allocator.expandable_segments(env)
-    return launch
 
 
 def _split(s: str | None) -> list[str]:
@@ -111,23 +105,27 @@ def lora_target_parameters(model: ModelArguments) -> tuple[str, ...]:
 
 
 def plan_inputs(
-    model: ModelArguments,
-    data: DataArguments,
-    train: TrainArguments,
-    launch: Launch,
-    attn_implementation: str | None = None,
-    loss_chunk_tokens: int = 1024,
+    cfg: RunConfig, launch: Launch, attn_implementation: str | None = None, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
 ) -> PlanInputs:
-    """The planner's inputs for a run's flags and launch settings: the one place a run becomes PlanInputs (the
-    fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults)."""
-    precision = resolve_precision(
-        bf16=train.bf16, fp16=train.fp16, mixed_precision=launch.mixed_precision, peft=model.use_peft_lora
-    )
+    """The planner's inputs for a run's configuration and launch: the one place a run becomes PlanInputs (the
+    fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults). Each
+    run decision is read from its home, as the run reads it: the precision (`RunConfig.precision`), activation
+    checkpointing (`RunConfig.activation_checkpointing`), packed rows (`DataArguments.packed_rows`), the
+    context-parallel size (`TrainArguments.context_parallel_size`, resolved by config.run), FSDP or the plain module
+    (`config.fsdp.fsdp_reason`), the loss's chunk (models.builder.LOSS_CHUNK_TOKENS)."""
+    model, data, train = cfg.model, cfg.data, cfg.train
+    precision = cfg.precision
     storage = model.bnb_4bit_quant_storage_dtype
     # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
     # compute dtype.
     storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
     generates = objective_spec(train.objective).data == "prompts"  # online RL: the run samples its completions
+    fsdp = fsdp_reason(
+        launch.world_size,
+        launch.single_process,
+        offload=launch.offload,
+        full_mixed_precision=casts_every_weight(model.use_peft_lora, precision.param_dtype),
+    )
     return PlanInputs(
         world_size=launch.world_size,
         num_nodes=launch.num_nodes,
@@ -150,9 +148,9 @@ def plan_inputs(
         batch_size=train.per_device_train_batch_size,
         rows_per_example=rows_per_example(train.objective),
         seq_len=rollout_row_length(data, train) if generates else data.max_length,
-        gradient_checkpointing=activation_checkpointing(train, launch.activation_checkpointing),
+        gradient_checkpointing=cfg.activation_checkpointing,
         attn_implementation=attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
-        packing=data.packing and not generates,  # rollouts train on padded prompt + completion rows
+        packing=data.packed_rows,
         optim=train.optim,
         grad_accum=train.gradient_accumulation_steps,
         loss_chunk_tokens=loss_chunk_tokens,
@@ -160,24 +158,18 @@ def plan_inputs(
         context_parallel=train.context_parallel_size,
         # compiled blocks take transformers' masked attention (training_module.CausalLMForTraining, per_document_attention)
         per_document_attention=not train.torch_compile,
-        fsdp=launch.world_size > 1
-        or single_process_fsdp_reason(
-            launch.single_process,
-            offload=launch.offload,
-            full_mixed_precision=not model.use_peft_lora and precision.param_dtype is not None,
-        )
-        is not None,
+        fsdp=fsdp is not None,
         **(generation_inputs(train) if generates else {}),
     )
 
 
 def generation_inputs(train: TrainArguments) -> dict[str, Any]:
-    """PlanInputs' online-RL fields from the flags (plan_inputs): steps_per_generation defaults to
-    --gradient_accumulation_steps, as recipe.rl.rollout_settings reads it."""
+    """PlanInputs' online-RL fields from the flags (plan_inputs); steps_per_generation is
+    TrainArguments.generation_steps, as recipe.rl.rollout_settings reads it."""
     return {
         "rollout_engine": train.rollout_engine,
         "num_generations": train.num_generations,
-        "steps_per_generation": train.steps_per_generation or train.gradient_accumulation_steps,
+        "steps_per_generation": train.generation_steps,
         "max_prompt_length": train.max_prompt_length,
         "max_completion_length": train.max_completion_length,
         "gather_for_generation": train.gather_for_generation,
@@ -204,10 +196,13 @@ def replicates_base(model: ModelArguments, world_size: int, offload: bool) -> bo
 AUTO_REPLICATE_MARGIN = 0.13
 
 
-def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) -> tuple[str, str | None]:
+def frozen_base_choice(
+    cfg: RunConfig, launch: Launch, gpu_bytes: int | None, shape: Any = _UNREAD
+) -> tuple[str, str | None]:
     """--frozen_base as a run on `launch` applies it: "sharded" or "replicated", and the line saying why (None:
     nothing to say, as for full fine-tuning, which has no frozen base, or one process, which holds the whole base
-    either way). auto plans the replicated run against `gpu_bytes`, one GPU's memory (None: no GPU)."""
+    either way). auto plans the replicated run against `gpu_bytes`, one GPU's memory (None: no GPU), on `shape`
+    where the caller has read it (`run_shape`; None: unreadable), else reading it here."""
     m, world_size = cfg.model, launch.world_size
     if not m.use_peft_lora:
         return "sharded", None
@@ -232,7 +227,7 @@ def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) ->
             f"Frozen base sharded (--frozen_base auto): no GPU memory to plan a replicated base against; {gathered} "
             "(--frozen_base replicated holds it whole on every rank)."
         )
-    need = _replicated_need(cfg, launch)
+    need = _replicated_need(cfg, launch, run_shape(cfg) if shape is _UNREAD else shape)
     if need is not None and need * (1 + AUTO_REPLICATE_MARGIN) <= gpu_bytes:
         return "replicated", (
             f"Frozen base replicated on every rank (--frozen_base auto): the plan needs {need / GiB:.1f} GiB per GPU "
@@ -246,28 +241,57 @@ def frozen_base_choice(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) ->
     )
 
 
-def _replicated_need(cfg: RunConfig, launch: Launch) -> int | None:
+def _replicated_need(cfg: RunConfig, launch: Launch, shape: ModelShape | None) -> int | None:
     """The planned bytes per GPU of this run with its frozen base replicated (None: the config cannot be read)."""
+    if shape is None:
+        return None
+    return estimate_memory(shape, replace(plan_inputs(cfg, launch), replicate_base=True)).total
+
+
+def run_shape(cfg: RunConfig) -> ModelShape | None:
+    """The run's model as the planner reads it (its config.json, the rows the chat tokens add, the family's
+    attention: plan_shape); None when the config cannot be read (loading the model reports it). The costly part of
+    planning a run (a model class built on meta, the family's conformance check): read once per start-up."""
     try:
-        shape = plan_shape(
-            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
-        )
+        config = load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code)
+        return plan_shape(config, cfg.model.chat_template_format)
     except ConfigError:
         return None
-    inputs = replace(plan_inputs(cfg.model, cfg.data, cfg.train, launch), replicate_base=True)
-    return estimate_memory(shape, inputs).total
 
 
-def warn_if_too_small(cfg: RunConfig, gpu_bytes: int, env: dict[str, str] | None = None) -> str | None:
-    """A warning for `shardtune train` to print before loading when the planner's estimate exceeds `gpu_bytes`."""
-    launch = launch_from_env(env)
-    try:
-        shape = plan_shape(
-            load_model_config(cfg.model.model_name_or_path, cfg.model.trust_remote_code), cfg.model.chat_template_format
-        )
-    except ConfigError:
+@dataclass(frozen=True)
+class RunFit:
+    """What the planner says of a run about to start: where its frozen base lives ("sharded" or "replicated") and the
+    line saying why, and the warning when the run as placed will not fit its GPU."""
+
+    frozen_base: str = "sharded"
+    why: str | None = None
+    warning: str | None = None
+
+
+def fit_run(cfg: RunConfig, launch: Launch, gpu_bytes: int | None) -> RunFit:
+    """The planner's one pass for `shardtune train` at start-up on a GPU of `gpu_bytes` (None: no GPU, and nothing is
+    planned): the model's shape read once (run_shape), the frozen base placed (frozen_base_choice), then the run as
+    placed checked against the GPU (warn_if_too_small)."""
+    if gpu_bytes is None:
+        return RunFit(*frozen_base_choice(cfg, launch, None))
+    shape = run_shape(cfg)
+    placement, why = frozen_base_choice(cfg, launch, gpu_bytes, shape)
+    warning = warn_if_too_small(cfg, gpu_bytes, launch, shape, replicated=placement == "replicated")
+    return RunFit(placement, why, warning)
+
+
+def warn_if_too_small(
+    cfg: RunConfig, gpu_bytes: int, launch: Launch, shape: Any = _UNREAD, *, replicated: bool = False
+) -> str | None:
+    """A warning for `shardtune train` to print before loading when the planner's estimate exceeds `gpu_bytes`;
+    `shape` as frozen_base_choice's, `replicated`: the frozen base as --frozen_base auto placed it."""
+    shape = run_shape(cfg) if shape is _UNREAD else shape
+    if shape is None:
         return None  # loading the model will report it
-    inputs = plan_inputs(cfg.model, cfg.data, cfg.train, launch)
+    inputs = plan_inputs(cfg, launch)
+    if replicated:
+        inputs = replace(inputs, replicate_base=True)
     est = estimate_memory(shape, inputs)
     if est.fits(gpu_bytes):
         return None

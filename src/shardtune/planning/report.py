@@ -160,6 +160,7 @@ def format_trace(p: Plan) -> str:
     t = p.trace
     lines = [
         "",
+        "",  # a blank line after the plan's table, which ends without one
         (f"Traced step (rank 0 of {p.launch.world_size}, fake tensors on {t.device}; SDPA with the packed-row mask)"),
         "Peak allocated, rank 0             traced GiB   estimate GiB",
     ]
@@ -284,7 +285,7 @@ def _sharding(k: PlanInputs) -> str:
 def format_plan(p: Plan) -> str:
     """The table `shardtune plan` prints."""
     e = p.estimate
-    lines = _describe_run(p) + ["", "Per GPU                              GiB"]
+    lines = _describe_run(p) + ["", "Per GPU (estimate)                   GiB"]
     lines += [f"  {name:<32}{_gib(b)}" for name, b in e.device.items()]
     lines += [
         f"  {'total (as nvidia-smi shows)':<32}{_gib(e.total)}",
@@ -293,14 +294,15 @@ def format_plan(p: Plan) -> str:
         _allocator_line(e),
         *generation_lines(p),
         "",
-        "Activations + logits (GiB)         checkpointing  no checkpointing",
+        "Activations + logits (estimate GiB) checkpointing  no checkpointing",
     ]
     for impl, row in e.activations_by_attention.items():
         lines.append(f"  {impl:<32}{_gib(row['checkpointing'])}        {_gib(row['no checkpointing'])}")
-    lines += ["", "Host RAM per machine                 GiB"]
+    lines += ["", "Host RAM per machine (estimate)      GiB"]
     lines += [f"  {name:<32}{_gib(b)}" for name, b in e.host.items()]
     lines.append(f"  {'peak':<32}{_gib(e.host_total)}")
-    lines += ["", *_verdict(p)]
+    verdict = _verdict(p)
+    lines += ["", *verdict] if verdict else []
     return "\n".join(lines + ([""] + [f"note: {n}" for n in e.notes] if e.notes else []))
 
 
@@ -372,19 +374,24 @@ def _verdict(p: Plan) -> list[str]:
     if p.gpu_bytes is not None:
         if e.fits(p.gpu_bytes):
             out.append(
-                f"Fits: {e.total / GiB:.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB per GPU "
+                f"Fits (estimate): {e.total / GiB:.2f} GiB of {p.gpu_bytes / GiB:.2f} GiB per GPU "
                 f"({(1 - e.total / p.gpu_bytes) * 100:.0f}% left)."
             )
         else:
-            out.append(f"Does not fit: {e.total / GiB:.2f} GiB needed per GPU, {p.gpu_bytes / GiB:.2f} GiB available.")
+            out.append(
+                f"Does not fit (estimate): {e.total / GiB:.2f} GiB needed per GPU, "
+                f"{p.gpu_bytes / GiB:.2f} GiB available."
+            )
             out += recommendation_lines(p.recommendation)
     if p.longest:
         cp = p.inputs.context_parallel
         parts = [f"cp {d}: {n:,}" + (" (this run)" if d == cp else "") for d, n in sorted(p.longest.items())]
-        out.append(f"Longest --max_seq_len that fits on {p.launch.world_size} GPU(s): " + "; ".join(parts) + ".")
+        gpus = f"{p.launch.world_size} GPU(s)"
+        out.append(f"Longest --max_seq_len that fits on {gpus} (estimate): " + "; ".join(parts) + ".")
     if p.host_bytes is not None:
         word = "fits in" if e.host_total <= p.host_bytes else "exceeds"
-        out.append(f"Host RAM: {e.host_total / GiB:.2f} GiB {word} {p.host_bytes / GiB:.2f} GiB per machine.")
+        host = f"{e.host_total / GiB:.2f} GiB {word} {p.host_bytes / GiB:.2f} GiB per machine"
+        out.append(f"Host RAM (estimate): {host}.")
     return out
 
 
@@ -394,13 +401,13 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
     need = rec.estimate.total / GiB
     if rec.fits:
         return [
-            f"Smallest change that fits: {rec.description} -> {need:.2f} GiB per GPU.",
+            f"Smallest change that fits: {rec.description} -> estimate {need:.2f} GiB per GPU.",
             f"  set {_flags_text(rec.flags)}",
         ]
     return [
         (
             f"Nothing tried fits ({rec.tried} changes: smaller batches, gradient checkpointing, CPU offload, 4-bit, "
-            f"more GPUs). Closest: {rec.description} at {need:.2f} GiB per GPU."
+            f"more GPUs). Closest: {rec.description} at an estimated {need:.2f} GiB per GPU."
         ),
         "  Shorten --max_length or use GPUs with more memory.",
     ]

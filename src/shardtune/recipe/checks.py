@@ -1,20 +1,18 @@
-"""Checks at the start of a run that fail fast, before data and model loading, and the trackers' runs."""
+"""Checks at the start of a run that fail fast, before data and model loading, and the trackers' runs. (Whether the
+run fits its GPU is the start-up plan's: recipe.settings.start_plan.)"""
 
 from __future__ import annotations
 
 import json
-
-import torch
 
 from shardtune.config.arguments import RunConfig
 from shardtune.config.fsdp import fsdp1_only_notes
 from shardtune.inference.harness import check_tasks, split_tasks
 from shardtune.parallel import checkpoint
 from shardtune.parallel.mesh import broadcast_object
-from shardtune.planning.fit import frozen_base_choice, launch_from_env, warn_if_too_small
 from shardtune.recipe.state import resume_refusal, saved_record
 from shardtune.runtime import hub
-from shardtune.runtime.log import print0, warn0
+from shardtune.runtime.log import print0
 from shardtune.training import optimizers, run_dir
 from shardtune.training.run_dir import identity_problem
 from shardtune.training.trackers import open_trackers, parse_report_to
@@ -22,7 +20,7 @@ from shardtune.training.trackers import open_trackers, parse_report_to
 
 def preflight_run(cfg: RunConfig, info) -> str | None:
     """Checks that fail fast, before data and model loading: the output folder, hub access, FSDP1-only options,
-    the optimizer on this device, the checkpoint to resume from, GPU size. Rank 0 checks (the others would see its
+    the optimizer on this device, the checkpoint to resume from. Rank 0 checks (the others would see its
     first files in output_dir) and, with --overwrite_output_dir, removes the previous run's state."""
 
     t = cfg.train
@@ -56,10 +54,6 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
             removed = run_dir.clear_previous_run(t.output_dir)
             if removed:
                 print0(f"--overwrite_output_dir: removed the previous run's {', '.join(removed)} from {t.output_dir}.")
-        if info.device.type == "cuda" and not problem:
-            msg = warn_if_too_small(cfg, torch.cuda.get_device_properties(info.device).total_memory)
-            if msg:
-                warn0(msg)
     repo_id, problem = broadcast_object((repo_id, problem))
     if problem:
         raise ValueError(problem)
@@ -111,18 +105,3 @@ def open_trackers_for_run(cfg: RunConfig, info) -> list:
     if problem:
         raise ValueError(problem)
     return trackers
-
-
-def frozen_base_placement(cfg: RunConfig, info) -> str:
-    """--frozen_base as this run applies it ("sharded" or "replicated"), decided on rank 0 from the plan and its
-    GPU's memory (shardtune.planning.fit.frozen_base_choice) and sent to every rank, which must all place the base
-    alike; the reason is logged once."""
-
-    choice = None
-    if info.is_main:
-        gpu = torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda" else None
-        choice = frozen_base_choice(cfg, launch_from_env(), gpu)
-    placement, why = broadcast_object(choice)
-    if why:
-        print0(why)
-    return placement

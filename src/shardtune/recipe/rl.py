@@ -35,7 +35,7 @@ def rollout_settings(cfg: RunConfig, info, tokenizer) -> RolloutSettings:
     """The rollouts' settings from the flags; ValueError naming the flags when a generation batch is not whole
     groups (TRL's rule)."""
     t = cfg.train
-    steps = t.steps_per_generation or t.gradient_accumulation_steps
+    steps = t.generation_steps
     dp = info.dims.dp_size
     per_generation = t.per_device_train_batch_size * dp * steps
     if per_generation % t.num_generations:

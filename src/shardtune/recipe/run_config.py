@@ -51,16 +51,23 @@ def run_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
     return p
 
 
-def validate(cfg: RunConfig, check_paths: bool = True) -> None:
-    """Raise ConfigError listing every problem of `run_problems`, if any."""
-    if problems := run_problems(cfg, check_paths=check_paths):
+def validate(cfg: RunConfig, check_paths: bool = True, not_needed: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError listing every problem of `run_problems`, if any, but those that begin with one of
+    `not_needed` (what a caller does not need: `shardtune plan` reads no dataset and runs no reward function)."""
+    if problems := [p for p in run_problems(cfg, check_paths=check_paths) if not p.startswith(not_needed)]:
         raise ConfigError(problems)
+
+
+def complete_run_config(cfg: RunConfig, check_paths: bool = True, not_needed: tuple[str, ...] = ()) -> RunConfig:
+    """The parsed configuration made whole and checked, the same way for `shardtune train` (load_run_config) and
+    `shardtune plan`: the objective's own defaults where the run did not give them (e.g. GRPO's beta 0 and
+    loss_type dapo), then every problem at once (validate)."""
+    apply_objective_defaults(cfg.train, cfg.explicit)
+    validate(cfg, check_paths=check_paths, not_needed=not_needed)
+    return cfg
 
 
 def load_run_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> RunConfig:
     """Flags (or a run file) + the launcher's environment → a checked RunConfig (raises ConfigError listing every
     problem)."""
-    cfg = parse_run_config(argv, env, choices=flag_choices())
-    apply_objective_defaults(cfg.train, cfg.explicit)  # e.g. GRPO's beta 0 and loss_type dapo, where not given
-    validate(cfg)
-    return cfg
+    return complete_run_config(parse_run_config(argv, env, choices=flag_choices()))

@@ -18,6 +18,7 @@ from shardtune.objectives.heads import token_loss
 from shardtune.objectives.loss import Objective
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.mesh import DistInfo, all_gather_objects, all_reduce_sum
+from shardtune.parallel.tensor import clip_grad_norm_by_mesh, mixed_meshes
 from shardtune.runtime.log import print0, warn0
 from shardtune.runtime.signals import SAME_STOP_WITHIN_S
 
@@ -158,7 +159,7 @@ def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, object
     local = [objective.counts(b if objective.paired else part) for b, (part, _) in zip(batches, parts_of, strict=True)]
     keys = sorted(local[0])
     local_tokens = sum(int(part["input_ids"].numel()) for part, _ in parts_of)
-    reduced = all_reduce_sum([sum(c[k] for c in local) for k in keys] + [local_tokens], info.device)
+    reduced = all_reduce_sum([sum(c[k] for c in local) for k in keys] + [local_tokens], info.device, info.dims)
     totals = {k: int(v) for k, v in zip(keys, reduced, strict=False)}
     sums: dict[str, torch.Tensor] = {}
     for part, shard in parts_of:
@@ -170,7 +171,7 @@ def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, object
         for k, v in parts.items():
             sums[k] = sums[k] + v if k in sums else v
     names = sorted(sums)
-    reduced_sums = all_reduce_sum([sums[k].item() for k in names], info.device)
+    reduced_sums = all_reduce_sum([sums[k].item() for k in names], info.device, info.dims)
     return objective.report(dict(zip(names, reduced_sums, strict=True)), totals), totals, int(reduced[-1])
 
 
@@ -193,6 +194,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
+    if mixed_meshes(grads):  # tensor parallelism: sliced and whole gradients on two meshes
+        return clip_grad_norm_by_mesh(grads, max_norm)
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"), foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -223,7 +226,7 @@ def evaluate(model: nn.Module, split: PreparedSplit, *, batch_size: int, info: D
         loss, n = model(**{k: v.to(info.device) for k, v in batch.items()}, head=token_loss)
         loss_sum += float(loss)
         n_targets += int(n)
-    total, count = all_reduce_sum([loss_sum, n_targets], info.device)
+    total, count = all_reduce_sum([loss_sum, n_targets], info.device, info.dims)
     model.train()
     eval_loss = total / max(count, 1)
     return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(count)}
