@@ -87,9 +87,9 @@ CP = (
 @pytest.mark.parametrize(
     ("sizes", "want"),
     [({"dp_shard_size": 3, "cp_size": 2}, CP),
-     ({"dp_shard_size": 2, "tp_size": 2},
-      ("parallelism_config_tp_size 2: tensor parallelism is not implemented in shardtune yet; set "
-      "parallelism_config_tp_size: 1.")),
+     ({"dp_shard_size": 3, "tp_size": 2},
+      ("parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 1 × "
+       "parallelism_config_tp_size 2 = 6, but the run has 4 processes")),
      ({"dp_replicate_size": 1, "dp_shard_size": 3},
       ("parallelism_config_dp_replicate_size 1 × parallelism_config_dp_shard_size 3 × parallelism_config_cp_size 1 = 3, "
        "but the run has 4 processes")),

@@ -33,6 +33,7 @@ def flag_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
     if cfg.model.adapter_path and not cfg.model.use_peft_lora:
         p.append("--adapter_path needs --use_peft_lora True.")
     p += _context_parallel_problems(cfg)
+    p += _tensor_parallel_problems(cfg)
     p += _dependent_problems(cfg)
     if check_paths:
         p += _path_problems(cfg)
@@ -55,6 +56,32 @@ def _context_parallel_problems(cfg: RunConfig) -> list[str]:
         p.append(f"{flag} with fsdp_sharding_strategy {strategy}: context parallelism shards over its ranks; use "
                  "FULL_SHARD, SHARD_GRAD_OP or a HYBRID strategy.")  # fmt: skip
     return p
+
+
+def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
+    """What tensor parallelism (shardtune.parallel.tensor) does not run yet, each naming the flag and why. The
+    model-side checks (the family's plan, heads and widths divisible) are the parallel setup's, from config.json
+    before any weight is read (shardtune.parallel.tensor.check_model)."""
+    m, t, tp = cfg.model, cfg.train, cfg.train.tensor_parallel_size
+    if tp == 1:
+        return []
+    flag = f"--tensor_parallel_size {tp}"
+    unsupported = [
+        (m.use_4bit_quantization or m.use_8bit_quantization,
+         "with a quantized base (QLoRA): the packed 4-/8-bit weights are not sliced yet; train in bf16"),
+        (m.use_dora, "with --use_dora: DoRA's magnitude vector is not placed on the slices yet"),
+        (t.context_parallel_size > 1,
+         f"with --context_parallel_size {t.context_parallel_size}: cp × tp is not composed yet; use one of them"),
+        (m.lora_target_experts or m.lora_target_parameters,
+         "with expert or parameter LoRA targets: experts are not sliced yet"),
+        (t.objective != "sft", f"with --objective {t.objective}: only sft is verified under tensor parallelism"),
+        (t.torch_compile, "with --torch_compile True: compiled blocks are not verified with sliced layers"),
+        (cfg.fsdp.offload_params, "with fsdp_offload_params: offloading sliced parameters is not verified"),
+        (m.frozen_base == "replicated", "with --frozen_base replicated: the frozen slices are sharded by FSDP"),
+        (cfg.fsdp.sharding_strategy == "NO_SHARD",
+         "with fsdp_sharding_strategy NO_SHARD: use FULL_SHARD, SHARD_GRAD_OP or a HYBRID strategy"),
+    ]  # fmt: skip
+    return [f"{flag} {why}; set --tensor_parallel_size 1 or change it." for bad, why in unsupported if bad]
 
 
 def _required_problems(cfg: RunConfig) -> list[str]:

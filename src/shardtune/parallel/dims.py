@@ -1,12 +1,13 @@
 """How the ranks divide the work: the sharding strategies and the parallel dimensions.
 
 Everything that means "the data-parallel size" or "this rank's data-parallel index" reads `ParallelDims`, not the
-world size: the two differ with a context-parallel axis (and a tensor-parallel one, 1 today).
+world size: the two differ with a context-parallel axis and a tensor-parallel one (whose ranks share a batch).
 Nothing here imports torch.distributed; shardtune.parallel.mesh builds the device mesh from these numbers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -51,6 +52,9 @@ class ParallelDims:
     Context parallelism (`cp`) splits each of those batches' sequences over `cp` consecutive ranks
     (shardtune.parallel.split), which FSDP shards the parameters over too, as torchtitan does: the shard group
     is dp_shard × cp ranks, so adding cp also lowers the weights' memory per rank.
+    Tensor parallelism (`tp`) is the innermost axis, as torchtitan orders its mesh (dp_replicate, dp_shard, cp,
+    tp): ranks r·tp .. r·tp + tp - 1 share everything but their slices of the blocks' linear layers, so they see
+    the same batch and sit on one machine; FSDP shards over the other axes only (shardtune.parallel.tensor).
     """
 
     dp_replicate: int
@@ -58,9 +62,10 @@ class ParallelDims:
     dp_replicate_rank: int = 0
     dp_shard_rank: int = 0
     cp: int = 1  # context parallel: the ranks one batch's sequences are split over
-    tp: int = 1  # tensor parallel (not implemented yet: always 1)
+    tp: int = 1  # tensor parallel: the ranks the blocks' linear layers are sliced over
     replicate_axis: bool = False  # whether the mesh has a "replicate" dimension
     cp_rank: int = 0  # this rank's index among its batch's cp ranks: which part of each sequence it holds
+    tp_rank: int = 0  # this rank's index among its tp ranks: which slice of each sliced layer it holds
 
     @property
     def dp_size(self) -> int:
@@ -91,11 +96,31 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[int, ...]:
         """2-D (replicate, shard) when there is a replicate axis; NO_SHARD keeps one even on one rank, since
         FSDP2 replicates along a mesh's first dimension. The shard dimension spans dp_shard × cp ranks."""
-        return (self.dp_replicate, self.shard_size) if self.replicate_axis else (self.shard_size,)
+        dp = (self.dp_replicate, self.shard_size) if self.replicate_axis else (self.shard_size,)
+        return (*dp, self.tp) if self.tp > 1 else dp
 
     @classmethod
     def build(
-        cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str, cp: int = 1
+        cls, *, world_size: int, local_world_size: int, rank: int, sharding_strategy: str, cp: int = 1, tp: int = 1
+    ) -> ParallelDims:
+        """The axes of `world_size` ranks; with tp > 1 (dividing a machine's processes) the data- and
+        context-parallel axes are laid out over the world_size / tp groups of tp consecutive ranks."""
+        if tp > 1:
+            if world_size % tp or local_world_size % tp:
+                raise ValueError(
+                    f"tensor parallel size {tp} must divide the world size and a machine's processes ({world_size} "
+                    f"processes, {local_world_size} per machine): its ranks exchange activations in every layer."
+                )
+            rest = cls.build(
+                world_size=world_size // tp, local_world_size=local_world_size // tp, rank=rank // tp,
+                sharding_strategy=sharding_strategy, cp=cp,
+            )  # fmt: skip
+            return dataclasses.replace(rest, tp=tp, tp_rank=rank % tp)
+        return cls._build_dp_cp(world_size, local_world_size, rank, sharding_strategy, cp)
+
+    @classmethod
+    def _build_dp_cp(
+        cls, world_size: int, local_world_size: int, rank: int, sharding_strategy: str, cp: int
     ) -> ParallelDims:
         """NO_SHARD replicates on every rank; HYBRID shards within a machine and replicates across machines
         (on one machine it is FULL_SHARD); the others shard across all ranks. With cp > 1 (a sharded strategy,
@@ -124,5 +149,10 @@ class ParallelDims:
         return cls(replicate, shard, dp // shard, dp % shard, cp=cp, replicate_axis=replicate_axis, cp_rank=rank % cp)
 
     @property
-    def mesh_dim_names(self) -> tuple[str, ...]:
+    def dp_mesh_dim_names(self) -> tuple[str, ...]:
+        """The mesh dimensions FSDP shards and replicates over (all but tp)."""
         return ("replicate", "shard") if self.replicate_axis else ("shard",)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return (*self.dp_mesh_dim_names, "tp") if self.tp > 1 else self.dp_mesh_dim_names

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardtune.models.quant import packed_modules, quant_state_tensors
 from shardtune.models.weights import release_free_memory
@@ -171,6 +172,11 @@ def _scatter_rows(
         dist.broadcast(buf, src=node.src, group=node.group)
         param.copy_(buf)
         return
+    mesh_ranks = set(param.device_mesh.mesh.flatten().tolist())
+    if "tp" in (param.device_mesh.mesh_dim_names or ()) or not set(node.ranks) <= mesh_ranks:
+        # sliced over tp, or sharded over the data-parallel ranks of this rank's tp slice only
+        _broadcast_slice(param, full, device, node)
+        return
     check_row_sharded(param)
     mesh, rows, rest = param.device_mesh, param.shape[0], tuple(param.shape[1:])
     shards = mesh.size(_shard_dim(mesh))  # the shard group's size, not the world's
@@ -190,6 +196,18 @@ def _scatter_rows(
     dist.scatter(out, pieces, src=node.src, group=node.group)
     if not direct:
         local.copy_(out[: local.shape[0]])  # in place: the shard keeps its storage (and its pinning)
+
+
+def _broadcast_slice(param: DTensor, full: torch.Tensor | None, device: torch.device, node: NodeGroup) -> None:
+    """A parameter under tensor parallelism (sliced over "tp" then sharded by FSDP, or whole on the tp ranks and
+    sharded over the data-parallel ranks): the node's rank 0 broadcasts the full
+    tensor and each rank copies its block (DTensor's own offsets, as DCP reads them). Each rank holds one full
+    tensor at a time, briefly: a scatter of exactly the blocks, as for FSDP's row shards, is left to do."""
+    buf = full if dist.get_rank() == node.src else torch.empty(param.shape, dtype=param.dtype, device=device)
+    dist.broadcast(buf, src=node.src, group=node.group)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    block = buf[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    param.to_local().copy_(block)
 
 
 def check_row_sharded(param: DTensor) -> None:

@@ -1,4 +1,5 @@
-"""Process group and device mesh (1-D for FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, 2-D for HYBRID_SHARD)."""
+"""Process group and device mesh (1-D for FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, 2-D for HYBRID_SHARD; one more
+dimension, "tp", last, with tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ class DistInfo:
     cp_group: object | None = None  # the process group of this rank's batch's context-parallel ranks (cp > 1)
 
     @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The dimensions FSDP shards and replicates over: the whole mesh, or all of it but "tp"."""
+        return self.mesh[self.dims.dp_mesh_dim_names] if self.dims.tp > 1 else self.mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """This rank's tensor-parallel ranks (None without tensor parallelism)."""
+        return self.mesh["tp"] if self.dims.tp > 1 else None
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -46,7 +57,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1800.0, cp: int = 1) -> DistInfo:
+def init_distributed(
+    sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1800.0, cp: int = 1, tp: int = 1
+) -> DistInfo:
     """Start the process group (NCCL on CUDA, gloo on CPU) and build the mesh for the sharding strategy.
 
     A plain single process gets a 1-rank group, so that the same FSDP2 code path runs everywhere.
@@ -84,7 +97,7 @@ def init_distributed(sharding_strategy: str = "FULL_SHARD", timeout_s: float = 1
             device_id=device if use_cuda else None,
         )
     dims = ParallelDims.build(
-        world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy, cp=cp
+        world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy, cp=cp, tp=tp
     )
     cp_group = context_parallel.groups(world, cp) if cp > 1 else None
     return DistInfo(rank, world, local_rank, local_world, device, build_mesh(device.type, dims), dims, cp_group)
@@ -101,8 +114,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few floats across ranks (float64, so token counts stay exact)."""
+def all_reduce_sum(values: list[float], device: torch.device, dims: ParallelDims | None = None) -> list[float]:
+    """Sum a few floats across ranks (float64, so token counts stay exact). With `dims`, each tensor-parallel group
+    counts once: its ranks see the same batch, so only its first rank's values enter the sum."""
+    if dims is not None and dims.tp_rank:
+        values = [0.0] * len(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardtune.models import loading, quant, training_module
 from shardtune.models.builder import ModelSpec, build_training_module
+from shardtune.parallel import tensor
 from shardtune.parallel.fsdp import assert_sharded
 from shardtune.parallel.loading import (
     broadcast_quant_states,
@@ -41,6 +42,8 @@ def build_sharded_model(
 ) -> training_module.CausalLMForTraining:
     """Steps 2-7 of the setup order; returns the sharded training module (the plain one when `use_fsdp` says one
     process runs without FSDP; `single_process` is fsdp_settings' setting, "fsdp" keeping FSDP everywhere)."""
+    if info.dims.tp > 1:  # before any weight is read
+        tensor.check_model(spec.model_name_or_path, info.dims.tp, trust_remote_code=spec.trust_remote_code)
     fsdp, why = use_fsdp(spec, info, single_process)
     print0(why)
     from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1 and spec.read_weights
@@ -63,8 +66,8 @@ def build_sharded_model(
         return train_module
     _fill(train_module, spec, info, full_tensors, node)
     # Step 7.
-    shards = info.dims.shard_size
-    replicated = fsdp and spec.frozen_base == "replicated"
+    shards = info.dims.shard_size  # FSDP's shard group (a tp slice is sharded over it again)
+    replicated = fsdp and spec.frozen_base == "replicated" and info.dims.tp == 1
     assert_sharded(train_module, shards)
     trainable, total = loading.count_parameters(train_module)
     print0(
