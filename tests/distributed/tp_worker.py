@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from shardtune.parallel import setup, tensor
+from shardtune.parallel.parallelize import ShardingSettings
 
 SEQ, ROWS, STEPS = 16, 2, 3
 LR = 0.5  # SGD: each step moves the loss by far more than the tolerance
@@ -33,8 +34,7 @@ def spec_for(path: str, lora: bool):
 
     return ModelSpec(
         model_name_or_path=path, dtype=torch.float32, n_tokens=600, use_peft_lora=lora, lora_r=8, lora_alpha=16,
-        lora_dropout=0.0, lora_target_modules="all-linear", sharding_strategy="FULL_SHARD",
-        cpu_ram_efficient_loading=True,
+        lora_dropout=0.0, lora_target_modules="all-linear",
     )  # fmt: skip
 
 
@@ -98,7 +98,7 @@ def plant(bug: str | None) -> None:
 
 def train(path: str, lora: bool, tp: int, out: str | None) -> dict:
     """Build the sharded model with `tp`, train STEPS SGD steps; this rank's numbers (numpy: a queue passes
-    tensors as shared memory, gone once the process exits). With `out`, save the adapter there as the run does."""
+    tensors as shared memory, gone once the process exits). With `out`, save the adapter and a checkpoint there."""
     from shardtune.parallel.gather import gather_trainable
     from shardtune.parallel.mesh import init_distributed
     from shardtune.parallel.setup import build_sharded_model
@@ -106,7 +106,8 @@ def train(path: str, lora: bool, tp: int, out: str | None) -> dict:
 
     info = init_distributed("FULL_SHARD", tp=tp)
     torch.manual_seed(0)
-    model = build_sharded_model(spec_for(path, lora), info)
+    # FULL_SHARD, one reader per node (its rank 0 fills the other ranks' slices and shards).
+    model = build_sharded_model(spec_for(path, lora), info, ShardingSettings(cpu_ram_efficient_loading=True))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
     losses, norms = [], []
@@ -118,16 +119,25 @@ def train(path: str, lora: bool, tp: int, out: str | None) -> dict:
         opt.zero_grad(set_to_none=True)
     trained = {n: t.numpy() for n, t in gather_trainable(model.model).items()}
     if out and lora:
-        from transformers import AutoTokenizer
-
-        from shardtune.training.export import save_adapter
-
-        if info.is_main:
-            save_adapter(model.model, gather_trainable(model.model), AutoTokenizer.from_pretrained(path), out)
-        else:
-            gather_trainable(model.model)
+        _save(model, opt, info, path, out)
     dims = (info.dims.dp_rank, info.dims.tp_rank, info.dims.tp)
     return {"losses": losses, "norms": norms, "trained": trained, "dims": dims}
+
+
+def _save(model, opt, info, path: str, out: str) -> None:
+    """What the run writes, into `out`: the adapter (gathered from the slices) and a DCP checkpoint of step STEPS
+    (shardtune's own save: each rank's shards of the slices, at their offsets in the whole tensors)."""
+    from transformers import AutoTokenizer
+
+    from shardtune.parallel import checkpoint
+    from shardtune.parallel.gather import gather_trainable
+    from shardtune.training.export import save_adapter
+
+    trained = gather_trainable(model.model)
+    if info.is_main:
+        save_adapter(model.model, trained, AutoTokenizer.from_pretrained(path), out)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    checkpoint.save(out, model=model, optimizer=opt, scheduler=scheduler, loop_state={"step": STEPS}, config={})
 
 
 def worker(rank: int, world: int, port: int, path: str, runs: list, queue) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardtune.parallel.mesh import broadcast_object
 from shardtune.runtime import atomic, hooks
@@ -313,6 +314,7 @@ _RESUME_FREE = {
     "dataloader_num_workers",
     "dataset_num_proc",
     "frozen_base",  # the checkpoint holds the trainable state only, the same for either placement
+    "tensor_parallel_size",  # a checkpoint holds whole tensors (DCP shards or the full file), for any tp size
 }
 
 
@@ -502,12 +504,28 @@ def _from_full(template: dict, full: dict | None) -> dict:
             data = (
                 src.to(t.device, t.dtype) if src is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
             )
-            out[key] = distribute_tensor(data, t.device_mesh, t.placements, src_data_rank=0)
+            out[key] = _distribute_from_rank0(data, t)
         elif torch.is_tensor(t):  # small replicated tensors (an optimizer's step count), possibly on CPU under NCCL
             out[key] = broadcast_object(src).to(t.device, t.dtype)
         else:
             out[key] = broadcast_object(src)
     return out
+
+
+def _distribute_from_rank0(data: torch.Tensor, t: DTensor) -> DTensor:
+    """Rank 0's full tensor `data` as a DTensor laid out as `t`. On a mesh of every rank, torch's scatter from rank 0.
+    Under tensor parallelism the mesh may lack rank 0 (a whole tensor's data-parallel mesh, one per tp rank) or
+    hold tp slices (whose blocks DTensor's offsets give, _StridedShard included): rank 0 broadcasts the whole
+    tensor and each rank keeps its block, the offsets DCP reads by (one full tensor per rank at a time)."""
+    mesh = t.device_mesh
+    if mesh.size() == dist.get_world_size() and "tp" not in (mesh.mesh_dim_names or ()):
+        return distribute_tensor(data, mesh, t.placements, src_data_rank=0)
+    dist.broadcast(data, src=0)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    block = data[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return DTensor.from_local(
+        block.clone(memory_format=torch.contiguous_format), mesh, t.placements, shape=t.shape, stride=t.stride()
+    )
 
 
 def _load_local_optimizer(path: Path, optimizer, shards, rank: int) -> None:
