@@ -78,6 +78,7 @@ def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
     from shardtune.models import loading
     from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import all_gather_objects, init_distributed, shutdown
+    from shardtune.parallel.parallelize import ShardingSettings
     from shardtune.parallel.setup import build_sharded_model
     from shardtune.runtime.log import setup_logging
 
@@ -98,10 +99,9 @@ def worker(model_dir: str, four_bit: bool, efficient: bool, out: str) -> None:
         n_tokens=0,
         param_dtype=torch.bfloat16,
         quantization_config=qcfg,
-        cpu_ram_efficient_loading=efficient,
     )
     t0 = time.time()
-    model = build_sharded_model(spec, info)
+    model = build_sharded_model(spec, info, ShardingSettings(cpu_ram_efficient_loading=efficient))
     seconds = time.time() - t0
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     peak = int(status["VmHWM"].split()[0]) * 1024

@@ -19,6 +19,7 @@ from shardtune.objectives.heads import token_loss
 from shardtune.parallel import adapters
 from shardtune.parallel.fsdp import assert_sharded, shard_model
 from shardtune.parallel.mesh import init_distributed, shutdown
+from shardtune.parallel.parallelize import ShardingSettings
 from shardtune.parallel.setup import build_sharded_model
 
 VOCAB, SEQ = 600, 12
@@ -168,7 +169,6 @@ def _spec(base_dir: str, adapter_path: str) -> ModelSpec:
         lora_alpha=8,
         adapter_name="a",
         adapter_path=adapter_path,
-        cpu_ram_efficient_loading=True,
     )
 
 
@@ -176,7 +176,9 @@ def continued(base_dir: str, adapter_dir: str, info) -> dict:
     """--adapter_path through build_sharded_model (meta loading on rank 1): the loaded adapter, then the base."""
     from peft import PeftModel
 
-    sh = build_sharded_model(_spec(base_dir, f"{adapter_dir}/a"), info)
+    sh = build_sharded_model(
+        _spec(base_dir, f"{adapter_dir}/a"), info, ShardingSettings(cpu_ram_efficient_loading=True)
+    )
     sh.eval()
     base = loading.load_base_model(base_dir, dtype=torch.float32, attn_impl="sdpa", trust_remote_code=False)
     ref = training_module.CausalLMForTraining(PeftModel.from_pretrained(base, f"{adapter_dir}/a")).eval()

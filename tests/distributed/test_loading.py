@@ -46,8 +46,6 @@ def _spec(model_dir: str):
         lora_r=4,
         lora_alpha=8,
         quantization_config=_qconfig(),
-        offload=True,
-        cpu_ram_efficient_loading=True,
     )
 
 
@@ -75,6 +73,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
 
     from shardtune.models import quant, weights
     from shardtune.parallel.mesh import init_distributed, shutdown
+    from shardtune.parallel.parallelize import ShardingSettings
     from shardtune.parallel.setup import build_sharded_model
     from shardtune.runtime.log import logger, setup_logging
 
@@ -94,7 +93,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     logger.addHandler(handler)
     info = init_distributed("FULL_SHARD")
     torch.manual_seed(0)
-    model = build_sharded_model(_spec(model_dir), info)
+    model = build_sharded_model(_spec(model_dir), info, ShardingSettings(offload=True, cpu_ram_efficient_loading=True))
     out = {"reads": reads, "log": records, "bytes": quant.quantized_bytes(model), "layers": {}}
     for name, layer in quant.linear4bit_modules(model):
         packed = layer.weight.full_tensor()  # all ranks take part in the all-gather

@@ -22,7 +22,7 @@ from shardtune.objectives.heads import token_loss
 SEQ = 16
 
 
-def _spec(model_dir: str, *, offload: bool, quantized: bool):
+def _spec(model_dir: str, *, quantized: bool):
     from shardtune.models.builder import ModelSpec
     from shardtune.models.loading import bnb_config
 
@@ -34,7 +34,7 @@ def _spec(model_dir: str, *, offload: bool, quantized: bool):
         )  # fmt: skip
     return ModelSpec(
         model_name_or_path=model_dir, dtype=torch.bfloat16, n_tokens=256, param_dtype=torch.bfloat16, lora_r=4,
-        lora_alpha=8, quantization_config=qconfig, offload=offload, cpu_ram_efficient_loading=offload,
+        lora_alpha=8, quantization_config=qconfig,
     )  # fmt: skip
 
 
@@ -47,10 +47,12 @@ def _fsdp_params(model):
             yield from group.fsdp_params if group else []
 
 
-def _build(spec, info, received: list):
-    """Build the model, recording the storage of every tensor a scatter or broadcast receives into."""
+def _build(spec, info, received: list, *, offload: bool):
+    """Build the model (with `offload`, from each node's rank 0 into host RAM), recording the storage of every
+    tensor a scatter or broadcast receives into."""
     import torch.distributed as dist
 
+    from shardtune.parallel.parallelize import ShardingSettings
     from shardtune.parallel.setup import build_sharded_model
 
     scatter, broadcast = dist.scatter, dist.broadcast
@@ -66,7 +68,7 @@ def _build(spec, info, received: list):
     dist.scatter, dist.broadcast = spy_scatter, spy_broadcast
     try:
         torch.manual_seed(0)
-        return build_sharded_model(spec, info)
+        return build_sharded_model(spec, info, ShardingSettings(offload=offload, cpu_ram_efficient_loading=offload))
     finally:
         dist.scatter, dist.broadcast = scatter, broadcast
 
@@ -99,7 +101,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
         runs = {}
         for offload in (True, False):
             received: list[int] = []
-            model = _build(_spec(model_dir, offload=offload, quantized=quantized), info, received)
+            model = _build(_spec(model_dir, quantized=quantized), info, received, offload=offload)
             fsdp_params = list(_fsdp_params(model))
             shards = {fp.sharded_param.to_local().untyped_storage().data_ptr() for fp in fsdp_params}
             runs[offload] = {

@@ -37,6 +37,7 @@ def _batch(dp_rank: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, path: str, port: int, log: str, queue) -> None:
     from shardtune.models.builder import ModelSpec
     from shardtune.parallel.mesh import init_distributed, shutdown
+    from shardtune.parallel.parallelize import ShardingSettings
     from shardtune.parallel.setup import build_sharded_model
     from shardtune.training.trainer import train_step
 
@@ -49,11 +50,10 @@ def _worker(rank: int, path: str, port: int, log: str, queue) -> None:
         os.environ["SHARDTUNE_LOAD_LOG"] = os.path.join(log, strategy)
         info = init_distributed(strategy)  # the process group once; a mesh for each strategy
         torch.manual_seed(0)
-        spec = ModelSpec(
-            model_name_or_path=path, dtype=torch.float32, n_tokens=600, use_peft_lora=False,
-            sharding_strategy=strategy, cpu_ram_efficient_loading=True,
-        )  # fmt: skip
-        model = build_sharded_model(spec, info)
+        spec = ModelSpec(model_name_or_path=path, dtype=torch.float32, n_tokens=600, use_peft_lora=False)
+        model = build_sharded_model(
+            spec, info, ShardingSettings(sharding_strategy=strategy, cpu_ram_efficient_loading=True)
+        )
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         batch = _batch(info.dims.dp_rank)
         m1, _, _ = train_step(model, [batch], info)

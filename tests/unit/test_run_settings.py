@@ -22,11 +22,11 @@ from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV
 from shardtune.data import build_datasets
-from shardtune.models.builder import LOSS_CHUNK_TOKENS, model_spec
-from shardtune.models.loading import load_tokenizer
-from shardtune.parallel.parallelize import use_fsdp
-from shardtune.planning import PlanInputs
-from shardtune.planning.fit import launch_from_settings, plan_inputs
+from shardtune.models.builder import LOSS_CHUNK_TOKENS, ModelSpec, model_facts, model_spec
+from shardtune.models.loading import bnb_config, load_tokenizer
+from shardtune.parallel.parallelize import ShardingSettings, sharding_settings, use_fsdp
+from shardtune.planning import PlanInputs, fit
+from shardtune.planning.fit import RunFit, launch_from_settings, plan_inputs
 from shardtune.planning.shape import ModelShape
 from shardtune.planning.state import GiB
 from shardtune.recipe import settings
@@ -219,7 +219,7 @@ def test_fsdp_or_the_plain_module_is_one_rule_for_the_run_and_the_plan(monkeypat
     env["FSDP_OFFLOAD_PARAMS"] = str(offload).lower()
     cfg = load_run_config(["--model_name_or_path", str(model_dir), "--dataset_name", "org/data", *flags], env=env)
     spec = model_spec(cfg, "cpu", 256, [])
-    trains_fsdp, _ = use_fsdp(spec, SimpleNamespace(world_size=world), cfg.fsdp.single_process)
+    trains_fsdp, _ = use_fsdp(spec, sharding_settings(cfg.fsdp), SimpleNamespace(world_size=world))
     assert plan_inputs(cfg, launch_from_settings(cfg.fsdp, world, 1)).fsdp is trains_fsdp
 
 
@@ -263,6 +263,83 @@ def test_a_generation_batch_s_micro_batches_are_one_rule(model_dir, tmp_path):
         info = SimpleNamespace(dims=SimpleNamespace(dp_size=1))
         rollouts = rollout_settings(cfg, info, SimpleNamespace(eos_token_id=1, pad_token_id=0))
         assert rollouts.steps_per_generation == plan.inputs.steps_per_generation == want
+
+
+# ---------------------------------------------------------------- the model's facts, and FSDP's decisions beside them
+
+# What model_spec adds to the facts for the run: the attention this device runs and the embeddings' rows.
+DEVICE_AND_TOKENIZER = {"attn_impl", "cp_varlen", "n_tokens", "new_token_ids"}
+
+
+def test_the_planner_reads_the_model_s_facts_off_its_spec(model_dir, monkeypatch):
+    """planning.fit.plan_inputs fills every PlanInputs field that is a fact of the model (the compute dtype, the
+    4-bit base, the adapter, checkpointing, packed rows, the context-parallel split, attention per document, the
+    attention asked for, the loss's chunk) from the model's spec (models.builder.model_facts, which the run's own
+    ModelSpec completes: recipe.settings.model_settings), never from the flags again: with a spec whose every such
+    fact differs from the flags', the plan follows the spec, field by field. Negative control: plan_inputs reading
+    the flag again planted (`spec = replace(model_facts(cfg), lora_r=cfg.model.lora_r)`, or the old
+    `attn_implementation or ("flash_attention_2" if cfg.model.use_flash_attn else "sdpa")`), this test fails (the
+    plan keeps the flag's 8, or sdpa)."""
+    flags = ["--use_peft_lora", "True", "--bf16", "True", "--lora_r", "8", "--gradient_checkpointing", "True"]
+    cfg = load_run_config(["--model_name_or_path", str(model_dir), "--dataset_name", "org/data", *flags], env={})
+    facts = model_facts(cfg)
+    run = settings.model_settings(cfg, _info(1), 256, [])  # the spec the run builds: the same facts, completed
+    same = [f.name for f in dataclasses.fields(ModelSpec) if f.name not in DEVICE_AND_TOKENIZER]
+    assert {k: getattr(run, k) for k in same} == {k: getattr(facts, k) for k in same}
+    launch = launch_from_settings(cfg.fsdp, 1, 1)
+    from_flags = plan_inputs(cfg, launch)
+    planted = dataclasses.replace(
+        facts, param_dtype=torch.float16, use_peft_lora=False, lora_r=48, lora_target_modules="q_proj,v_proj",
+        lora_target_parameters="routers", lora_target_experts=True, lora_dropout=0.25, use_dora=True,
+        modules_to_save="lm_head", gradient_checkpointing=False, packing=not facts.packing, context_parallel=2,
+        torch_compile=True, attn_impl="flash_attention_2", loss_chunk_size=777,
+        quantization_config=bnb_config(use_4bit=True, use_8bit=False, quant_type="nf4", compute_dtype_name="float16",
+                                       nested=True, storage_dtype_name="float16"),
+    )  # fmt: skip
+    monkeypatch.setattr(fit, "model_facts", lambda c: planted)
+    want = {
+        "bf16": False, "fp16": True, "use_4bit": True, "nested_quant": True, "quant_storage_dtype": "float16",
+        "use_peft_lora": False, "lora_r": 48, "lora_target_modules": "q_proj,v_proj",
+        "lora_target_parameters": ("routers", "experts"), "lora_dropout": 0.25, "use_dora": True,
+        "modules_to_save": ("lm_head",), "gradient_checkpointing": False, "packing": planted.packing,
+        "context_parallel": 2, "per_document_attention": False, "attn_implementation": "flash_attention_2",
+        "loss_chunk_tokens": 777, "fsdp": True,  # full fine-tuning in fp16 keeps FSDP on one process (fsdp_reason)
+    }  # fmt: skip
+    assert [k for k in want if getattr(from_flags, k) == want[k]] == []  # every fact differs from the flags'
+    got = plan_inputs(cfg, launch)
+    assert {k: getattr(got, k) for k in want} == want
+
+
+def test_a_4bit_compute_dtype_that_is_not_one_is_refused_with_the_flags(model_dir):
+    """The spec's 4-bit config parses --bnb_4bit_compute_dtype, and the start-up plan derives the spec on rank 0
+    alone (plan_inputs): a name that is not a dtype is refused with the other flags' problems, by train and plan
+    alike, before the spec is read. Negative control: the check left out of quantization_problems, this test fails
+    (the spec raises instead, on whichever rank reads it first)."""
+    flags = ["--use_4bit_quantization", "True", "--use_peft_lora", "True", "--bnb_4bit_compute_dtype", "junk"]
+    train, plan = _both(model_dir, flags)
+    line = "--bnb_4bit_compute_dtype 'junk' is not a dtype; use bfloat16, float16 or float32."
+    assert isinstance(train, list) and line in train and line in plan, (train, plan)
+
+
+def test_the_model_spec_holds_no_fsdp_decision(model_dir):
+    """The model's spec holds the model's facts; how FSDP shards and places it (the strategy, offload, prefetch, the
+    block classes, which ranks read the weights, the frozen base's placement, one process's setting) is
+    ShardingSettings, copied from the run's FSDP settings once (parallel.parallelize.sharding_settings) with the
+    start-up plan's placement (recipe.settings.sharding). Negative control: `offload: bool = False` put back in
+    ModelSpec, this test fails."""
+    spec_fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    assert spec_fields & {f.name for f in dataclasses.fields(ShardingSettings)} == set()
+    assert spec_fields & {"offload", "frozen_base", "sharding_strategy", "cpu_ram_efficient_loading"} == set()
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "FSDP_FORWARD_PREFETCH": "true",
+           "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}  # fmt: skip
+    cfg = load_run_config(["--model_name_or_path", str(model_dir), "--dataset_name", "org/data"], env=env)
+    got = settings.sharding(cfg, RunFit(frozen_base="replicated"))
+    f = cfg.fsdp
+    assert got == ShardingSettings(
+        sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=f.reshard_after_forward, offload=f.offload_params,
+        cpu_ram_efficient_loading=True, forward_prefetch=True, backward_prefetch=f.backward_prefetch,
+        transformer_cls_to_wrap="LlamaDecoderLayer", frozen_base="replicated", single_process=f.single_process,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the planner, once per start-up

@@ -125,7 +125,8 @@ def _cycles() -> list[list[str]]:
 
 def test_the_graph_is_read():
     """The checks below would pass on an empty graph: make sure the parser sees known edges."""
-    assert "shardtune.parallel.setup" in GRAPH["shardtune.commands.train"]
+    assert "shardtune.recipe.train" in GRAPH["shardtune.commands.train"]
+    assert "shardtune.parallel.setup" in GRAPH["shardtune.recipe.build"]
     assert "shardtune.models.builder" in GRAPH["shardtune.parallel.setup"]
     assert "shardtune.recipe.state" in GRAPH["shardtune.recipe.checks"]
     assert len(MODULES) > 40

@@ -1,15 +1,16 @@
-"""The model builder: `ModelSpec` (what it is given), `model_spec` (the one place that reads it off a run's
-configuration) and `build_training_module` (load or skeleton, resize, adapter, fast paths, 4-bit preparation,
-activation checkpointing: steps 2-4 of docs/architecture.md's setup order). Nothing here knows about ranks:
-`shardtune.parallel.setup.build_sharded_model(spec, info)` decides which ranks read weights, then shards.
-`shardtune train` and `shardtune plan --trace` both get their spec from `model_spec`, so the traced step is the
-trained one.
+"""The model builder: `ModelSpec` (what it is given), `model_facts` and `model_spec` (the one place that reads it
+off a run's configuration) and `build_training_module` (load or skeleton, resize, adapter, fast paths, 4-bit
+preparation, activation checkpointing: steps 2-4 of docs/architecture.md's setup order). Nothing here knows about
+ranks or FSDP: `shardtune.parallel.setup.build_sharded_model(spec, info, sharding)` decides which ranks read weights,
+then shards as its `ShardingSettings` say. `shardtune train` and `shardtune plan --trace` both get their spec from
+`model_spec`, so the traced step is the trained one; the planner reads the same facts (`model_facts`,
+planning.fit.plan_inputs).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -25,13 +26,16 @@ from shardtune.runtime.log import print0
 
 @dataclass
 class ModelSpec:
-    """Everything needed to build the model, as flat values (no config objects). The defaults are a LoRA run of
-    the guide's shape: all-linear LoRA, FULL_SHARD, every rank loading, no checkpointing."""
+    """Everything needed to build the model, as flat values (no config objects); how it is sharded is not the
+    model's (parallel.parallelize.ShardingSettings). The defaults are a LoRA run of the guide's shape: all-linear
+    LoRA, no checkpointing."""
 
     model_name_or_path: str
     dtype: torch.dtype  # storage dtype of the frozen base
-    n_tokens: int  # rows of the embeddings after new tokens
-    param_dtype: torch.dtype | None = None  # FSDP compute dtype (None: as stored)
+    n_tokens: int  # rows of the embeddings after new tokens (0: as the checkpoint has them)
+    param_dtype: torch.dtype | None = None  # the compute dtype (None: fp32, as stored)
+    # The attention: as asked for ("flash_attention_2" or "sdpa", model_facts) until model_spec resolves it on the
+    # device (loading.attn_implementation).
     attn_impl: str = "sdpa"
     trust_remote_code: bool = False
     new_token_ids: list[int] = field(default_factory=list)
@@ -51,16 +55,6 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     use_reentrant: bool = False
     checkpoint_every: int = 1
-    sharding_strategy: str = "FULL_SHARD"
-    offload: bool = False
-    cpu_ram_efficient_loading: bool = False
-    forward_prefetch: bool = False
-    backward_prefetch: str = "BACKWARD_PRE"
-    transformer_cls_to_wrap: str | None = None
-    reshard_after_forward: bool | None = None
-    # LoRA/DoRA/QLoRA on several ranks: the frozen base "sharded" by FSDP (gathered for every block's forward and
-    # backward) or "replicated", whole on every rank (recipe.settings.start_plan decides --frozen_base auto).
-    frozen_base: str = "sharded"
     torch_compile: bool = False
     loss_chunk_size: int = LOSS_CHUNK_TOKENS
     router_aux_loss_coef: float | None = None  # None: the config's (shardtune.models.router_aux)
@@ -76,13 +70,12 @@ class ModelSpec:
     read_weights: bool = True
 
 
-def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: list[int]) -> ModelSpec:
-    """The spec of a run: its model flags, its FSDP settings and its precision (decided once, cfg.precision)."""
-    m, t, f = cfg.model, cfg.train, cfg.fsdp
+def model_facts(cfg: RunConfig) -> ModelSpec:
+    """The run's model as its flags and precision (decided once, cfg.precision) make it, before a device or a
+    tokenizer: the attention as asked for, the embeddings as the checkpoint has them. The planner's model inputs are
+    read off it (planning.fit.plan_inputs); `model_spec` completes it for the run. Prints nothing."""
+    m, t = cfg.model, cfg.train
     precision = cfg.precision
-    attn, cp_varlen = loading.context_parallel_attention(
-        loading.attn_implementation(m.use_flash_attn, device_type), t.context_parallel_size, precision.compute
-    )
     qcfg = loading.bnb_config(
         use_4bit=m.use_4bit_quantization,
         use_8bit=m.use_8bit_quantization,
@@ -95,10 +88,9 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         model_name_or_path=m.model_name_or_path,
         dtype=precision.storage,
         param_dtype=precision.param_dtype,
-        attn_impl=attn,
+        attn_impl="flash_attention_2" if m.use_flash_attn else "sdpa",
         trust_remote_code=m.trust_remote_code,
-        n_tokens=n_tokens,
-        new_token_ids=list(new_token_ids),
+        n_tokens=0,
         use_peft_lora=m.use_peft_lora,
         lora_r=m.lora_r,
         lora_alpha=m.lora_alpha,
@@ -115,28 +107,33 @@ def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: l
         use_reentrant=m.use_reentrant,
         checkpoint_every=t.checkpoint_every_n_layers,
         dora_dropout=m.dora_dropout,
-        sharding_strategy=f.sharding_strategy,
-        offload=f.offload_params,
-        cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
-        forward_prefetch=f.forward_prefetch,
-        backward_prefetch=f.backward_prefetch,
-        transformer_cls_to_wrap=f.transformer_cls_to_wrap,
-        reshard_after_forward=f.reshard_after_forward,
         torch_compile=t.torch_compile,
         packing=cfg.data.packed_rows,
         router_aux_loss_coef=t.router_aux_loss_coef,
         context_parallel=t.context_parallel_size,
-        cp_varlen=cp_varlen,
     )
 
 
+def model_spec(cfg: RunConfig, device_type: str, n_tokens: int, new_token_ids: list[int]) -> ModelSpec:
+    """The spec of a run on `device_type`: its facts (`model_facts`), the attention this device runs (said in the
+    log where it is not the one asked for) and the embeddings' rows after the tokenizer's new tokens."""
+    facts = model_facts(cfg)
+    attn, cp_varlen = loading.context_parallel_attention(
+        loading.attn_implementation(facts.attn_impl == "flash_attention_2", device_type),
+        facts.context_parallel,
+        cfg.precision.compute,
+    )
+    return replace(facts, attn_impl=attn, cp_varlen=cp_varlen, n_tokens=n_tokens, new_token_ids=list(new_token_ids))
+
+
 def build_training_module(
-    spec: ModelSpec, *, on_meta: bool, quantize_device: torch.device | None
+    spec: ModelSpec, *, on_meta: bool, quantize_device: torch.device | None, block_classes: str | None = None
 ) -> tuple[training_module.CausalLMForTraining, list[nn.Module]]:
-    """The unsharded training module and its decoder blocks (the units FSDP shards and checkpointing recomputes).
+    """The unsharded training module and its decoder blocks (the units FSDP shards and torch.compile compiles).
 
     on_meta: build a skeleton on the meta device (no weights read); quantize_device: where 4-bit weights are
-    quantized while they are read (CUDA), or None."""
+    quantized while they are read (CUDA), or None; block_classes: the decoder block classes by name (FSDP's
+    transformer_cls_to_wrap, parallel.parallelize.ShardingSettings; None: the model's _no_split_modules)."""
     layout = training_layout(spec)  # before any weight is read: a refusal costs nothing
     # Step 2: real weights, or a skeleton on meta.
     base = loading.load_base_model(
@@ -171,7 +168,7 @@ def build_training_module(
         router_aux_loss_coef=spec.router_aux_loss_coef,
         cp_varlen=spec.cp_varlen,
     )
-    block_types = loading.decoder_block_classes(model, spec.transformer_cls_to_wrap)
+    block_types = loading.decoder_block_classes(model, block_classes)
     blocks = [m for m in train_module.modules() if isinstance(m, block_types)]
     if spec.torch_compile:
         for b in blocks:

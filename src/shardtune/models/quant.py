@@ -55,9 +55,12 @@ def quantization_problems(
     quant_storage_dtype: str,
     precision: Precision,
     fsdp_enabled: bool,
+    compute_dtype: str = "float16",
 ) -> list[str]:
-    """Combinations that would train wrongly under FSDP, each with the flags to set. `precision`: the run's
-    (`RunConfig.precision`), whose compute dtype the messages ask for and whose `flags` say how it was asked for."""
+    """Combinations that would train wrongly under FSDP, each with the flags to set, and a 4-bit compute dtype that
+    is not one (read when the run's spec is derived, which the start-up plan does on rank 0 alone: refused here,
+    on every rank). `precision`: the run's (`RunConfig.precision`), whose compute dtype the messages ask for and
+    whose `flags` say how it was asked for."""
     problems = []
     # The packed weights are FSDP parameters: they must be stored in the dtype FSDP computes in.
     want = dtypes.name_of(precision.compute)
@@ -73,6 +76,8 @@ def quantization_problems(
     missing = bitsandbytes_missing("--use_4bit_quantization True")
     if missing:
         return [*problems, missing]
+    if dtypes.parse(compute_dtype) is None:  # the line models.loading.bnb_config would raise
+        problems.append(f"--bnb_4bit_compute_dtype {compute_dtype!r} is not a dtype; use bfloat16, float16 or float32.")
     storage = dtypes.canonical(quant_storage_dtype)
     if storage not in (*dtypes.FLOATING, "uint8"):
         problems.append(

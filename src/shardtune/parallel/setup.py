@@ -32,21 +32,22 @@ from shardtune.parallel.loading import (
     take_full_tensors,
 )
 from shardtune.parallel.mesh import DistInfo, all_gather_objects
-from shardtune.parallel.parallelize import parallelize, use_fsdp
+from shardtune.parallel.parallelize import DEFAULT_SHARDING, ShardingSettings, parallelize, use_fsdp
 from shardtune.runtime import hooks
 from shardtune.runtime.log import print0
 
 
 def build_sharded_model(
-    spec: ModelSpec, info: DistInfo, single_process: str = "fsdp"
+    spec: ModelSpec, info: DistInfo, sharding: ShardingSettings = DEFAULT_SHARDING
 ) -> training_module.CausalLMForTraining:
-    """Steps 2-7 of the setup order; returns the sharded training module (the plain one when `use_fsdp` says one
-    process runs without FSDP; `single_process` is fsdp_settings' setting, "fsdp" keeping FSDP everywhere)."""
+    """Steps 2-7 of the setup order: the model of `spec`, sharded and placed as `sharding` says; returns the sharded
+    training module (the plain one when `use_fsdp` says one process runs without FSDP; the default settings keep
+    FSDP everywhere)."""
     if info.dims.tp > 1:  # before any weight is read
         tensor.check_model(spec.model_name_or_path, info.dims.tp, trust_remote_code=spec.trust_remote_code)
-    fsdp, why = use_fsdp(spec, info, single_process)
+    fsdp, why = use_fsdp(spec, sharding, info)
     print0(why)
-    from_rank0 = spec.cpu_ram_efficient_loading and info.world_size > 1 and spec.read_weights
+    from_rank0 = sharding.cpu_ram_efficient_loading and info.world_size > 1 and spec.read_weights
     node = node_group(info.rank, info.local_rank) if from_rank0 else None
     on_meta = (from_rank0 and not info.is_local_main) or not spec.read_weights
     if from_rank0:
@@ -57,17 +58,19 @@ def build_sharded_model(
     if not on_meta:
         hooks.at("checkpoint_read", rank=info.rank)
     quantize_device = info.device if info.device.type == "cuda" else None
-    train_module, blocks = build_training_module(spec, on_meta=on_meta, quantize_device=quantize_device)
+    train_module, blocks = build_training_module(
+        spec, on_meta=on_meta, quantize_device=quantize_device, block_classes=sharding.transformer_cls_to_wrap
+    )
     full_tensors = take_full_tensors(train_module) if from_rank0 and info.is_local_main else None
-    parallelize(train_module, blocks, spec, info, fsdp)
-    if not fsdp or spec.frozen_base == "replicated":  # packed weights that FSDP does not manage
+    parallelize(train_module, blocks, spec, sharding, info, fsdp)
+    if not fsdp or sharding.frozen_base == "replicated":  # packed weights that FSDP does not manage
         quant.drop_quant_state_keys(train_module)
     if not spec.read_weights:
         return train_module
-    _fill(train_module, spec, info, full_tensors, node)
+    _fill(train_module, spec, info, full_tensors, node, offload=sharding.offload)
     # Step 7.
     shards = info.dims.shard_size  # FSDP's shard group (a tp slice is sharded over it again)
-    replicated = fsdp and spec.frozen_base == "replicated" and info.dims.tp == 1
+    replicated = fsdp and sharding.frozen_base == "replicated" and info.dims.tp == 1
     assert_sharded(train_module, shards)
     trainable, total = loading.count_parameters(train_module)
     print0(
@@ -77,17 +80,18 @@ def build_sharded_model(
         + (" The frozen base is replicated: whole on every rank, never gathered." if replicated else "")
     )
     if spec.quantization_config is not None:
-        _report_4bit(train_module, 1 if replicated else shards, spec.offload)
+        _report_4bit(train_module, 1 if replicated else shards, sharding.offload)
     return train_module
 
 
-def _fill(train_module: nn.Module, spec: ModelSpec, info: DistInfo, full_tensors, node) -> None:
-    """Step 6: fill the shards, from the node's rank 0 or from each rank's own copy; place the 4-bit states."""
+def _fill(train_module: nn.Module, spec: ModelSpec, info: DistInfo, full_tensors, node, *, offload: bool) -> None:
+    """Step 6: fill the shards, from the node's rank 0 or from each rank's own copy (left in host RAM with
+    `offload`); place the 4-bit states."""
     from_rank0 = node is not None
     if from_rank0:
-        materialize_from_rank0(train_module, full_tensors, info.device, node, offload=spec.offload)
+        materialize_from_rank0(train_module, full_tensors, info.device, node, offload=offload)
         del full_tensors
-    elif info.device.type == "cuda" and not spec.offload:
+    elif info.device.type == "cuda" and not offload:
         train_module.to(info.device)
     if spec.quantization_config is not None and from_rank0:
         broadcast_quant_states(train_module, info.device, node)

@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardtune.config import cuda_allocator, dtypes
-from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig, TrainArguments
+from shardtune.config.arguments import DataArguments, RunConfig, TrainArguments
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import FSDPSettings, fsdp_reason
 from shardtune.config.precision import casts_every_weight
 from shardtune.data.templates import padded_rows
 from shardtune.models import families, fastpath, training_module
-from shardtune.models.builder import LOSS_CHUNK_TOKENS
+from shardtune.models.builder import ModelSpec, model_facts
 from shardtune.objectives.loss import dropout_off, objective_spec, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
@@ -95,36 +95,32 @@ def trains_per_document(config: Any) -> bool:
     return verdict.layout(True).path == "fast"
 
 
-def lora_target_parameters(model: ModelArguments) -> tuple[str, ...]:
-    """The parameters LoRA adapts besides --lora_target_modules: --lora_target_parameters, and "experts" with
-    --lora_target_experts."""
-    words = [w.strip() for w in (model.lora_target_parameters or "").split(",") if w.strip()]
-    if model.lora_target_experts and "experts" not in words:
+def lora_target_parameters(spec: ModelSpec) -> tuple[str, ...]:
+    """The parameters LoRA adapts besides its target modules: --lora_target_parameters, and "experts" with
+    --lora_target_experts, as the spec holds them."""
+    words = [w.strip() for w in (spec.lora_target_parameters or "").split(",") if w.strip()]
+    if spec.lora_target_experts and "experts" not in words:
         words.append("experts")
     return tuple(words)
 
 
 def plan_inputs(
-    cfg: RunConfig, launch: Launch, attn_implementation: str | None = None, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+    cfg: RunConfig, launch: Launch, attn_implementation: str | None = None, loss_chunk_tokens: int | None = None
 ) -> PlanInputs:
     """The planner's inputs for a run's configuration and launch: the one place a run becomes PlanInputs (the
-    fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults). Each
-    run decision is read from its home, as the run reads it: the precision (`RunConfig.precision`), activation
-    checkpointing (`RunConfig.activation_checkpointing`), packed rows (`DataArguments.packed_rows`), the
-    context-parallel size (`TrainArguments.context_parallel_size`, resolved by config.run), FSDP or the plain module
-    (`config.fsdp.fsdp_reason`), the loss's chunk (models.builder.LOSS_CHUNK_TOKENS)."""
-    model, data, train = cfg.model, cfg.data, cfg.train
-    precision = cfg.precision
-    storage = model.bnb_4bit_quant_storage_dtype
-    # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as the
-    # compute dtype.
-    storage = storage if storage in dtypes.FLOATING else dtypes.name_of(precision.compute)
+    fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults). The
+    model's facts are read off the model the run builds (models.builder.model_facts, by `model_inputs`), never off
+    the flags again; the flags give what is not the model's (the batch, the rows' length, the objective, the
+    optimizer), and the launch FSDP's settings. FSDP or the plain module is `config.fsdp.fsdp_reason`'s rule.
+    `attn_implementation` and `loss_chunk_tokens` (`shardtune plan`'s flags) override the spec's."""
+    data, train = cfg.data, cfg.train
+    spec = model_facts(cfg)
     generates = objective_spec(train.objective).data == "prompts"  # online RL: the run samples its completions
     fsdp = fsdp_reason(
         launch.world_size,
         launch.single_process,
         offload=launch.offload,
-        full_mixed_precision=casts_every_weight(model.use_peft_lora, precision.param_dtype),
+        full_mixed_precision=casts_every_weight(spec.use_peft_lora, spec.param_dtype),
     )
     return PlanInputs(
         world_size=launch.world_size,
@@ -132,35 +128,51 @@ def plan_inputs(
         sharding_strategy=launch.sharding_strategy,
         expandable_segments=launch.expandable_segments,
         offload=launch.offload,
-        bf16=precision.bf16,
-        fp16=precision.fp16,
-        use_4bit=model.use_4bit_quantization,
-        use_8bit=model.use_8bit_quantization,
-        nested_quant=model.use_nested_quant,
-        quant_storage_dtype=storage,
-        use_peft_lora=model.use_peft_lora,
-        lora_r=model.lora_r,
-        lora_target_modules=model.lora_target_modules,
-        lora_target_parameters=lora_target_parameters(model),
-        lora_dropout=0.0 if dropout_off(train.objective, train.disable_dropout) else model.lora_dropout,
-        use_dora=model.use_dora,
-        modules_to_save=tuple(_split(model.modules_to_save)),
+        fsdp=fsdp is not None,
+        **model_inputs(spec, drops_dropout=dropout_off(train.objective, train.disable_dropout)),
+        attn_implementation=attn_implementation or spec.attn_impl,
+        loss_chunk_tokens=spec.loss_chunk_size if loss_chunk_tokens is None else loss_chunk_tokens,
+        replicate_base=replicates_base(cfg.model.frozen_base, spec.use_peft_lora, launch.world_size, launch.offload),
         batch_size=train.per_device_train_batch_size,
         rows_per_example=rows_per_example(train.objective),
         seq_len=rollout_row_length(data, train) if generates else data.max_length,
-        gradient_checkpointing=cfg.activation_checkpointing,
-        attn_implementation=attn_implementation or ("flash_attention_2" if model.use_flash_attn else "sdpa"),
-        packing=data.packed_rows,
         optim=train.optim,
         grad_accum=train.gradient_accumulation_steps,
-        loss_chunk_tokens=loss_chunk_tokens,
-        replicate_base=replicates_base(model, launch.world_size, launch.offload),
-        context_parallel=train.context_parallel_size,
-        # compiled blocks take transformers' masked attention (training_module.CausalLMForTraining, per_document_attention)
-        per_document_attention=not train.torch_compile,
-        fsdp=fsdp is not None,
+        activation_offloading=train.enable_activation_offloading,
         **(generation_inputs(train) if generates else {}),
     )
+
+
+def model_inputs(spec: ModelSpec, *, drops_dropout: bool) -> dict[str, Any]:
+    """PlanInputs' fields that are facts of the model a run builds, from its spec alone: the compute dtype, the
+    quantized base, the adapter, checkpointing, packed rows, the context-parallel split, attention per document
+    (compiled blocks take transformers' masked attention: training_module.CausalLMForTraining). `drops_dropout`:
+    the objective turns the model's dropout off (objectives.loss.dropout_off)."""
+    q = spec.quantization_config
+    four_bit = q is not None and q.load_in_4bit
+    compute = "float32" if spec.param_dtype is None else dtypes.name_of(spec.param_dtype)
+    storage = dtypes.name_of(q.bnb_4bit_quant_storage) if four_bit else None
+    return {
+        "bf16": compute == "bfloat16",
+        "fp16": compute == "float16",
+        "use_4bit": four_bit,
+        "use_8bit": q is not None and q.load_in_8bit,
+        "nested_quant": four_bit and q.bnb_4bit_use_double_quant,
+        # Under FSDP shardtune stores 4-bit weights in a floating dtype; uint8 is the non-FSDP default, planned as
+        # the compute dtype.
+        "quant_storage_dtype": storage if storage in dtypes.FLOATING else compute,
+        "use_peft_lora": spec.use_peft_lora,
+        "lora_r": spec.lora_r,
+        "lora_target_modules": spec.lora_target_modules,
+        "lora_target_parameters": lora_target_parameters(spec),
+        "lora_dropout": 0.0 if drops_dropout else spec.lora_dropout,
+        "use_dora": spec.use_dora,
+        "modules_to_save": tuple(_split(spec.modules_to_save)),
+        "gradient_checkpointing": spec.gradient_checkpointing,
+        "packing": spec.packing,
+        "context_parallel": spec.context_parallel,
+        "per_document_attention": not spec.torch_compile,
+    }
 
 
 def generation_inputs(train: TrainArguments) -> dict[str, Any]:
@@ -183,11 +195,11 @@ def rollout_row_length(data: DataArguments, train: TrainArguments) -> int:
     return prompt + train.max_completion_length
 
 
-def replicates_base(model: ModelArguments, world_size: int, offload: bool) -> bool:
+def replicates_base(frozen_base: str, use_peft_lora: bool, world_size: int, offload: bool) -> bool:
     """Whether --frozen_base replicated applies: LoRA on several ranks without offload (validation refuses it with
     offload; one process holds the whole base either way). auto is planned sharded: `frozen_base_choice` decides
     it for a GPU."""
-    return model.frozen_base == "replicated" and model.use_peft_lora and world_size > 1 and not offload
+    return frozen_base == "replicated" and use_peft_lora and world_size > 1 and not offload
 
 
 # --frozen_base auto replicates only where the plan fits this much under the GPU's memory: the planner's largest

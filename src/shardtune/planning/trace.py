@@ -38,6 +38,7 @@ from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.fake import fake_process_group, track_peak, untracked_root
 from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.loading import allocate_unread
+from shardtune.parallel.parallelize import sharding_settings
 from shardtune.parallel.setup import build_sharded_model
 from shardtune.planning.allocator import Replay, replay
 from shardtune.planning.recorder import AllocationRecorder
@@ -163,10 +164,11 @@ def trace_step(
         spec = model_spec(cfg, info.device.type, n_tokens, new_ids)
         spec.read_weights = False
         spec.loss_chunk_size = loss_chunk_tokens
-        spec.frozen_base = "replicated" if replicate_base else "sharded"  # as the estimate plans it
+        # The frozen base placed as the estimate plans it.
+        sharding = sharding_settings(cfg.fsdp, "replicated" if replicate_base else "sharded")
         # Built and sharded on meta (nothing allocated); fake tensors only from allocation on, since
         # bitsandbytes' Params4bit cannot wrap a FakeTensor while the 4-bit layers are being built.
-        model = build_sharded_model(spec, info)
+        model = build_sharded_model(spec, info, sharding)
         if untracked_root(model):
             why = (
                 "--trace with --frozen_base replicated: the root module (embeddings, final norm, head) trains "

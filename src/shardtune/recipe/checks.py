@@ -29,7 +29,7 @@ def preflight_run(cfg: RunConfig, info) -> str | None:
         for note in fsdp1_only_notes(cfg.fsdp) if cfg.fsdp.enabled else []:
             print0(note)
         resuming = bool(t.resume_from_checkpoint)
-        # claim: the run's lock on output_dir, held until the run ends (released by train._train).
+        # claim: the run's lock on output_dir, held until the run ends (released by commands.train._train).
         problem = run_dir.output_dir_problem(
             t.output_dir, overwrite=t.overwrite_output_dir, resuming=resuming, claim=True
         )

@@ -1,8 +1,9 @@
-"""A run's data: the training and eval splits built in rank order, checked equal on every rank, and the number
-of optimizer steps they give."""
+"""A run's data: its tokenizer, the training and eval splits built in rank order, checked equal on every rank, and
+the number of optimizer steps they give."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -11,12 +12,39 @@ from shardtune.data import build_datasets
 from shardtune.data.cache import CACHE_FIX
 from shardtune.data.preference import build_preference_datasets
 from shardtune.data.prompts import build_prompt_datasets
+from shardtune.models import loading
+from shardtune.models.preflight import tokenizer_load_error
 from shardtune.objectives.loss import objective_spec
 from shardtune.parallel import mesh
 from shardtune.parallel.mesh import barrier
 from shardtune.runtime.atomic import DiskFullError, is_disk_full, sweep_stale
 from shardtune.runtime.log import print0
 from shardtune.training.trainer import STREAMING_STEPS_PER_EPOCH, steps_per_epoch
+
+
+def load_tokenizer(cfg: RunConfig):
+    """The run's tokenizer with its chat format applied, and the ids of the tokens it added (models.loading); a
+    file it cannot parse is a ValueError naming the flag that named it."""
+    m = cfg.model
+    try:
+        return loading.load_tokenizer(
+            m.model_name_or_path,
+            tokenizer_name_or_path=m.tokenizer_name_or_path,
+            chat_template_format=m.chat_template_format,
+            trust_remote_code=m.trust_remote_code,
+        )
+    except json.JSONDecodeError as e:  # a damaged file the preflight did not read
+        raise _tokenizer_error(cfg, e) from e
+    except ValueError:  # shardtune's own (a chat format the tokenizer cannot take): names its flag already
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions for files it cannot parse
+        raise _tokenizer_error(cfg, e) from e
+
+
+def _tokenizer_error(cfg: RunConfig, e: Exception) -> ValueError:
+    m = cfg.model
+    flag = "--tokenizer_name_or_path" if m.tokenizer_name_or_path else "--model_name_or_path"
+    return tokenizer_load_error(m.tokenizer_name_or_path or m.model_name_or_path, flag, e)
 
 
 def prepare_data(cfg: RunConfig, tokenizer, info):

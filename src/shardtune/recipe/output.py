@@ -1,5 +1,5 @@
-"""A finished run's outputs: the adapter (or model) gathered and written, the optional merge, the summary and
-the model cards."""
+"""A finished run's outputs: the adapter (or model) gathered and written, the optional merge, the summary, the
+model cards and the uploads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from shardtune.merge.fold import merge_adapter
 from shardtune.objectives.loss import objective_settings
 from shardtune.parallel.gather import gather_full, gather_trainable
 from shardtune.parallel.mesh import all_gather_objects, barrier, broadcast_object
-from shardtune.runtime import atomic
+from shardtune.runtime import atomic, hub
 from shardtune.runtime.atomic import DiskFullError
 from shardtune.runtime.log import print0
 from shardtune.training.export import save_adapter, save_full_model
@@ -134,3 +134,20 @@ def write_cards(cfg: RunConfig, out: Path, summary: dict) -> None:
     write_model_card(out, library_name="peft" if m.use_peft_lora else "transformers", **kwargs)
     if (out / "merged" / "config.json").exists():
         write_model_card(out / "merged", library_name="transformers", **kwargs)
+
+
+def publish(cfg: RunConfig, info, logger, out: Path, summary: dict, repo_id: str | None, step: int) -> None:
+    """Model cards, the hub upload (--push_to_hub) and the trackers' model artifact, from the main process."""
+    if info.is_main:
+        write_cards(cfg, out, summary)
+        if repo_id:
+            hub.upload(
+                repo_id,
+                out,
+                hub_token=cfg.train.hub_token,
+                message=f"shardtune: end of training (step {step})",
+                ignore=hub.END_IGNORE,
+            )
+            print0(f"Uploaded {out} to https://huggingface.co/{repo_id}.")
+        logger.log_model(out, is_adapter=cfg.model.use_peft_lora)
+    logger.close(finished=True)

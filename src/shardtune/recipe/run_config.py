@@ -47,6 +47,7 @@ def run_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
         quant_storage_dtype=m.bnb_4bit_quant_storage_dtype,
         precision=cfg.precision,
         fsdp_enabled=cfg.fsdp.enabled,
+        compute_dtype=m.bnb_4bit_compute_dtype,
     )
     return p
 

@@ -367,7 +367,7 @@ def summary_table(records: list[dict]) -> str:
         "none: the run did not finish (resume it with --resume_from_checkpoint latest)" if s.get("interrupted") else "-"
     )
     status = "INTERRUPTED (or still running)" if s.get("interrupted") else "finished"
-    if s.get("output_error"):  # a full disk at a checkpoint or the final save (shardtune.commands.train)
+    if s.get("output_error"):  # a full disk at a checkpoint or the final save (shardtune.recipe.train)
         status, output = "FAILED", f"NOT WRITTEN: {s['output_error']}"
     elif s.get("collapsed_at_step") is not None:  # shardtune.training.trainer's collapse check
         status = (
