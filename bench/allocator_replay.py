@@ -25,7 +25,7 @@ run out of that rule in turn.
     python bench/allocator_replay.py --save     # the guide's checkpoint saves on a cold allocator (seconds)
 
 `--save` replays, instead, the FSDP1 SHARDED_STATE_DICT save that the guide's three published runs end with
-(planning.estimate._sharded_save) on an allocator that holds nothing but the resident state: what the save's own
+(planning.checkpoint_save.sharded_save) on an allocator that holds nothing but the resident state: what the save's own
 sequence fragments, without the training step's cached blocks that a real save runs through (not modelled).
 
 Fake tensors allocate nothing, so the figures do not depend on the CPU; the traced dtype is the runs' (bf16).

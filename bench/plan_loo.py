@@ -12,7 +12,7 @@ Every published row ran the default CUDA allocator, so only `ALLOCATOR_OVERHEAD`
 (`ALLOCATOR_OVERHEAD_EXPANDABLE` is set by the replays alone and no published row depends on it). The script also
 prints the interval of constants for which every row is within its test tolerance (tests/unit/test_plan.py:
 `tolerance`). The guide's two QLoRA rows peak in the checkpoint save, which has no fragmentation term
-(planning.estimate._with_checkpoint_save), so the constant moves them only where the step outgrows the save.
+(planning.checkpoint_save.with_checkpoint_save), so the constant moves them only where the step outgrows the save.
 
 The estimate is arithmetic on config shapes (no tensor is made, no kernel runs), so the figures depend neither on
 the CPU nor on any dtype the machine supports; they change only with the planner's code.

@@ -733,7 +733,7 @@ def test_guide_qlora_offload_peaks_in_the_save():
 
 def test_checkpoint_save_has_no_fragmentation():
     """A modelling choice, pinned: the checkpoint save reserves its live bytes, with no fragmentation term
-    (estimate._with_checkpoint_save; docs/plan.md, "The checkpoint save", gives the evidence and the GPU run that
+    (checkpoint_save.with_checkpoint_save; docs/plan.md, "The checkpoint save", gives the evidence and the GPU run that
     would settle it). The guide's three rows depend on it: with the step's rule applied to the save they come out
     at +8.2%, +18.7% and +28.8%, outside their tolerance. A change that adds the term changes that section too."""
     for pub in (p for p in PUBLISHED if p.settings.get("sharded_checkpoint")):

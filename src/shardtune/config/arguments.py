@@ -184,6 +184,13 @@ class TrainArguments:
         "With --gradient_checkpointing (or fsdp_activation_checkpointing): recompute only every N-th decoder "
         "block; the others keep their activations. Faster, and the memory grows with the blocks not recomputed.",
     )
+    enable_activation_offloading: bool = _f(
+        False,
+        "As torchtune's: with activation checkpointing, what the training forward saves for backward (each decoder "
+        "block's input, the loss's) is kept in host memory (pinned) and copied back for the backward "
+        "(torch.autograd.graph.save_on_cpu), so the GPU holds one block's input instead of every block's. Costs "
+        "host RAM and the copies' time; on a machine without CUDA nothing moves.",
+    )
     torch_compile: bool = _f(False, "Compile each decoder block with torch.compile.")
     logging_steps: float = _f(
         10, "Log every N optimizer steps; below 1, a ratio of the total steps (ceil(ratio × steps), as transformers)."

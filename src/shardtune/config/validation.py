@@ -34,6 +34,7 @@ def flag_problems(cfg: RunConfig, check_paths: bool = True) -> list[str]:
         p.append("--adapter_path needs --use_peft_lora True.")
     p += _context_parallel_problems(cfg)
     p += _tensor_parallel_problems(cfg)
+    p += _activation_offloading_problems(cfg)
     p += _dependent_problems(cfg)
     if check_paths:
         p += _path_problems(cfg)
@@ -82,6 +83,38 @@ def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
          "with fsdp_sharding_strategy NO_SHARD: use FULL_SHARD, SHARD_GRAD_OP or a HYBRID strategy"),
     ]  # fmt: skip
     return [f"{flag} {why}; set --tensor_parallel_size 1 or change it." for bad, why in unsupported if bad]
+
+
+def _activation_offloading_problems(cfg: RunConfig) -> list[str]:
+    """Where --enable_activation_offloading (torch's save_on_cpu around the training forward, training.trainer)
+    cannot help or is not verified yet, each with why and the fix."""
+    t = cfg.train
+    if not t.enable_activation_offloading:
+        return []
+    flag = "--enable_activation_offloading True"
+    if not cfg.activation_checkpointing:
+        # torchtune refuses it too: without recomputation every tensor every op saves goes through the host.
+        why = (
+            "needs activation checkpointing: without it every tensor each block saves for backward, FSDP's "
+            "gathered weights included, would be copied to host memory and back; add --gradient_checkpointing True "
+            "(or fsdp_activation_checkpointing: true), or remove it"
+        )
+        return [f"{flag} {why}."]
+    n, cp, tp = t.checkpoint_every_n_layers, t.context_parallel_size, t.tensor_parallel_size
+    every = (
+        f"with --checkpoint_every_n_layers {n}: the blocks not recomputed would copy every tensor they save to "
+        "host memory, which is neither planned nor verified; use --checkpoint_every_n_layers 1"
+    )
+    compiled = (
+        "with --torch_compile True: compiled blocks under saved-tensor hooks are not verified; use one of the two"
+    )
+    unverified = [
+        (n > 1, every),
+        (t.torch_compile, compiled),
+        (cp > 1, f"with --context_parallel_size {cp}: not verified with split rows yet; use one of the two"),
+        (tp > 1, f"with --tensor_parallel_size {tp}: not verified with sliced blocks yet; use one of the two"),
+    ]
+    return [f"{flag} {why}." for bad, why in unverified if bad]
 
 
 def _required_problems(cfg: RunConfig) -> list[str]:
@@ -314,7 +347,7 @@ _DEPENDENT: tuple[tuple[str, str, Callable[[RunConfig], bool], str], ...] = (
     ("train", "eval_steps", lambda c: c.train.eval_strategy == "steps", "--eval_strategy steps"),
     ("train", "save_steps", lambda c: c.train.save_strategy == "steps", "--save_strategy steps"),
     ("train", "save_total_limit", lambda c: c.train.save_strategy != "no", "--save_strategy steps (or epoch)"),
-    # The scheduler reads the ratio only when --warmup_steps is 0 (commands.train's warmup).
+    # The scheduler reads the ratio only when --warmup_steps is 0 (recipe.build's warmup).
     ("train", "warmup_ratio", lambda c: c.train.warmup_steps == 0, "--warmup_steps 0 (a step count wins over it)"),
     ("data", "max_eval_samples", lambda c: len(_split(c.data.splits)) > 1, "an evaluation split in --splits"),
     # Read only by the upload (runtime.hub.preflight returns at once without --push_to_hub).

@@ -458,3 +458,26 @@ def loss_forward_bytes(
     if loss_impl == "full":
         return tokens * vocab_size * (compute_bytes + 8)
     return tokens * vocab_size * 12
+
+
+def offloaded_tensor_bytes(shape: ModelShape, tokens: int, compute_bytes: int, chunk_tokens: int) -> list[int]:
+    """The bytes of each copy `--enable_activation_offloading` makes in host memory, as torch's save_on_cpu packs
+    what a checkpointed step's forward saves for backward (one copy per save, a tensor saved twice twice): each
+    block's input, [tokens, h], saved once by its checkpoint (nothing inside a checkpointed block: its own hooks
+    take those); the final norm's fp32 input and rsqrt, saved by its square and again by its product, and its
+    weight, the frozen factor of the last product; the loss's target mask (bool), and for each chunk of the loss
+    its slice of the head's input and its labels (int64), saved by the chunk's checkpoint. Every position is taken
+    as a target (a packed row's are). Equal to the tensors the pack hook receives on a tiny Llama
+    (tests/unit/test_activation_offloading.py)."""
+    h, a = shape.hidden_size, compute_bytes
+    chunks = [min(chunk_tokens, tokens - start) for start in range(0, tokens, chunk_tokens)]
+    blocks = [tokens * a * h] * shape.num_layers
+    final_norm = [4 * tokens * h, 4 * tokens] * 2 + [a * h]
+    return blocks + final_norm + [tokens] + [n * a * h for n in chunks] + [8 * n for n in chunks]
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator takes for a pinned tensor of `nbytes`: every request rounded up to a
+    power of two (ATen/core/CachingHostAllocator.h, `c10::llvm::PowerOf2Ceil`, below its default threshold of no
+    limit), and the blocks are cached and reused for the next step's copies, not returned to the system."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
 import shardtune.planning.activations as act
 from shardtune.planning.buffers import state_and_buffers
+from shardtune.planning.checkpoint_save import (  # noqa: F401 - SAVE_*: the estimate's rows and phase names
+    SAVE_COPIES_ROW,
+    SAVE_PHASE,
+    with_checkpoint_save,
+)
 from shardtune.planning.generation import GenerationTerms, generation_terms, with_generation
 from shardtune.planning.inputs import DEFAULTS, PlanInputs, as_json
-from shardtune.planning.model import Tensor, resolve_lora_targets, sharded_bytes
+from shardtune.planning.model import Tensor, resolve_lora_targets
 from shardtune.planning.phases import (
     FORWARD,
     StepParts,
@@ -62,9 +67,6 @@ DEVICE_ROWS = (
     "CUDA context",
 )
 _NOT_ALLOCATED = ("allocator overhead", "CUDA context")
-# Present only with sharded_checkpoint=True: the GPU copies a SHARDED_STATE_DICT save makes (see _sharded_save).
-SAVE_COPIES_ROW = "state dict copies (checkpoint save)"
-SAVE_PHASE = "checkpoint save (FSDP1 SHARDED_STATE_DICT)"
 
 
 @dataclass
@@ -133,30 +135,6 @@ class MemoryEstimate:
         }
 
 
-def _sharded_save(tensors: list[Tensor], num_layers: int, shard: int) -> tuple[int, int]:
-    """(copies, gathered) bytes at the peak of an FSDP1 SHARDED_STATE_DICT `model.state_dict()`.
-
-    torch's `_sharded_pre_state_dict_hook` unshards each FSDP unit on the GPU (offload_to_cpu=False whatever the
-    config), and `_sharded_post_state_dict_hook` replaces every parameter by a ShardedTensor holding a GPU clone of
-    its `torch.chunk` for this rank (`_create_chunk_sharded_tensor`); accelerate's default ShardedStateDictConfig
-    does not move it to the CPU. The root unit stays unsharded until its own post-hook, which runs after every
-    block's, so the peak is either the last block (all block copies, that block and the root unsharded) or the
-    root (all copies, the root unsharded). Parameters are gathered in their stored dtype (summon_full_params
-    forces full precision).
-    """
-
-    def per_rank(group: str) -> int:
-        return sum(sharded_bytes(t, shard) for t in tensors if t.group == group)
-
-    def full(group: str) -> int:
-        return sum(t.numel * t.itemsize for t in tensors if t.group == group)
-
-    block_copies = per_rank("block") * num_layers
-    last_block = (block_copies, full("root") + full("block"))
-    root = (block_copies + per_rank("root"), full("root"))
-    return max(last_block, root, key=sum)
-
-
 @dataclass
 class _Dynamic:
     stored: int
@@ -168,6 +146,7 @@ class _Dynamic:
     final_norm: int = 0  # the final norm's saved tensors and the head's input: freed before any block's backward
     block: int = 0  # one block's part of `stored`
     mask_build: int = 0  # beyond `forward`, while transformers builds the attention mask (_with_mask_build)
+    live_input: int = 0  # offloaded activations: the input of the block running forward (_offloaded)
 
     @property
     def peak(self) -> tuple[int, int, str]:
@@ -242,6 +221,7 @@ def _dynamic(
     dropout_scratch_bytes: int = 0,
     row_len: int | None = None,
     per_document_attention: bool = False,
+    offload: bool = False,
 ) -> _Dynamic:
     _check_attention(attn_implementation)
     tokens = batch_size * seq_len
@@ -286,8 +266,9 @@ def _dynamic(
             dora=dora,
             dequant=dequant,
         )
-        working = max(layer + working, recompute)  # the backward's peak or the recomputation's
         block = tokens * a * shape.hidden_size
+        # The backward's peak or the recomputation's; offloaded, the recomputation copies the block's input back.
+        working = max(layer + working, recompute + (block if offload else 0))
     else:
         working, block = working + dora, layer
     stored = shape.num_layers * block + fixed
@@ -297,7 +278,21 @@ def _dynamic(
     forward = tokens * a * shape.hidden_size + mask + inputs
     loss_forward = act.loss_forward_bytes(tokens, shape.vocab_size, a, loss_impl, loss_chunk_tokens) + 2 * aux
     final_norm = tokens * act.final_norm_bytes_per_token(shape, a)
-    return _Dynamic(stored, working, peak, kept, forward, loss_forward, final_norm, block, mask_build)
+    dynamic = _Dynamic(stored, working, peak, kept, forward, loss_forward, final_norm, block, mask_build)
+    return _offloaded(dynamic, shape.num_layers) if offload and gradient_checkpointing else dynamic
+
+
+def _offloaded(d: _Dynamic, num_layers: int) -> _Dynamic:
+    """--enable_activation_offloading with checkpointing (training.trainer.saved_on_host): what the forward saves
+    lives in host memory (act.offloaded_tensor_bytes), so every block's input and the final norm's saved tensors
+    leave `stored`, which keeps the masks and the micro-batch. A block's input is on the GPU while that block runs
+    forward (the decoder's hidden state: the block's forward phase) and while it is recomputed (copied back by the
+    checkpoint's first unpack, one block at a time: save_on_cpu prefetches nothing; `working`, in _dynamic), and
+    the head's input while the loss runs forward (then it is saved to the host as well)."""
+    stored = d.stored - num_layers * d.block - d.final_norm
+    return replace(
+        d, stored=stored, final_norm=0, block=0, logits_forward=d.logits_forward + d.block, live_input=d.block
+    )
 
 
 def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFAULTS) -> MemoryEstimate:
@@ -308,6 +303,8 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
     shape = as_shape(model)
     if (s.use_4bit or s.use_8bit) and not s.use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
+    if s.activation_offloading and not s.gradient_checkpointing:
+        raise ValueError("activation offloading is planned with gradient checkpointing, as shardtune trains it")
     shard = shard_group_size(s.world_size, s.num_nodes, strategy := s.sharding_strategy.upper())
     tensors = run_tensors(shape, s)
     state, buffers = state_and_buffers(shape, tensors, s, shard, strategy)
@@ -323,11 +320,14 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
     terms = _allocator_terms(parts, by_phase, fragmentation, s.gather_stream_cache and s.fsdp)
     device["allocator overhead"] = terms["reserved"] - sum(device.values())
     if s.sharded_checkpoint:
-        device, phase = _with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
+        device, phase = with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
     device["CUDA context"] = s.cuda_context_bytes
     table = _activations_table(shape, dyn_kwargs)
     host = host_bytes(state, tensors, shape, s.world_size // s.num_nodes, s.offload)
+    if s.activation_offloading:
+        host["offloaded activations"] = _offloaded_host_bytes(shape, s, dyn_kwargs)
     notes = _notes(s.use_4bit, s.offload, s.loss_impl, s.sharded_checkpoint, bool(shape.num_experts))
+    notes += _offload_notes(s.activation_offloading)
     notes += _layout_notes(shape, tensors)
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
@@ -409,6 +409,7 @@ def _dynamic_kwargs(shape: ModelShape, s: PlanInputs) -> dict[str, Any]:
         "packing": s.packing,
         # decided once: by the family (planning.fit.plan_shape) and by the run (planning.fit.plan_inputs)
         "per_document_attention": shape.per_document_attention and s.per_document_attention,
+        "offload": s.activation_offloading,
         "lora_targets": (
             resolve_lora_targets(shape, s.lora_target_modules, s.lora_target_parameters) if s.use_peft_lora else ()
         ),
@@ -441,12 +442,21 @@ def _step_parts(
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=rows * act.forward_working_bytes_per_token(shape, a, looped=s.use_4bit),
+        forward_working=rows * act.forward_working_bytes_per_token(shape, a, looped=s.use_4bit) + dynamic.live_input,
         num_blocks=shape.num_layers,
         block_stored=dynamic.block,
         batch_inputs=act.BATCH_TENSORS * 8 * rows,
         **buffers,
     )
+
+
+def _offloaded_host_bytes(shape: ModelShape, s: PlanInputs, dyn_kwargs: dict[str, Any]) -> int:
+    """Host RAM per machine that activation offloading takes: each local rank's copies of what its forward saves
+    (act.offloaded_tensor_bytes), each in pinned memory as torch's host allocator rounds it (act.pinned_host_bytes)
+    and keeps it cached for the next step."""
+    tokens = dyn_kwargs["batch_size"] * dyn_kwargs["seq_len"]
+    copies = act.offloaded_tensor_bytes(shape, tokens, dyn_kwargs["a"], s.loss_chunk_tokens)
+    return s.world_size // s.num_nodes * sum(act.pinned_host_bytes(n) for n in copies)
 
 
 def _activations_table(shape: ModelShape, dyn_kwargs: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -458,44 +468,6 @@ def _activations_table(shape: ModelShape, dyn_kwargs: dict[str, Any]) -> dict[st
         }
         for impl in act.ATTN_IMPLEMENTATIONS
     }
-
-
-def _with_checkpoint_save(
-    step: dict[str, int],
-    state: dict[str, int],
-    tensors: list[Tensor],
-    num_layers: int,
-    shard: int,
-    on_gpu: int,
-    step_phase: str,
-) -> tuple[dict[str, int], str]:
-    """The step's rows, or the checkpoint save's if it needs more: the resident model state (gradients are
-    freed by the Trainer's zero_grad before it saves), the quantization constants, the units gathered for the
-    save and the copies of `_sharded_save`.
-
-    The save runs after the step, with the step's blocks cached: the allocator takes new memory only for what
-    exceeds them, so the reserved peak is the larger of the step's reserved bytes and the save's live bytes. The
-    save gets no fragmentation term: replayed through the allocator's rules its own sequence reserves at most
-    0.17 GiB beyond its live bytes (bench/allocator_replay.py --save), and the only measured saves (the guide's
-    QLoRA rows) sit at their live bytes. A modelling choice made with those rows in view, so they do not check
-    it; docs/plan.md ("The checkpoint save") says which rows depend on it and what GPU run would settle it.
-    """
-    copies, gathered = _sharded_save(tensors, num_layers, shard)
-    rows = [k for k in step if k != "allocator overhead"] + [SAVE_COPIES_ROW, "allocator overhead"]
-    save = dict.fromkeys(rows, 0)  # "allocator overhead" stays 0: no fragmentation in the save
-    save.update(
-        {
-            "frozen base weights": state["frozen"] * on_gpu,
-            "quantization constants": step["quantization constants"],
-            "trainable weights": state["trainable"] * on_gpu,
-            "optimizer state": state["optimizer"] * on_gpu,
-            "FSDP all-gather buffers": gathered,
-            SAVE_COPIES_ROW: copies,
-        }
-    )
-    if sum(save.values()) <= sum(step.values()):  # within what the step already reserved
-        return {k: step.get(k, 0) for k in rows}, step_phase
-    return save, SAVE_PHASE
 
 
 # Parameters beyond the layout, as a share of a block, above which the plan says the family's blocks differ from it.
@@ -518,6 +490,15 @@ def _layout_notes(shape: ModelShape, tensors: list[Tensor]) -> list[str]:
         "layout's: --trace runs the real step."
     )
     return [note]
+
+
+def _offload_notes(activation_offloading: bool) -> list[str]:
+    note = (
+        "Activation offloading: every block's input and the loss's saved tensors are copied to pinned host memory "
+        "in the forward and back for the backward (torch's save_on_cpu, on the compute stream), one block's input "
+        "on the GPU at a time; the copies' time is not estimated."
+    )
+    return [note] if activation_offloading else []
 
 
 def _notes(use_4bit: bool, offload: bool, loss_impl: str, sharded_checkpoint: bool, moe: bool) -> list[str]:

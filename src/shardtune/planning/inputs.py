@@ -1,5 +1,6 @@
 """What the planner reads: one `PlanInputs`, the settings of the run it plans. `shardtune plan` and `shardtune train`
-build it from the run's configuration in one place (planning.fit.plan_inputs); a change to it (a candidate of
+build it from the run's configuration in one place (planning.fit.plan_inputs: the model's facts off the spec the run
+builds, models.builder.model_facts; the batch, rows and optimizer off the flags); a change to it (a candidate of
 planning.recommend, the traced run of planning.report) is `dataclasses.replace` of it. The defaults describe
 shardtune itself.
 """
@@ -57,6 +58,10 @@ class PlanInputs:
     rows_per_example: int = 1
     seq_len: int = 2048
     gradient_checkpointing: bool = True
+    # --enable_activation_offloading (with checkpointing): what the forward saves for backward, each block's input
+    # and the loss's, is kept in host memory; the GPU holds the input of the block being recomputed
+    # (planning.estimate._dynamic, activations.offloaded_tensor_bytes).
+    activation_offloading: bool = False
     attn_implementation: str = "sdpa"
     packing: bool = False
     optim: str = "adamw_torch"
@@ -118,7 +123,7 @@ class PlanInputs:
 
 DEFAULTS = PlanInputs()  # shardtune's own run, every field at its default (frozen: safe as a default argument)
 
-# The fields a run's flags set (planning.fit.plan_inputs, lora_target_parameters aside), in the order
+# The fields a run sets (planning.fit.plan_inputs, lora_target_parameters aside), in the order
 # `shardtune plan --json` prints them under "run"; the others keep their defaults.
 RUN_FIELDS = (
     "world_size",
@@ -142,6 +147,7 @@ RUN_FIELDS = (
     "rows_per_example",
     "seq_len",
     "gradient_checkpointing",
+    "activation_offloading",
     "attn_implementation",
     "packing",
     "optim",

@@ -87,14 +87,15 @@ class Plan:
 def traced_run_inputs(inputs: PlanInputs, device: str) -> PlanInputs:
     """The estimate's settings for what the trace runs: transformers' SDPA over whole rows with the 4-D packed-row
     mask, not shardtune's per-document attention (fake tensors give no positions to cut rows by: the trace turns
-    per_document_attention off) and no offload on CPU (shardtune offloads only from a GPU). LoRA dropout
+    per_document_attention off), no offload on CPU (shardtune offloads only from a GPU) and no activation
+    offloading (the traced step is the trainer's forward and backward without save_on_cpu). LoRA dropout
     keeps a one-byte mask on either device (CUDA's bool mask; on CPU shardtune's FastDropout keeps uint8), but on
     CPU FastDropout draws it through int64 random bits (2 bytes per element) and an int32 copy (4 bytes), which
     CUDA's dropout kernel does not make (shardtune.models.fastpath._BitsDropout). One process is traced under FSDP. With
     context parallelism the trace splits real host rows (planning.trace): one document per row, per document."""
     # The traced model is built without weights, which one process traces under FSDP2's memory tracker.
     out = replace(inputs, attn_implementation="sdpa", packing=True, per_document_attention=False, fsdp=True)
-    out = replace(out, rollout_engine=None)  # the trace runs the training step, not a rollout
+    out = replace(out, rollout_engine=None, activation_offloading=False)  # the training step, not a rollout
     if inputs.context_parallel > 1:  # the split does read positions: rows of one document each, no mask
         out = replace(out, packing=False, per_document_attention=True)
     if device == "cpu":
@@ -169,6 +170,8 @@ def format_trace(p: Plan) -> str:
     lines += ["", "Step peak by category              traced GiB   estimate GiB"]
     lines += [f"  {name:<32}{_gib(a)}     {_gib(b)}" for name, (a, b) in category_comparison(p).items()]
     lines += _replay_lines(p)
+    if p.inputs.activation_offloading:
+        lines.append("note: activation offloading is not traced: the trace and its estimate keep the activations.")
     lines += [f"note: {n}" for n in t.notes]
     return "\n".join(lines)
 
@@ -263,7 +266,8 @@ def _describe_run(p: Plan) -> list[str]:
         (
             f"  {k.world_size} GPU(s) on {k.num_nodes} machine(s), {_sharding(k)}"
             f"{', CPU offload' if k.offload else ''}, {dtype}, batch {k.batch_size} x {k.seq_len} tokens, "
-            f"{'gradient checkpointing' if k.gradient_checkpointing else 'no checkpointing'}, "
+            f"{'gradient checkpointing' if k.gradient_checkpointing else 'no checkpointing'}"
+            f"{' (activations offloaded to host memory)' if k.activation_offloading else ''}, "
             f"{k.attn_implementation}" + _context_parallel_text(k)
         ),
     ]

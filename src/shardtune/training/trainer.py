@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import save_on_cpu
 
 from shardtune.data import PreparedSplit, StreamingSplit, iterate_batches
 from shardtune.objectives.heads import token_loss
@@ -65,6 +67,8 @@ class LoopSettings:
     save_strategy: str
     save_steps: int
     max_nonfinite_steps: int
+    # --enable_activation_offloading: what the training forward saves for backward is kept in host memory.
+    activation_offloading: bool = False
 
 
 class NonFiniteError(RuntimeError):
@@ -141,17 +145,46 @@ def _micro_batches(split: PreparedSplit, settings: LoopSettings, info: DistInfo,
         epoch, start = epoch + 1, 0
 
 
-def train_step(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective | None = None):
+def train_step(
+    model: nn.Module,
+    batches: list[dict],
+    info: DistInfo,
+    objective: Objective | None = None,
+    *,
+    activation_offloading: bool = False,
+):
     """Forward and backward over the micro-batches of one optimizer step; returns (metrics, totals, tokens).
 
     The objective normalises by its counts over the whole global batch (all micro-batches, all ranks: target
     tokens for SFT, pairs for preference objectives), so N ranks with batch B compute the same gradient as one
     process with batch N·B. FSDP averages gradients over the data-parallel ranks, hence the factor dp_size.
+    activation_offloading: the forward's saved tensors go to host memory (saved_on_host).
     """
-    return _run_objective(model, batches, info, objective or Objective(), backward=True)
+    objective = objective or Objective()
+    return _run_objective(model, batches, info, objective, backward=True, offload=activation_offloading)
 
 
-def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, objective: Objective, *, backward: bool):
+def saved_on_host(offload: bool, device: torch.device):
+    """Where the training forward runs: with `offload` (--enable_activation_offloading), every tensor autograd
+    saves for backward is copied to host memory (pinned, from a GPU) and back when backward needs it: torch's own
+    save_on_cpu, no hooks of ours. With checkpointing what the forward saves is each block's input (what happens
+    inside a checkpointed block goes to the checkpoint's own hooks), the final norm's and the loss's inputs
+    (planning.activations.offloaded_tensor_bytes): the GPU then holds only the input of the block being recomputed.
+    On CPU the "copy" is the tensor itself."""
+    if not offload:
+        return contextlib.nullcontext()
+    return save_on_cpu(pin_memory=device.type == "cuda")
+
+
+def _run_objective(
+    model: nn.Module,
+    batches: list[dict],
+    info: DistInfo,
+    objective: Objective,
+    *,
+    backward: bool,
+    offload: bool = False,
+):
     parts_of = [local_part(b, info, model) for b in batches]
     # Counted over what each rank computes: its positions' targets (SFT), and with context parallelism the whole
     # rows of a paired objective, whose per-row log-probs every cp rank holds summed (each rank's loss is then
@@ -165,7 +198,8 @@ def _run_objective(model: nn.Module, batches: list[dict], info: DistInfo, object
     for part, shard in parts_of:
         b = {k: v.to(info.device, non_blocking=True) for k, v in part.items()}
         model.cp_shard = shard  # this micro-batch's, for its forward and the recomputation in its backward
-        loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)
+        with saved_on_host(offload, info.device):
+            loss, parts = objective.step(model, b, totals, info.dims.gradient_divisor)
         if backward:
             loss.backward()
         for k, v in parts.items():
@@ -266,13 +300,17 @@ def train(
     `callbacks` run after each step's logging and evaluation, before the stop decision: fn(state, rank)
     (shardtune.runtime.hooks.step_callbacks for tests' fault injection)."""
     objective = objective or Objective()
+    if settings.activation_offloading and info.device.type != "cuda":  # said once per run
+        warn0("--enable_activation_offloading: no CUDA device, so the saved activations already live in host "
+              "memory and nothing is offloaded (the flag changes nothing on this run).")  # fmt: skip
+    offload = settings.activation_offloading
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _micro_batches(train_split, settings, info, state)
     model.train()
     t0, tokens0 = time.perf_counter(), state.tokens
     while state.step < settings.total_steps:
         step_batches = [next(batches) for _ in range(settings.grad_accum)]
-        metrics, _, n_tokens = train_step(model, step_batches, info, objective)
+        metrics, _, n_tokens = train_step(model, step_batches, info, objective, activation_offloading=offload)
         loss = metrics["loss"]
         grad_norm = clip_grad_norm(params, settings.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
