@@ -243,3 +243,22 @@ def test_tiny_copy_keeps_what_sets_the_family_apart():
     assert falcon.lm_head_multiplier == 25.0 and falcon.hidden_size == families.HIDDEN
     assert families.tiny_config(FalconH1Config(), discriminating=True).lm_head_multiplier == 2.5
     assert families.tiny_config(CONFIG_MAPPING["mistral"](sliding_window=4096)).sliding_window < families.DOCS[0]
+
+
+def test_context_parallelism_on_documents_decoded_as_rows_is_refused_naming_why(tmp_path):
+    """Context parallelism splits each row over ranks, which the split layout (each document a row of its own) does
+    not do yet: --context_parallel_size 2 on Mamba-2 with packing is refused before weights load, saying why; on
+    Llama (per-document attention on the fast path) the same layout step accepts it."""
+    for model_type, refused in (("mamba2", True), ("llama", False)):
+        config, _ = _tiny(model_type)
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config.to_dict()))
+        attn = fastpath.register_attention()
+        spec = builder.ModelSpec(str(folder), torch.float32, 128, attn_impl=attn, packing=True, context_parallel=2)
+        if refused:
+            with pytest.raises(ConfigError, match="--context_parallel_size 2: mamba2's packed documents are decoded "
+                               "as rows of their own.*--context_parallel_size 1"):  # fmt: skip
+                builder.training_layout(spec)
+        else:
+            assert builder.training_layout(spec) == families.Layout()

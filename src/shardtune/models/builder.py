@@ -213,7 +213,11 @@ def context_parallel_problems(
     flag = f"--context_parallel_size {spec.context_parallel}"
     text = config.get_text_config()
     p = []
-    if layout.path != "fast" or not verdict.fast_packing or attn != fastpath.ATTENTION:
+    if layout.split:
+        p.append(f"{flag}: {config.model_type}'s packed documents are decoded as rows of their own (its recurrent "
+                 "mixers or attention sinks would carry across documents), and context parallelism does not split "
+                 "those rows over ranks yet; use --context_parallel_size 1 for this model.")  # fmt: skip
+    elif layout.path != "fast" or not verdict.fast_packing or attn != fastpath.ATTENTION:
         p.append(f"{flag}: {config.model_type} trains through its own forward or attention here ({attn}), not "
                  "shardtune's per-document attention, which context parallelism runs in; use "
                  "--context_parallel_size 1 for this model.")  # fmt: skip
