@@ -27,6 +27,7 @@ from shardtune.models.builder import build_training_module
 from shardtune.objectives.heads import token_loss
 from tests.conftest import run_cli, train_args
 from tests.distributed import tp_worker
+from tests.distributed.test_parity import FSDP_ENV, LORA
 from tests.distributed.tp_worker import LR, SEQ, STEPS, batch, spec_for
 from tests.mutation import Edit, plant
 from tests.parity import assert_runs_match, assert_same_tensors, assert_same_training, load_weights, train_steps
@@ -208,15 +209,7 @@ def test_dp2_tp2_on_four_ranks_equals_one_process(tiny_assets, tmp_path):
 
 # ---------------------------------------------------------------- whole runs: exports and checkpoints across tp sizes
 
-FSDP_ENV = {
-    "ACCELERATE_USE_FSDP": "true",
-    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
-    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
-}
-LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0"]
-LORA += ["--lora_target_modules", "all-linear"]
-FULL = ["--use_peft_lora", "False"]
+FULL = ["--use_peft_lora", "False"]  # FSDP_ENV and LORA: tests/distributed/test_parity.py's
 # 4 AdamW steps of 2 micro-batches of 4 packed rows of 96 tokens, lr 3e-3, no warmup: the bounds of
 # tests/distributed/test_parity.py's 1-process vs 2-rank runs; a tp run's sums differ from one process's in order
 # only (the row-parallel layers' partial products, the norms over two meshes), measured below those bounds.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -33,17 +32,6 @@ from tests.distributed.test_parity import FSDP_ENV, LORA
 from tests.parity import train_steps
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ, CHUNK = 96, 32, 3, 2, 24, 16
-
-
-@pytest.fixture(scope="module")
-def info():
-    from shardtune.parallel.dims import ParallelDims
-    from shardtune.parallel.mesh import DistInfo
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield DistInfo(0, 1, 0, 1, torch.device("cpu"), None, ParallelDims(dp_replicate=1, dp_shard=1))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,7 @@ rows. 2-rank parity runs use the same accumulation on both sides, so they cannot
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -16,17 +14,6 @@ from shardtune.training.trainer import train_step
 from tests.tolerance import tol
 
 VOCAB, HIDDEN, SEQ = 32, 8, 6
-
-
-@pytest.fixture(scope="module")
-def info():
-    from shardtune.parallel.dims import ParallelDims
-    from shardtune.parallel.mesh import DistInfo
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield DistInfo(0, 1, 0, 1, torch.device("cpu"), None, ParallelDims(dp_replicate=1, dp_shard=1))
-    dist.destroy_process_group()
 
 
 class _TinyLM(nn.Module):

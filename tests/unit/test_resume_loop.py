@@ -5,23 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardtune.data import PreparedSplit
 from shardtune.parallel import checkpoint
 from shardtune.training.trainer import LoopSettings, LoopState, train
-
-
-@pytest.fixture(scope="module")
-def info():
-    from shardtune.parallel.dims import ParallelDims
-    from shardtune.parallel.mesh import DistInfo
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield DistInfo(0, 1, 0, 1, torch.device("cpu"), None, ParallelDims(dp_replicate=1, dp_shard=1))
-    dist.destroy_process_group()
 
 
 class _Recorder(nn.Module):
