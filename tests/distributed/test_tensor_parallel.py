@@ -309,6 +309,7 @@ def test_lora_checkpoint_resumes_across_tp_sizes(lora_runs, tiny_assets, tmp_pat
         assert_runs_match(one, resumed, RUN_CLOSE)
 
 
+@pytest.mark.bench  # ~35 s: the LoRA checkpoints' resume across tp sizes stays in the default suite
 def test_full_state_checkpoint_resumes_across_tp_sizes(full_runs, tiny_assets, tmp_path):
     """FULL_STATE_DICT (rank 0 reads one file, every rank receives its block): tp=2's checkpoint on 2
     data-parallel ranks, the one process's on tp=2. Bug caught: a whole tensor on a tp rank whose mesh lacks

@@ -175,7 +175,9 @@ def test_refused_without_checkpointing_and_where_not_verified():
     assert cfg.train.enable_activation_offloading and cfg.activation_checkpointing
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["one process", "2 ranks FSDP"])
+@pytest.mark.parametrize(
+    "nproc", [1, pytest.param(2, marks=pytest.mark.bench)], ids=["one process", "2 ranks FSDP"]
+)  # 2 ranks under FSDP2: ~18 s, run with `-m bench`
 def test_shardtune_train_with_offloading_is_the_same_run(tiny_assets, tmp_path, nproc):
     """`shardtune train --enable_activation_offloading True` on CPU (one process, and 2 ranks under FSDP2): the
     flag reaches the loop (it says that nothing moves here) and the run is the run without it, to the bit."""
