@@ -90,3 +90,21 @@ def test_the_model_is_checked_from_its_config():
     moe = model_problems(MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                        num_key_value_heads=2), 2)  # fmt: skip
     assert any("has experts (num_local_experts)" in p for p in moe)
+
+
+def test_plan_refuses_a_tensor_parallel_size_it_does_not_model(tmp_path):
+    """`shardtune plan --tensor_parallel_size 2` is refused naming the flag and the fix, rather than planned as if
+    every process were a data-parallel rank; with tp 1 the same command plans."""
+    import json
+
+    from shardtune.commands.plan import make_plan
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    argv = ["--model_name_or_path", str(tmp_path), "--use_peft_lora", "True", "--max_seq_len", "64",
+            "--num_processes", "2"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--tensor_parallel_size 2: shardtune plan does not model tensor "
+                       r"parallelism yet.*--tensor_parallel_size 1"):  # fmt: skip
+        make_plan([*argv, "--tensor_parallel_size", "2"])
+    assert make_plan([*argv, "--tensor_parallel_size", "1"]).inputs.world_size == 2

@@ -199,6 +199,13 @@ def _run_config(
     local = launch.world_size // launch.num_nodes
     if problems := resolve_parallel_sizes(train, fsdp, launch.world_size, local, explicit):
         raise ConfigError(problems)
+    if train.tensor_parallel_size > 1:  # refused rather than planned as if the processes were all data-parallel
+        problem = (
+            f"--tensor_parallel_size {train.tensor_parallel_size}: shardtune plan does not model tensor parallelism "
+            "yet (docs/parallelism.md); plan the run with --tensor_parallel_size 1 to see it on the same processes as "
+            "data-parallel ranks."
+        )
+        raise ConfigError([problem])
     run = RunConfig(model, data, train, fsdp, explicit=explicit)
     return complete_run_config(run, check_paths=False, not_needed=NOT_NEEDED)
 
