@@ -99,21 +99,12 @@ class Settings:
 
 def build_assets(workdir: Path, model: str, n_prompts: int) -> dict[str, Path]:
     """The tokenizer and randomly initialised Llama (once per preset), the prompt-only data and the reward file."""
-    from shardtune.commands.demo import _conversation, build_model, build_tokenizer
+    from speed import build_preset_model
 
-    hidden, layers, heads, kv, inter = MODELS[model]
+    from shardtune.commands.demo import _conversation
+
     model_dir, data_dir = workdir / f"model-{model}", workdir / f"prompts-{n_prompts}"
-    if not (model_dir / "config.json").exists():
-        tok = build_tokenizer(model_dir, vocab_size=1024)
-        build_model(
-            model_dir,
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv,
-            intermediate_size=inter,
-        )
+    build_preset_model(model_dir, MODELS[model])
     if not (data_dir / "train.jsonl").exists():
         data_dir.mkdir(parents=True, exist_ok=True)
         rng = random.Random(0)

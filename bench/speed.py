@@ -86,23 +86,32 @@ class Contender:
 # Assets and FLOP accounting
 
 
+def build_preset_model(model_dir: Path, preset: tuple[int, int, int, int, int]) -> None:
+    """A tokenizer of 1024 entries and a randomly initialised Llama of `preset` (hidden, layers, heads, kv_heads,
+    intermediate) in model_dir, unless it is already there (the benches share their models across runs)."""
+    from shardtune.commands.demo import build_model, build_tokenizer
+
+    if (model_dir / "config.json").exists():
+        return
+    hidden, layers, heads, kv, inter = preset
+    tok = build_tokenizer(model_dir, vocab_size=1024)
+    build_model(
+        model_dir,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        intermediate_size=inter,
+    )
+
+
 def build_assets(workdir: Path, model: str, n_train: int) -> dict[str, Path]:
     """The tokenizer, the randomly initialised model and the chat data, built once per preset under workdir."""
-    from shardtune.commands.demo import build_model, build_tokenizer, write_chat_dataset
+    from shardtune.commands.demo import write_chat_dataset
 
-    hidden, layers, heads, kv, inter = MODELS[model]
     model_dir, data_dir = workdir / f"model-{model}", workdir / f"data-{n_train}"
-    if not (model_dir / "config.json").exists():
-        tok = build_tokenizer(model_dir, vocab_size=1024)
-        build_model(
-            model_dir,
-            vocab_size=len(tok),
-            hidden_size=hidden,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv,
-            intermediate_size=inter,
-        )
+    build_preset_model(model_dir, MODELS[model])
     if not (data_dir / "train.jsonl").exists():
         write_chat_dataset(data_dir, n_train=n_train, n_test=50)
     return {"model": model_dir, "data": data_dir}
