@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -629,3 +630,20 @@ def test_a_lost_worker_is_named_in_one_line_with_its_signal_or_exit_code(tmp_pat
     error_file.write_text(json.dumps({"message": {"message": trace, "extraInfo": {"timestamp": "5"}}}))
     line, _ = failure_line({0: _failure(0, 1, error_file=str(error_file))})
     assert f"its error: ValueError: bad row 7 (in {error_file})" in line
+
+
+def test_torchrun_stopped_by_a_signal_exits_with_a_stopped_runs_code(monkeypatch, capsys):
+    """torch's agent signalled straight (a scheduler's SIGTERM to torchrun, not to `shardtune launch`): one line and
+    exit code 3, the code a stopped `shardtune train` and a stopped launch exit with, not torch's traceback or 1."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from shardtune.parallel import torchrun
+    from shardtune.runtime.stop import STOPPED_EXIT_CODE
+
+    def stopped(argv):
+        raise SignalException("Process got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch.distributed.run, "main", stopped)
+    assert torchrun.run([]) == STOPPED_EXIT_CODE == 3
+    assert capsys.readouterr().err == "torchrun: stopped by SIGTERM; its workers were stopped.\n"

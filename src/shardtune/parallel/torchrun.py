@@ -1,7 +1,9 @@
 """torchrun (`torch.distributed.run`) as shardtune's launchers start it (`shardtune launch`, the demo): the same agent,
 arguments and reports, with one difference. On a stop signal torch's agent stops the workers, then ends with the
-traceback of its own SignalException; here it ends with one line and exit code 1 (torchrun's), since each worker
-has already said how it stopped (a checkpoint to resume, or nothing trained yet). A worker that dies (a signal, an
+traceback of its own SignalException; here it ends with one line and exit code 3, a stopped run's
+(runtime.stop.STOPPED_EXIT_CODE, docs/errors.md), whether the signal reached it through `shardtune launch` or
+straight from a scheduler, since each worker has already said how it stopped (a checkpoint to resume, or nothing
+trained yet). A worker that dies (a signal, an
 error's exit code) ends torch's agent with the traceback of a ChildFailedError and a report; here with one line
 naming the rank, its exit code or signal and where its output is (`failure_line`), and the exit code of that rank
 (128 + the signal's number for a signal, as a shell reports it). The agent has stopped the other workers by then.
@@ -14,6 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+
+from shardtune.runtime.stop import STOPPED_EXIT_CODE
 
 MODULE = "shardtune.parallel.torchrun"
 
@@ -33,7 +37,7 @@ def run(argv: list[str] | None = None) -> int:
         main(argv)
     except SignalException as e:
         print(f"torchrun: stopped by {e.sigval.name}; its workers were stopped.", file=sys.stderr, flush=True)
-        return 1
+        return STOPPED_EXIT_CODE
     except ChildFailedError as e:
         line, code = failure_line(e.failures)
         print(line, file=sys.stderr, flush=True)
