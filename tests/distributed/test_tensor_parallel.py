@@ -1,11 +1,12 @@
-"""Tensor parallelism equals one process: tp=2 on 2 ranks (LoRA and full fine-tuning) and dp=2 × tp=2 on 4 ranks
-(LoRA), each three SGD steps of the run's own sharded model (`build_sharded_model` with one reader per node,
-`train_step`, the trainer's `clip_grad_norm`) against one process training the same global batch; the adapter a
-tp=2 run saves loads as a PEFT adapter equal to the one-process run's. Three planted bugs of the class must fail
-the same check: a row-parallel output left unreduced, a LoRA factor sharded on the wrong dimension, LoRA
-initialised after sharding (tests/distributed/tp_worker.py plants them).
+"""Tensor parallelism equals one process: tp=2 on 2 ranks (LoRA, DoRA and full fine-tuning), dp=2 × tp=2 and
+cp=2 × tp=2 on 4 ranks (LoRA), each three SGD steps of the run's own sharded model (`build_sharded_model` with one
+reader per node, `train_step`, the trainer's `clip_grad_norm`) against one process training the same global batch;
+the adapter a tp=2 run saves loads as a PEFT adapter equal to the one-process run's. Planted bugs of the class must
+fail the same check: a row-parallel output left unreduced, a LoRA factor sharded on the wrong dimension, LoRA
+initialised after sharding, DoRA's row-parallel norms taken over one rank's columns, cp groups laid out as without
+tp (tests/distributed/tp_worker.py plants them).
 
-Then whole runs (`shardtune train` under torchrun): a tp=2 run and its exports (the adapter merged with
+Then whole runs (`shardtune train` under torchrun): DoRA with cp=2 × tp=2 on 4 processes, a tp=2 run and its exports (the adapter merged with
 --merge_adapter, a full fine-tune's model folder) equal a tp=1 run's; DCP checkpoints resume across tp sizes
 (tp=2 → 1 process, tp=1 → tp=2; a FULL_STATE_DICT full fine-tune tp=2 → 2 data-parallel ranks and 1 process →
 tp=2) and continue the uninterrupted tp=1 run (tests/parity.py); a resume that gives every tp rank the first
@@ -33,7 +34,15 @@ from tests.mutation import Edit, plant
 from tests.parity import assert_runs_match, assert_same_tensors, assert_same_training, load_weights, train_steps
 from tests.tolerance import train_parity
 
-BUGS = ("unreduced_rowwise", "lora_b_on_rank_dim", "init_after_sharding")
+DORA = {"dora": True}
+
+# Each planted bug (tests/distributed/tp_worker.py) and the adapter it is planted in: LoRA, or DoRA.
+BUGS = {
+    "unreduced_rowwise": {},
+    "lora_b_on_rank_dim": {},
+    "init_after_sharding": {},
+    "dora_norm_unreduced": {"dora": True},
+}
 
 
 def _spawn(world: int, path: str, runs: list) -> dict[str, dict[int, dict]]:
@@ -64,15 +73,15 @@ def _spawn(world: int, path: str, runs: list) -> dict[str, dict[int, dict]]:
 def tp2(tiny_assets, tmp_path_factory):
     """key → rank → numbers, for the 2-rank tp=2 runs (and the planted bugs); the tp=2 adapter's folder."""
     out = tmp_path_factory.mktemp("tp2_adapter")
-    runs = [("lora", True, 2, None, str(out)), ("full", False, 2, None, None)]
-    runs += [(bug, True, 2, bug, None) for bug in BUGS]
+    runs = [("lora", True, 2, None, str(out)), ("full", False, 2, None, None), ("dora", True, 2, None, None, DORA)]
+    runs += [(bug, True, 2, bug, None, options) for bug, options in BUGS.items()]
     return _spawn(2, str(tiny_assets["model"]), runs), out
 
 
-def _reference(path: str, lora: bool, dp_ranks: int) -> dict:
+def _reference(path: str, lora: bool, dp_ranks: int, dora: bool = False) -> dict:
     """One process, no ranks: the same model and seed, every data-parallel rank's rows in one batch."""
     torch.manual_seed(0)
-    module, _ = build_training_module(spec_for(path, lora), on_meta=False, quantize_device=None)
+    module, _ = build_training_module(spec_for(path, lora, dora=dora), on_meta=False, quantize_device=None)
     both = {k: torch.cat([batch(r)[k] for r in range(dp_ranks)]) for k in ("input_ids", "position_ids", "labels")}
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
@@ -129,13 +138,14 @@ def _max_diffs(got: dict, ref: dict) -> dict[str, float]:
     return rel
 
 
-@pytest.mark.parametrize("case", ["lora", "full"])
+@pytest.mark.parametrize("case", ["lora", "full", "dora"])
 def test_tp2_equals_one_process(tp2, tiny_assets, case):
     """Bugs caught: a slice of a layer filled from the wrong block of the checkpoint, gradients of the whole
     (unsliced) parameters not agreeing on the tp ranks, token counts or losses summed once per tp rank (a
-    gradient 1/tp too small), a grad norm that counts a whole parameter once per tp rank or misses a slice."""
+    gradient 1/tp too small), a grad norm that counts a whole parameter once per tp rank or misses a slice;
+    DoRA's magnitude sliced with the wrong rows, or its weight norms taken over one rank's columns."""
     got, _ = tp2
-    ref = _reference(str(tiny_assets["model"]), case == "lora", dp_ranks=1)
+    ref = _reference(str(tiny_assets["model"]), case != "full", dp_ranks=1, dora=case == "dora")
     assert {r["dims"] for r in got[case].values()} == {(0, 0, 2), (0, 1, 2)}
     assert got[case][0]["trained"]
     for rank, numbers in got[case].items():
@@ -167,7 +177,7 @@ def test_tp2_adapter_loads_as_peft_and_equals_one_process(tp2, tiny_assets):
 def test_planted_bug_fails_the_parity_check(tp2, tiny_assets, bug):
     """Negative controls: each planted bug makes the same comparison fail (by its numbers, not by crashing)."""
     got, _ = tp2
-    ref = _reference(str(tiny_assets["model"]), True, dp_ranks=1)
+    ref = _reference(str(tiny_assets["model"]), True, dp_ranks=1, **BUGS[bug])
     for numbers in got[bug].values():
         assert "error" not in numbers, numbers["error"]
     assert _mismatch(got[bug][0], ref) is not None
@@ -207,6 +217,24 @@ def test_dp2_tp2_on_four_ranks_equals_one_process(tiny_assets, tmp_path):
         assert torch.equal(tensor, torch.from_numpy(got[0]["trained"][name])), name
 
 
+def test_cp2_tp2_on_four_ranks_equals_one_process(tiny_assets):
+    """Context parallelism inside tensor parallelism, 4 ranks: one batch, each row split over a cp pair, each
+    half's heads over a tp pair (cp groups {0, 2} and {1, 3}: the ranks holding the same slice). Against one
+    process on the whole rows. Negative control: cp groups laid out as without tp ({0, 1}, {2, 3}), which gathers
+    the other slice's keys and values as the other half of the row (same shapes), fails the same comparison."""
+    runs = [("cp_tp", True, 2, None, None, {"cp": 2}), ("bug", True, 2, "cp_groups_without_tp", None, {"cp": 2})]
+    got = _spawn(4, str(tiny_assets["model"]), runs)
+    ref = _reference(str(tiny_assets["model"]), True, dp_ranks=1)
+    assert sorted(r["dims"] for r in got["cp_tp"].values()) == [(0, 0, 2, 0), (0, 0, 2, 1), (0, 1, 2, 0), (0, 1, 2, 1)]
+    assert got["cp_tp"][0]["trained"]
+    for rank, numbers in got["cp_tp"].items():
+        assert _mismatch(numbers, ref) is None, (rank, _mismatch(numbers, ref))
+    print("cp=2 x tp=2 vs 1 process, largest differences:", _max_diffs(got["cp_tp"][0], ref))
+    assert "error" not in got["bug"][0], got["bug"][0]["error"]
+    assert _mismatch(got["bug"][0], ref) is not None
+    print("cp groups without tp, largest differences:", _max_diffs(got["bug"][0], ref))
+
+
 # ---------------------------------------------------------------- whole runs: exports and checkpoints across tp sizes
 
 FULL = ["--use_peft_lora", "False"]  # FSDP_ENV and LORA: tests/distributed/test_parity.py's
@@ -226,12 +254,14 @@ FIRST_SLICE = Edit(
 )
 
 
-def _train(assets, out: Path, *, tp: int, nproc: int, kind: list[str], extra=(), env=None) -> Path:
-    """A 4-step run (test_parity.py's), a checkpoint every 2 steps, on `nproc` processes with tp `tp`: 4 rows per
-    micro-batch shared by the nproc / tp data-parallel ranks, so every layout trains on the same 8 rows a step."""
+def _train(assets, out: Path, *, tp: int, nproc: int, kind: list[str], cp: int = 1, extra=(), env=None) -> Path:
+    """A 4-step run (test_parity.py's), a checkpoint every 2 steps, on `nproc` processes with tp `tp` (and cp
+    `cp`): 4 rows per micro-batch shared by the nproc / (cp·tp) data-parallel ranks, so every layout trains on
+    the same 8 rows a step."""
     run = {"max_seq_len": 96, "seed": 7, "max_steps": 4, "gradient_accumulation_steps": 2}
     optim = {"learning_rate": 3e-3, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.01}
-    rows = {"per_device_train_batch_size": 4 // (nproc // tp), "tensor_parallel_size": tp}
+    rows = {"per_device_train_batch_size": 4 // (nproc // (cp * tp)), "tensor_parallel_size": tp}
+    rows |= {"context_parallel_size": cp} if cp > 1 else {}
     flags = train_args(assets, out, **run, **optim, **rows, save_strategy="steps", save_steps=2)
     run_cli([*flags, *kind, *extra], nproc=nproc, env={**FSDP_ENV, **(env or {})})
     return out
@@ -281,6 +311,24 @@ def test_tp2_run_its_adapter_and_merged_model_equal_tp1(lora_runs, tiny_assets):
         if k in base and base[k].shape == a[k].shape and float((a[k] - base[k]).abs().max()) > 100 * RUN_CLOSE.atol:
             moved.append(k)
     assert len([k for k in moved if k.endswith("proj.weight")]) == 2 * 7  # every adapted linear changed
+
+
+def test_dora_with_cp2_tp2_from_the_command_line_equals_one_process(tiny_assets, tmp_path):
+    """`shardtune train --use_dora True --context_parallel_size 2 --tensor_parallel_size 2` on 4 processes (one
+    batch: packed rows split over a cp pair, heads and widths over a tp pair) against one process: logged steps,
+    the saved DoRA adapter (magnitudes gathered from the column-parallel slices) and the merged model."""
+    dora = [*LORA, "--use_dora", "True", "--merge_adapter", "True"]
+    one = _train(tiny_assets, tmp_path / "one", tp=1, nproc=1, kind=dora)
+    both = _train(tiny_assets, tmp_path / "cp_tp", tp=2, cp=2, nproc=4, kind=dora)
+    saved = json.loads((both / "checkpoints" / "checkpoint-2" / "config.json").read_text())["train"]
+    assert (saved["context_parallel_size"], saved["tensor_parallel_size"]) == (2, 2)
+    assert_runs_match(one, both, RUN_CLOSE)
+    a, b = load_weights(one / "merged"), load_weights(both / "merged")
+    assert a.keys() == b.keys()
+    for k in sorted(a):
+        torch.testing.assert_close(b[k], a[k], rtol=RUN_CLOSE.rtol, atol=RUN_CLOSE.atol, msg=k)
+    magnitudes = [k for k in load_weights(both / "adapter_model.safetensors") if "lora_magnitude_vector" in k]
+    assert len(magnitudes) == 2 * 7  # every adapted linear layer of the 2 blocks
 
 
 def test_tp2_full_finetune_saves_the_same_model_folder(full_runs, tiny_assets):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from shardtune.parallel import setup, tensor
+from shardtune.parallel import context_parallel, setup, tensor
 from shardtune.parallel.parallelize import ShardingSettings
 
 SEQ, ROWS, STEPS = 16, 2, 3
@@ -29,12 +29,16 @@ def batch(dp_rank: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": torch.arange(SEQ).repeat(ROWS, 1), "labels": labels}
 
 
-def spec_for(path: str, lora: bool):
+def spec_for(path: str, lora: bool, *, dora: bool = False, cp: int = 1):
+    """The tiny model's spec: LoRA (or DoRA) on every linear layer, or full fine-tuning; with `cp`, the
+    attention context parallelism runs (SDPA per part of the split rows, as a CPU run chooses)."""
     from shardtune.models.builder import ModelSpec
+    from shardtune.models.loading import context_parallel_attention
 
     return ModelSpec(
         model_name_or_path=path, dtype=torch.float32, n_tokens=600, use_peft_lora=lora, lora_r=8, lora_alpha=16,
-        lora_dropout=0.0, lora_target_modules="all-linear",
+        lora_dropout=0.0, lora_target_modules="all-linear", use_dora=dora, context_parallel=cp,
+        attn_impl=context_parallel_attention("sdpa", cp, torch.float32)[0],
     )  # fmt: skip
 
 
@@ -83,6 +87,18 @@ def _init_after_sharding(fill):
     return fill_then_init
 
 
+def _row_parallel_norm_unreduced(self, sq: torch.Tensor) -> torch.Tensor:
+    """DoRA's row-parallel layers' squared norms left unsummed: each rank's over its own columns only."""
+    return sq
+
+
+def _cp_groups_without_tp():
+    """The cp groups laid out as if there were no tp axis: consecutive ranks, so a tp pair exchanges keys and
+    values as if it held two parts of one row (the same shapes, other heads)."""
+    real = context_parallel.groups
+    return lambda world_size, size, tp=1: real(world_size, size)
+
+
 def plant(bug: str | None) -> None:
     if bug == "unreduced_rowwise":
         tensor.STYLES["rowwise"] = _UnreducedRowwise
@@ -91,23 +107,29 @@ def plant(bug: str | None) -> None:
         tensor.factor_style = lambda kind: _LoraBOnRankDim() if kind == "colwise" else real(kind)
     elif bug == "init_after_sharding":
         setup._fill = _init_after_sharding(setup._fill)
+    elif bug == "dora_norm_unreduced":
+        tensor.SlicedDora.sum_squares = _row_parallel_norm_unreduced
+    elif bug == "cp_groups_without_tp":
+        context_parallel.groups = _cp_groups_without_tp()
 
 
 # ---------------------------------------------------------------- one run
 
 
-def train(path: str, lora: bool, tp: int, out: str | None) -> dict:
-    """Build the sharded model with `tp`, train STEPS SGD steps; this rank's numbers (numpy: a queue passes
-    tensors as shared memory, gone once the process exits). With `out`, save the adapter and a checkpoint there."""
+def train(path: str, lora: bool, tp: int, out: str | None, dora: bool = False, cp: int = 1) -> dict:
+    """Build the sharded model with `tp` (and `cp`), train STEPS SGD steps; this rank's numbers (numpy: a queue
+    passes tensors as shared memory, gone once the process exits). With `out`, save the adapter and a checkpoint
+    there."""
     from shardtune.parallel.gather import gather_trainable
     from shardtune.parallel.mesh import init_distributed
     from shardtune.parallel.setup import build_sharded_model
     from shardtune.training.trainer import clip_grad_norm, train_step
 
-    info = init_distributed("FULL_SHARD", tp=tp)
+    info = init_distributed("FULL_SHARD", tp=tp, cp=cp)
     torch.manual_seed(0)
     # FULL_SHARD, one reader per node (its rank 0 fills the other ranks' slices and shards).
-    model = build_sharded_model(spec_for(path, lora), info, ShardingSettings(cpu_ram_efficient_loading=True))
+    spec = spec_for(path, lora, dora=dora, cp=cp)
+    model = build_sharded_model(spec, info, ShardingSettings(cpu_ram_efficient_loading=True))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR)
     losses, norms = [], []
@@ -120,7 +142,7 @@ def train(path: str, lora: bool, tp: int, out: str | None) -> dict:
     trained = {n: t.numpy() for n, t in gather_trainable(model.model).items()}
     if out and lora:
         _save(model, opt, info, path, out)
-    dims = (info.dims.dp_rank, info.dims.tp_rank, info.dims.tp)
+    dims = (info.dims.dp_rank, info.dims.tp_rank, info.dims.tp) + ((info.dims.cp_rank,) if cp > 1 else ())
     return {"losses": losses, "norms": norms, "trained": trained, "dims": dims}
 
 
@@ -141,7 +163,8 @@ def _save(model, opt, info, path: str, out: str) -> None:
 
 
 def worker(rank: int, world: int, port: int, path: str, runs: list, queue) -> None:
-    """`runs`: (key, lora, tp, bug, out) in order; each puts (key, rank, numbers) on the queue."""
+    """`runs`: (key, lora, tp, bug, out[, options of `train`: dora, cp]) in order; each puts (key, rank,
+    numbers) on the queue."""
     from shardtune.parallel.mesh import shutdown
 
     os.environ.update(
@@ -150,13 +173,15 @@ def worker(rank: int, world: int, port: int, path: str, runs: list, queue) -> No
     )  # fmt: skip
     torch.set_num_threads(1)
     styles, factor, fill = dict(tensor.STYLES), tensor.factor_style, setup._fill
-    for key, lora, tp, bug, out in runs:
+    sum_squares, cp_groups = tensor.SlicedDora.sum_squares, context_parallel.groups
+    for key, lora, tp, bug, out, *options in runs:
         plant(bug)
         try:
-            numbers = train(path, lora, tp, out)
+            numbers = train(path, lora, tp, out, **(options[0] if options else {}))
         except Exception as e:  # a planted bug may also crash: the parity check fails either way  # noqa: BLE001
             numbers = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         queue.put((key, rank, numbers))
         tensor.STYLES.update(styles)
         tensor.factor_style, setup._fill = factor, fill
+        tensor.SlicedDora.sum_squares, context_parallel.groups = sum_squares, cp_groups
     shutdown()

@@ -68,8 +68,6 @@ def test_a_tp_size_that_does_not_fit_is_refused(argv, env, want):
 @pytest.mark.parametrize(
     ("flags", "want"),
     [(["--use_peft_lora", "True", "--use_4bit_quantization", "True"], "with a quantized base (QLoRA)"),
-     (["--use_peft_lora", "True", "--use_dora", "True"], "with --use_dora"),
-     (["--context_parallel_size", "2"], "with --context_parallel_size 2: cp × tp is not composed yet"),
      (["--objective", "dpo"], "with --objective dpo"),
      (["--torch_compile", "True"], "with --torch_compile True")],
 )  # fmt: skip
@@ -77,6 +75,14 @@ def test_combinations_not_supported_yet_are_refused_naming_the_flag(flags, want)
     cfg = parse_run_config([*TRAIN, "--tensor_parallel_size", "2", *flags], env=_train_env({}, 4, 4))
     lines = [p for p in flag_problems(cfg, check_paths=False) if p.startswith("--tensor_parallel_size 2")]
     assert len(lines) == 1 and want in lines[0], lines
+
+
+@pytest.mark.parametrize("flags", [["--use_peft_lora", "True", "--use_dora", "True"], ["--context_parallel_size", "2"]])
+def test_dora_and_context_parallelism_compose_with_tp(flags):
+    """DoRA's magnitudes follow their layer's slices, and cp groups hold the ranks of one tp slice
+    (tests/distributed/test_tensor_parallel.py proves both equal to one process): no tp line refuses them."""
+    cfg = parse_run_config([*TRAIN, "--tensor_parallel_size", "2", *flags], env=_train_env({}, 4, 4))
+    assert [p for p in flag_problems(cfg, check_paths=False) if p.startswith("--tensor_parallel_size")] == []
 
 
 def test_the_model_is_checked_from_its_config():

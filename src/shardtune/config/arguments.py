@@ -242,7 +242,8 @@ class TrainArguments:
         1,
         "Slice each decoder block's linear layers over this many ranks of a machine (tensor parallelism: q/k/v/gate/"
         "up column-parallel, o/down row-parallel, LoRA's factors placed to match); FSDP shards over the rest. "
-        "Llama-style families, LoRA or full fine-tuning; accelerate's parallelism_config_tp_size sets it too "
+        "Llama-style families, LoRA, DoRA or full fine-tuning, with --context_parallel_size too; accelerate's "
+        "parallelism_config_tp_size sets it too "
         "(docs/parallelism.md).",
     )
     ddp_timeout: int = _f(

@@ -70,9 +70,6 @@ def _tensor_parallel_problems(cfg: RunConfig) -> list[str]:
     unsupported = [
         (m.use_4bit_quantization or m.use_8bit_quantization,
          "with a quantized base (QLoRA): the packed 4-/8-bit weights are not sliced yet; train in bf16"),
-        (m.use_dora, "with --use_dora: DoRA's magnitude vector is not placed on the slices yet"),
-        (t.context_parallel_size > 1,
-         f"with --context_parallel_size {t.context_parallel_size}: cp × tp is not composed yet; use one of them"),
         (m.lora_target_experts or m.lora_target_parameters,
          "with expert or parameter LoRA targets: experts are not sliced yet"),
         (t.objective != "sft", f"with --objective {t.objective}: only sft is verified under tensor parallelism"),

@@ -11,14 +11,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def dora_weight_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
+def dora_weight_norm(
+    weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, sum_squares=None
+) -> torch.Tensor:
     """Row norms ‖W + s·B·A‖ in fp32, without forming the (out, in) update: with G = A·Aᵀ,
-    ‖W_i + s(BA)_i‖² = ‖W_i‖² + 2s·⟨(W·Aᵀ)_i, B_i⟩ + s²·⟨(B·G)_i, B_i⟩. `weight` is (out, in)."""
+    ‖W_i + s(BA)_i‖² = ‖W_i‖² + 2s·⟨(W·Aᵀ)_i, B_i⟩ + s²·⟨(B·G)_i, B_i⟩. `weight` is (out, in).
+
+    Each of the three terms is a sum over the columns, so a layer sliced on its columns (a row-parallel layer
+    under tensor parallelism) computes them on its slices and `sum_squares` adds the squares over the slices."""
     w, a, b = weight.detach(), lora_A.detach().float(), lora_B.detach().float()
     sq = torch.linalg.vector_norm(w, dim=1, dtype=torch.float32).square()
     sq = sq + (2 * scaling) * ((w.float() @ a.T) * b).sum(1)
     sq = sq + (scaling * scaling) * ((b @ (a @ a.T)) * b).sum(1)
+    if sum_squares is not None:
+        sq = sum_squares(sq)
     return sq.clamp_min(0).sqrt()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _fast_dora_forward(module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -36,13 +47,21 @@ def _fast_dora_forward(module, active_adapter: str, x: torch.Tensor, result: tor
     dropout, scaling = module.lora_dropout[active_adapter], module.scaling[active_adapter]
     base_layer = module.get_base_layer()
     weight = transpose(dequantize_module_weight(base_layer), module.fan_in_fan_out)
+    magnitude = module.lora_magnitude_vector[active_adapter].weight
+    # Under tensor parallelism (shardtune.parallel.tensor.SlicedDora) every tensor is this rank's slice: a
+    # column-parallel layer's rows (its magnitude's too) or a row-parallel layer's columns (magnitude whole).
+    sliced = getattr(module, "shardtune_sliced", None)
+    local = sliced.local if sliced is not None else _whole
+    weight, magnitude = local(weight), local(magnitude)
     # The norm is a constant for autograd (DoRA paper, section 4.3), as in peft.
-    norm = dora_weight_norm(weight, lora_A.weight, lora_B.weight, scaling)
-    g = (module.lora_magnitude_vector[active_adapter].weight / norm).to(result.dtype)
+    a, b = local(lora_A.weight), local(lora_B.weight)
+    norm = dora_weight_norm(weight, a, b, scaling, sliced.sum_squares if sliced is not None else None)
+    g = (magnitude / norm).to(result.dtype)
     dropped = not isinstance(dropout, nn.Identity) and module.training
     if dropped and getattr(module, "_shardtune_peft_dropout", False):
         x = dropout(x)
         base = F.linear(x, weight.to(x.dtype))
+        base = sliced.sum_partial(base) if sliced is not None else base  # a row-parallel slice's partial product
         rest = result - base
     else:
         if dropped:

@@ -15,16 +15,19 @@ from shardtune.parallel import split
 from shardtune.parallel.split import CPShard
 
 
-def groups(world_size: int, size: int):
+def groups(world_size: int, size: int, tp: int = 1):
     """This rank's cp process group: every rank creates every group (torch.distributed requires it), in the same
-    order; ranks r·size .. r·size + size - 1 form group r (they share data-parallel batch r)."""
+    order. The mesh's axes are (data, cp, tp), tp innermost (shardtune.parallel.dims): the cp ranks of a
+    data-parallel batch that hold the same tp slice are `size` ranks `tp` apart, from block·size·tp + t (one group
+    per batch and slice; without tp, ranks r·size .. r·size + size - 1)."""
     mine = None
     rank = dist.get_rank()
-    for start in range(0, world_size, size):
-        ranks = list(range(start, start + size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
+    for start in range(0, world_size, size * tp):
+        for t in range(tp):
+            ranks = list(range(start + t, start + size * tp, tp))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
     return mine
 
 

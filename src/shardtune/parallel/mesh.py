@@ -99,7 +99,7 @@ def init_distributed(
     dims = ParallelDims.build(
         world_size=world, local_world_size=local_world, rank=rank, sharding_strategy=sharding_strategy, cp=cp, tp=tp
     )
-    cp_group = context_parallel.groups(world, cp) if cp > 1 else None
+    cp_group = context_parallel.groups(world, cp, tp) if cp > 1 else None
     return DistInfo(rank, world, local_rank, local_world, device, build_mesh(device.type, dims), dims, cp_group)
 
 

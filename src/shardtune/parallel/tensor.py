@@ -28,10 +28,13 @@ taken off the sliced layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shardtune.config.errors import ConfigError
@@ -131,7 +134,48 @@ def _parallelize_layer(module: nn.Module, kind: str, mesh: DeviceMesh) -> None:
         # lora_B stays whole (its output is whole).
         factor = module.lora_B[name] if kind == "colwise" else module.lora_A[name]
         parallelize_module(factor, mesh, factor_style(kind))
-        module.lora_variant.pop(name, None)  # peft's forward through the factors' hooks (docstring)
+        if name in module.lora_magnitude_vector:
+            _place_magnitude(module, name, kind, mesh)
+        else:
+            module.lora_variant.pop(name, None)  # peft's forward through the factors' hooks (docstring)
+
+
+@dataclass(frozen=True)
+class SlicedDora:
+    """What shardtune's DoRA forward (models.dora) needs of a layer sliced over the tp ranks, set on the layer as
+    `shardtune_sliced`: each tensor's local slice, and for a row-parallel layer (a slice of every row) the sums of
+    its per-slice partial results over the ranks."""
+
+    row_parallel: bool
+    mesh: DeviceMesh
+
+    @staticmethod
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def sum_squares(self, sq: torch.Tensor) -> torch.Tensor:
+        """The squared row norms, from each slice's sums over its columns (a constant for autograd)."""
+        if self.row_parallel:
+            dist.all_reduce(sq, group=self.mesh.get_group())
+        return sq
+
+    def sum_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """A product with the weight's slice added over the ranks, with the backward of RowwiseParallel's output
+        (the replicated sum's gradient passed to every partial product unchanged)."""
+        if not self.row_parallel:
+            return partial
+        return DTensor.from_local(partial, self.mesh, [Partial()]).redistribute(placements=[Replicate()]).to_local()
+
+
+def _place_magnitude(module: nn.Module, name: str, kind: str, mesh: DeviceMesh) -> None:
+    """DoRA's magnitude (one value per output row) follows its layer's output: sliced with a column-parallel
+    layer's rows, whole beside a row-parallel one. shardtune's DoRA forward (models.dora) computes the norms on the
+    slices, summing a row-parallel layer's over the tp ranks (SlicedDora), and scales the output it holds."""
+    magnitude = module.lora_magnitude_vector[name]
+    if kind == "colwise":
+        w = magnitude.weight
+        magnitude.weight = nn.Parameter(distribute_tensor(w.data, mesh, [Shard(0)]), requires_grad=w.requires_grad)
+    module.shardtune_sliced = SlicedDora(row_parallel=kind == "rowwise", mesh=mesh)
 
 
 def mixed_meshes(params: list[nn.Parameter]) -> bool:
