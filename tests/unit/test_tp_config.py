@@ -98,9 +98,9 @@ def test_the_model_is_checked_from_its_config():
     assert any("has experts (num_local_experts)" in p for p in moe)
 
 
-def test_plan_refuses_a_tensor_parallel_size_it_does_not_model(tmp_path):
-    """`shardtune plan --tensor_parallel_size 2` is refused naming the flag and the fix, rather than planned as if
-    every process were a data-parallel rank; with tp 1 the same command plans."""
+def test_plan_plans_the_tensor_parallel_size(tmp_path):
+    """`shardtune plan --tensor_parallel_size 2` plans the tp slices (tests/unit/test_plan_tensor_parallel.py
+    checks the terms) rather than every process as a data-parallel rank; tp 1 plans the same command too."""
     import json
 
     from shardtune.commands.plan import make_plan
@@ -110,7 +110,5 @@ def test_plan_refuses_a_tensor_parallel_size_it_does_not_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     argv = ["--model_name_or_path", str(tmp_path), "--use_peft_lora", "True", "--max_seq_len", "64",
             "--num_processes", "2"]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"--tensor_parallel_size 2: shardtune plan does not model tensor "
-                       r"parallelism yet.*--tensor_parallel_size 1"):  # fmt: skip
-        make_plan([*argv, "--tensor_parallel_size", "2"])
+    assert make_plan([*argv, "--tensor_parallel_size", "2"]).inputs.tensor_parallel == 2
     assert make_plan([*argv, "--tensor_parallel_size", "1"]).inputs.world_size == 2

@@ -24,6 +24,7 @@ from shardtune.config.run import explicit_flags, parse_args, resolve_parallel_si
 from shardtune.models.builder import LOSS_CHUNK_TOKENS
 from shardtune.objectives.loss import has_reference, objective_spec
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
+from shardtune.parallel.tensor import model_problems
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.fit import (
     CHAT_NEW_TOKENS,
@@ -35,7 +36,7 @@ from shardtune.planning.fit import (
 )
 from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import load_model_config
-from shardtune.planning.recommend import longest_sequences, recommend
+from shardtune.planning.recommend import longest_sequences, near_limit_tensor_parallel, recommend
 from shardtune.planning.report import Launch, Plan, format_plan, format_trace, trace_json
 from shardtune.planning.state import GiB
 from shardtune.planning.trace import trace_step
@@ -199,13 +200,6 @@ def _run_config(
     local = launch.world_size // launch.num_nodes
     if problems := resolve_parallel_sizes(train, fsdp, launch.world_size, local, explicit):
         raise ConfigError(problems)
-    if train.tensor_parallel_size > 1:  # refused rather than planned as if the processes were all data-parallel
-        problem = (
-            f"--tensor_parallel_size {train.tensor_parallel_size}: shardtune plan does not model tensor parallelism "
-            "yet (docs/parallelism.md); plan the run with --tensor_parallel_size 1 to see it on the same processes as "
-            "data-parallel ranks."
-        )
-        raise ConfigError([problem])
     run = RunConfig(model, data, train, fsdp, explicit=explicit)
     return complete_run_config(run, check_paths=False, not_needed=NOT_NEEDED)
 
@@ -222,7 +216,11 @@ def make_plan(argv: list[str]) -> Plan:
         raise ConfigError(
             [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]
         )
+    if plan.trace and train.tensor_parallel_size > 1:
+        raise ConfigError([TRACE_TP.format(tp=train.tensor_parallel_size)])
     config = load_model_config(model.model_name_or_path, model.trust_remote_code)
+    if train.tensor_parallel_size > 1 and (problems := model_problems(config, train.tensor_parallel_size)):
+        raise ConfigError(problems)  # what the run's parallel setup refuses before reading a weight
     shape = plan_shape(config, model.chat_template_format)
     if train.router_aux_loss_coef is not None:  # --router_aux_loss_coef over the config's
         shape = dataclasses.replace(shape, router_aux_loss_coef=train.router_aux_loss_coef)
@@ -246,13 +244,12 @@ def make_plan(argv: list[str]) -> Plan:
             reference_note(train.objective, model.use_peft_lora, model.adapter_path, train.precompute_ref_log_probs)
         )
     if gpu_bytes is not None:
-        result.gpu_bytes = gpu_bytes
-        if not result.estimate.fits(result.gpu_bytes):
-            result.recommendation = recommend(inputs, result.gpu_bytes, train.gradient_accumulation_steps, model=shape)
+        _against_gpu(result, gpu_bytes, train.gradient_accumulation_steps)
     if plan.longest_seq_len:
         if gpu_bytes is None:
             raise ConfigError(["--longest_seq_len needs --gpu_memory: the memory of one GPU to fit the sequence in."])
-        result.longest = longest_sequences(inputs, gpu_bytes, launch.world_size, shape)
+        # the cp degrees that divide the ranks of one tp slice
+        result.longest = longest_sequences(inputs, gpu_bytes, launch.world_size // inputs.tensor_parallel, shape)
     if plan.host_memory:
         result.host_bytes = parse_bytes(plan.host_memory, "--host_memory")
     if plan.trace:
@@ -269,6 +266,24 @@ def make_plan(argv: list[str]) -> Plan:
     return result
 
 
+def _against_gpu(result: Plan, gpu_bytes: int, accumulation: int) -> None:
+    """The plan against one GPU of `gpu_bytes`: the smallest change that fits when it does not, and, when it fits
+    within the planner's error, the tensor-parallel size that leaves that margin (planning.recommend)."""
+    result.gpu_bytes = gpu_bytes
+    inputs, shape = result.inputs, result.shape
+    if not result.estimate.fits(gpu_bytes):
+        result.recommendation = recommend(inputs, gpu_bytes, accumulation, model=shape)
+    else:
+        result.headroom = near_limit_tensor_parallel(inputs, gpu_bytes, accumulation, model=shape)
+
+
+# --trace builds the run's step on one process of a fake process group, without a tp mesh.
+TRACE_TP = (
+    "--trace with --tensor_parallel_size {tp}: the traced step runs without tensor parallelism (the estimate models "
+    "it); trace with --tensor_parallel_size 1, or drop --trace."
+)
+
+
 def _frozen_base_note(
     run: RunConfig, launch: Launch, gpu_bytes: int | None, shape, inputs: PlanInputs
 ) -> tuple[PlanInputs, str | None]:
@@ -280,7 +295,7 @@ def _frozen_base_note(
     placement, why = frozen_base_choice(run, launch, gpu_bytes)
     if placement == "replicated":
         return dataclasses.replace(inputs, replicate_base=True), why
-    if gpu_bytes is None and not launch.offload:
+    if gpu_bytes is None and not launch.offload and inputs.tensor_parallel == 1:  # tp: sharded, whatever the GPU
         need = estimate_memory(shape, dataclasses.replace(inputs, replicate_base=True)).total
         return inputs, (
             f"--frozen_base auto: planned sharded; `shardtune train` replicates the frozen base on a GPU with room "

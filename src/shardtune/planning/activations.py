@@ -372,6 +372,19 @@ def context_parallel_bytes(shape: ModelShape, batch_size: int, local_len: int, r
     return batch_size * (row_len - local_len) * compute_bytes * (shape.kv_dim + shape.v_dim)
 
 
+# Tensor parallelism's all-reduces of a block's activations in flight at once: the row-parallel layers' summed
+# outputs in forward (o_proj's, then down_proj's) and the column-parallel layers' input gradients in backward.
+TP_REDUCES_IN_FLIGHT = 2
+
+
+def tensor_parallel_buffer_bytes(shape: ModelShape, tokens: int, compute_bytes: int, tp: int) -> int:
+    """The buffers of tensor parallelism's all-reduces beside a block's own tensors (shardtune.parallel.tensor): each
+    sums a [tokens, hidden] tensor in the compute dtype over the tp ranks into a new one (torch's functional
+    all-reduce behind RowwiseParallel's output and ColwiseParallel's input gradient), TP_REDUCES_IN_FLIGHT of them
+    at once. An approximation, not traced: NCCL's own buffers are counted in the CUDA context. Zero without tp."""
+    return TP_REDUCES_IN_FLIGHT * tokens * shape.hidden_size * compute_bytes if tp > 1 else 0
+
+
 def router_aux_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     """Per token, with the router load-balancing loss on (models.router_aux): every MoE block's router logits
     (E wide) are returned to the loss, whose softmax of each keeps its output for backward until the loss's

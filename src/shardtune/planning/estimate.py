@@ -41,6 +41,8 @@ from shardtune.planning.state import (
     quant_constants,
     run_tensors,
     shard_group_size,
+    tensor_parallel_problems,
+    tensor_parallel_slices,
 )
 
 # The caching allocator's fragmentation beyond the streams' high-water marks (_allocator_terms), as a fraction of
@@ -298,20 +300,26 @@ def _offloaded(d: _Dynamic, num_layers: int) -> _Dynamic:
 def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFAULTS) -> MemoryEstimate:
     """Peak memory of one training step on each GPU, by category, and host RAM per machine, for the run `inputs`
     describe (planning.inputs.PlanInputs; planning.fit.plan_inputs builds it from a run's flags), and online RL's
-    rollout between steps (planning.generation). fsdp=False: _plain_buffers; context parallelism: _dynamic_kwargs."""
+    rollout between steps (planning.generation). fsdp=False: _plain_buffers; context parallelism: _dynamic_kwargs.
+    Tensor parallelism: each rank's slices of the blocks' linears (state.tensor_parallel_slices), sharded over the
+    world_size / tp ranks of its slice, and the activations of the block one rank computes (tensor_parallel_rank)."""
     s = inputs
     shape = as_shape(model)
     if (s.use_4bit or s.use_8bit) and not s.use_peft_lora:
         raise ValueError("a quantized base cannot be fully fine-tuned: use LoRA (use_peft_lora=True)")
     if s.activation_offloading and not s.gradient_checkpointing:
         raise ValueError("activation offloading is planned with gradient checkpointing, as shardtune trains it")
-    shard = shard_group_size(s.world_size, s.num_nodes, strategy := s.sharding_strategy.upper())
-    tensors = run_tensors(shape, s)
+    if problems := tensor_parallel_problems(shape, s):
+        raise ValueError(problems[0])
+    shard = shard_group_size(s.world_size // s.tensor_parallel, s.num_nodes, strategy := s.sharding_strategy.upper())
+    whole = run_tensors(shape, s)
+    tensors = tensor_parallel_slices(whole, s.tensor_parallel)
     state, buffers = state_and_buffers(shape, tensors, s, shard, strategy)
     dyn_kwargs = _dynamic_kwargs(shape, s)
-    dynamic = _dynamic(shape, gradient_checkpointing=s.gradient_checkpointing,
+    rank = shape.tensor_parallel_rank(s.tensor_parallel)  # what one rank computes of each block
+    dynamic = _dynamic(rank, gradient_checkpointing=s.gradient_checkpointing,
                        attn_implementation=s.attn_implementation, **dyn_kwargs)  # fmt: skip
-    parts = _step_parts(shape, s, state, dynamic, buffers)
+    parts = _step_parts(rank, s, state, dynamic, buffers)
     by_phase = _with_mask_build(step_phases(parts), parts, dynamic.mask_build)
     gen = generation_terms(shape, s, parts, tensors)
     by_phase, parts = with_generation(by_phase, parts, gen)
@@ -322,13 +330,13 @@ def estimate_memory(model: ModelShape | Mapping | Any, inputs: PlanInputs = DEFA
     if s.sharded_checkpoint:
         device, phase = with_checkpoint_save(device, state, tensors, shape.num_layers, shard, parts.on_gpu, phase)
     device["CUDA context"] = s.cuda_context_bytes
-    table = _activations_table(shape, dyn_kwargs)
-    host = host_bytes(state, tensors, shape, s.world_size // s.num_nodes, s.offload)
+    table = _activations_table(rank, dyn_kwargs)
+    host = host_bytes(state, whole, shape, s.world_size // s.num_nodes, s.offload)  # local rank 0 loads it whole
     if s.activation_offloading:
         host["offloaded activations"] = _offloaded_host_bytes(shape, s, dyn_kwargs)
     notes = _notes(s.use_4bit, s.offload, s.loss_impl, s.sharded_checkpoint, bool(shape.num_experts))
     notes += _offload_notes(s.activation_offloading)
-    notes += _layout_notes(shape, tensors)
+    notes += _layout_notes(shape, whole)
     phase_bytes = {k: sum(v.values()) for k, v in by_phase.items()}
     temps = temporaries(parts, phase)  # none in the checkpoint save's phase
     return MemoryEstimate(device, host, table, phase, dynamic.logits_peak, s, notes, phase_bytes, temps, terms, gen)
@@ -430,6 +438,9 @@ def _step_parts(
 ) -> StepParts:
     a = compute_dtype_bytes(s.bf16, s.fp16)
     rows = s.batch_size * s.rows_per_example * s.seq_len
+    # tensor parallelism's all-reduces of a block's [tokens, hidden] outputs (forward) and inputs' gradients
+    reduced = act.tensor_parallel_buffer_bytes(shape, rows // s.context_parallel, a, s.tensor_parallel)
+    forward = rows * act.forward_working_bytes_per_token(shape, a, looped=s.use_4bit) + dynamic.live_input
     return StepParts(
         state=state,
         on_gpu=0 if s.offload else 1,
@@ -438,11 +449,11 @@ def _step_parts(
         forward_activations=dynamic.forward,
         stored=dynamic.stored,
         layer_stored=dynamic.stored - dynamic.final_norm,
-        working=dynamic.working,
+        working=dynamic.working + reduced,
         logits_peak=dynamic.logits_peak,
         logits_kept=dynamic.logits_kept,
         logits_forward=dynamic.logits_forward,
-        forward_working=rows * act.forward_working_bytes_per_token(shape, a, looped=s.use_4bit) + dynamic.live_input,
+        forward_working=forward + reduced,
         num_blocks=shape.num_layers,
         block_stored=dynamic.block,
         batch_inputs=act.BATCH_TENSORS * 8 * rows,

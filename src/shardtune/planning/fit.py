@@ -21,6 +21,7 @@ from shardtune.models.builder import ModelSpec, model_facts
 from shardtune.objectives.loss import dropout_off, objective_spec, rows_per_example
 from shardtune.parallel import dims
 from shardtune.parallel.dims import ZERO2_OF
+from shardtune.parallel.tensor import family_plan
 from shardtune.planning.estimate import estimate_memory
 from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.model import load_model_config
@@ -62,14 +63,16 @@ def _split(s: str | None) -> list[str]:
 
 
 def plan_shape(config: Any, chat_template_format: str = "none") -> ModelShape:
-    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens, and whether the
-    family trains on shardtune's per-document attention (trains_per_document)."""
+    """The model's shapes, with the embeddings resized as shardtune does when it adds chat tokens, whether the
+    family trains on shardtune's per-document attention (trains_per_document), and whether it has the verified
+    tensor-parallel plan (shardtune.parallel.tensor.family_plan; a dict: shardtune's Llama-style default)."""
     from shardtune.models import families  # the family rules load transformers' model classes: only when planning one
 
     shape = replace(
         ModelShape.from_config(config),
         per_document_attention=trains_per_document(config),
         plain_mask=isinstance(config, dict) or families.plain_causal(config),
+        tensor_parallel_plan=isinstance(config, dict) or family_plan(config) is not None,
     )
     if chat_template_format in ("chatml", "zephyr"):
         padded = padded_rows(shape.vocab_size + CHAT_NEW_TOKENS)
@@ -111,7 +114,8 @@ def plan_inputs(
     fields of planning.inputs.RUN_FIELDS and lora_target_parameters; the others keep shardtune's defaults). The
     model's facts are read off the model the run builds (models.builder.model_facts, by `model_inputs`), never off
     the flags again; the flags give what is not the model's (the batch, the rows' length, the objective, the
-    optimizer), and the launch FSDP's settings. FSDP or the plain module is `config.fsdp.fsdp_reason`'s rule.
+    optimizer, the tensor-parallel size), and the launch FSDP's settings. FSDP or the plain module is
+    `config.fsdp.fsdp_reason`'s rule.
     `attn_implementation` and `loss_chunk_tokens` (`shardtune plan`'s flags) override the spec's."""
     data, train = cfg.data, cfg.train
     spec = model_facts(cfg)
@@ -133,6 +137,7 @@ def plan_inputs(
         attn_implementation=attn_implementation or spec.attn_impl,
         loss_chunk_tokens=spec.loss_chunk_size if loss_chunk_tokens is None else loss_chunk_tokens,
         replicate_base=replicates_base(cfg.model.frozen_base, spec.use_peft_lora, launch.world_size, launch.offload),
+        tensor_parallel=train.tensor_parallel_size,
         batch_size=train.per_device_train_batch_size,
         rows_per_example=rows_per_example(train.objective),
         seq_len=rollout_row_length(data, train) if generates else data.max_length,
@@ -230,6 +235,11 @@ def frozen_base_choice(
         return "sharded", f"Frozen base sharded over {world_size} ranks (--frozen_base sharded): {gathered}."
     if m.frozen_base == "replicated":
         return "replicated", "Frozen base replicated on every rank (--frozen_base replicated): never all-gathered."
+    if (tp := cfg.train.tensor_parallel_size) > 1:  # parallel.setup replicates no frozen slice
+        return "sharded", (
+            f"Frozen base sharded (--frozen_base auto): with --tensor_parallel_size {tp} FSDP shards each rank's "
+            f"frozen slices over its data-parallel ranks; {gathered}."
+        )
     if launch.offload:
         return "sharded", "Frozen base sharded (--frozen_base auto): fsdp_offload_params keeps the shards in host RAM."
     if not dims.strategy(launch.sharding_strategy).sharded:

@@ -98,6 +98,9 @@ class PlanInputs:
     # context_parallel: each row split over this many of the ranks. per_document_attention: SDPA per document
     # where the family allows it; False: over whole rows (torch.compile, the trace).
     context_parallel: int = 1
+    # tensor_parallel: each block's linear layers sliced over this many ranks of a machine (shardtune.parallel.tensor),
+    # which share one batch; FSDP shards over the world_size / tensor_parallel ranks of each slice.
+    tensor_parallel: int = 1
     per_document_attention: bool = True
     # Online RL (--objective grpo; planning.generation), TRL GRPOConfig's names: what generates the completions
     # between optimizer steps (None: the objective generates nothing; "transformers": the training ranks, with a
@@ -155,6 +158,7 @@ RUN_FIELDS = (
     "loss_chunk_tokens",
     "replicate_base",
     "context_parallel",
+    "tensor_parallel",
     "per_document_attention",
     "fsdp",
     "rollout_engine",

@@ -10,8 +10,15 @@ from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.generation import TRANSFORMERS, whole_groups
 from shardtune.planning.inputs import PlanInputs
 from shardtune.planning.phases import GENERATION
+from shardtune.planning.shape import ModelShape
+from shardtune.planning.state import as_shape, tensor_parallel_problems
 
 MAX_GPUS = 4096
+# Tensor-parallel sizes tried: within one machine (its ranks exchange activations in every block), 8 GPUs at most.
+TP_DEGREES = (2, 4, 8)
+# A run that fits with less than this share of the GPU left is near the limit: the planner's largest leave-one-out
+# error on the published runs (the margin of planning.fit.AUTO_REPLICATE_MARGIN, docs/plan.md).
+NEAR_LIMIT = 0.13
 
 
 @dataclass
@@ -59,8 +66,8 @@ def _stage(label: str, flags: dict[str, Any], change: dict[str, Any], batch: int
 
 
 def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
-    """Changes in order of size: a replicated frozen base sharded, smaller batches, gradient checkpointing, CPU
-    offload, 4-bit, then more GPUs."""
+    """Changes in order of size: a replicated frozen base sharded, smaller batches, gradient checkpointing, context
+    then tensor parallelism on the same GPUs, CPU offload, 4-bit, then more GPUs."""
     batch = inputs.batch_size
     if inputs.replicate_base:  # --frozen_base replicated only saves all-gathers: the same training, sharded
         yield "the frozen base sharded", {"frozen_base": "sharded"}, {"replicate_base": False}
@@ -71,6 +78,7 @@ def candidates(inputs: PlanInputs, accumulation: int) -> Iterator[Candidate]:
         change, flags = {"gradient_checkpointing": True}, {"gradient_checkpointing": True}
         yield from _stage("gradient checkpointing", flags, change, batch, accumulation)
     yield from _context_parallel(inputs, change, flags, accumulation)
+    yield from _tensor_parallel(inputs, change, flags, accumulation)
     if not inputs.offload:
         change, flags = {**change, "offload": True}, {**flags, "fsdp_offload_params": True}
         if inputs.replicate_base:  # offload keeps the frozen base's shards in host RAM: it cannot stay replicated
@@ -141,7 +149,7 @@ def _ordered(inputs: PlanInputs, accumulation: int, rollout_first: bool) -> Iter
 def _context_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulation: int):
     """Each row split over more of the same GPUs (shardtune.parallel.split), the global batch kept by
     accumulating as many more micro-batches: the step computes the same gradient, a rank holds 1/cp of each row."""
-    world, cp = inputs.world_size, inputs.context_parallel
+    world, cp = inputs.world_size // inputs.tensor_parallel, inputs.context_parallel  # cp divides the dp ranks
     more = cp * 2
     while more <= world:
         if world % more == 0 and inputs.rows_per_example == 1:  # SFT only
@@ -150,6 +158,56 @@ def _context_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulatio
             f = {**flags, "context_parallel_size": more, "gradient_accumulation_steps": g}
             yield f"context parallel size {more} (each row over {more} GPUs, same global batch)", f, c
         more *= 2
+
+
+def _tensor_parallel(inputs: PlanInputs, change: dict, flags: dict, accumulation: int) -> Iterator[Candidate]:
+    """Each block's linear layers sliced over 2, 4 or 8 GPUs of a machine (shardtune.parallel.tensor), smallest
+    first, the global batch kept by accumulating tp times as many micro-batches (the tp ranks share one batch): a
+    rank gathers 1/tp of each block and keeps 1/tp of its attention and MLP activations, and holds the embeddings,
+    norms and head sharded over world / tp ranks instead of world. Never with context parallelism or a quantized
+    base (refused under tp), nor where the run's settings are refused under tp (state.tensor_parallel_problems);
+    recommend skips those the model refuses (the family's plan, the heads and widths tp must divide)."""
+    if inputs.tensor_parallel > 1 or inputs.context_parallel > 1 or inputs.use_4bit or inputs.use_8bit:
+        return
+    for tp in TP_DEGREES:
+        g = accumulation * tp
+        c = {**change, "tensor_parallel": tp, "grad_accum": g}
+        f = {**flags, "tensor_parallel_size": tp, "gradient_accumulation_steps": g}
+        if inputs.replicate_base:  # parallel.setup shards the frozen slices
+            c, f = {**c, "replicate_base": False}, {**f, "frozen_base": "sharded"}
+        if tensor_parallel_problems(None, replace(inputs, **c)):  # a machine's GPUs, sft, no offload, ...
+            continue
+        label = f"tensor parallel size {tp} (each block's layers over {tp} GPUs of a machine, same global batch)"
+        yield from _stage(label, f, c, inputs.batch_size, g)
+
+
+def _refused(shape: ModelShape | None, candidate: PlanInputs) -> bool:
+    """A candidate that training would refuse under its tensor-parallel size (state.tensor_parallel_problems: the
+    run's own tp with offload or 4-bit, a tp the family cannot take); without a model, any tp but 1."""
+    if candidate.tensor_parallel == 1:
+        return False
+    return shape is None or bool(tensor_parallel_problems(shape, candidate))
+
+
+def near_limit_tensor_parallel(
+    inputs: PlanInputs, gpu_bytes: int, accumulation: int = 1, model: Any = None,
+    estimator: Callable[..., MemoryEstimate] = estimate_memory,
+) -> Recommendation | None:  # fmt: skip
+    """For a run that fits with less than NEAR_LIMIT of the GPU left (within the planner's error): the smallest
+    tensor-parallel size, alone on the same GPUs and global batch, that leaves at least that margin; None where the
+    run is not near the limit or no tp does it (or the family, the run's settings or cp refuse it)."""
+    total = estimator(model, inputs).total
+    if total > gpu_bytes or total <= (1 - NEAR_LIMIT) * gpu_bytes:
+        return None
+    shape = None if model is None else as_shape(model)
+    for description, flags, change in _tensor_parallel(inputs, {}, {}, accumulation):
+        candidate = replace(inputs, **change)
+        if "per_device_train_batch_size" in flags or _refused(shape, candidate):
+            continue  # tp alone: the run as it is, sliced
+        est = estimator(model, candidate)
+        if est.total <= (1 - NEAR_LIMIT) * gpu_bytes:
+            return Recommendation(description, flags, est, True)
+    return None
 
 
 def longest_sequences(inputs: PlanInputs, gpu_bytes: int, world_size: int, model: Any, *,
@@ -209,9 +267,11 @@ def recommend(
     best: Recommendation | None = None
     tried = 0
     first = inputs.rollout_engine is not None and estimator(model, inputs).peak_phase == GENERATION
+    shape = None if model is None else as_shape(model)
     for description, flags, change in _ordered(inputs, accumulation, first):
         candidate = replace(inputs, **change)
-        if not whole_groups(candidate):  # a generation batch must be whole groups of num_generations
+        # a generation batch must be whole groups of num_generations; nothing that training refuses under tp
+        if not whole_groups(candidate) or _refused(shape, candidate):
             continue
         tried += 1
         est = estimator(model, candidate)

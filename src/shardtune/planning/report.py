@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shardtune.config.arguments import RunConfig
+from shardtune.planning.activations import tensor_parallel_buffer_bytes
 from shardtune.planning.estimate import MemoryEstimate, estimate_memory
 from shardtune.planning.generation import VLLM, kv_bytes_per_position
 from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
@@ -22,9 +23,9 @@ from shardtune.planning.phases import (
     LOSS,
     LOSS_FORWARD,
 )
-from shardtune.planning.recommend import Recommendation
+from shardtune.planning.recommend import NEAR_LIMIT, Recommendation
 from shardtune.planning.shape import ModelShape, base_param_count
-from shardtune.planning.state import GiB
+from shardtune.planning.state import GiB, compute_dtype_bytes
 
 
 @dataclass
@@ -59,6 +60,9 @@ class Plan:
     config: Any = None  # the model's transformers config
     trace: Any = None  # a planning.trace.TraceResult, with --trace
     longest: dict[int, int] | None = None  # --longest_seq_len: {cp degree: longest max_seq_len that fits}
+    # A run that fits near the limit: the smallest tensor-parallel size that restores the planner's margin
+    # (planning.recommend.near_limit_tensor_parallel), if any.
+    headroom: Recommendation | None = None
 
     def to_dict(self) -> dict[str, Any]:
         i = self.inputs
@@ -79,6 +83,7 @@ class Plan:
             "host_memory_bytes": self.host_bytes,
             "host_fits": None if self.host_bytes is None else self.estimate.host_total <= self.host_bytes,
             "recommendation": self.recommendation.to_dict() if self.recommendation else None,
+            "near_limit_recommendation": self.headroom.to_dict() if self.headroom else None,
             "longest_seq_len": {str(k): v for k, v in self.longest.items()} if self.longest else None,
         }
         return out
@@ -270,6 +275,30 @@ def _describe_run(p: Plan) -> list[str]:
             f"{' (activations offloaded to host memory)' if k.activation_offloading else ''}, "
             f"{k.attn_implementation}" + _context_parallel_text(k)
         ),
+        *_tensor_parallel_lines(p),
+    ]
+
+
+def _tensor_parallel_lines(p: Plan) -> list[str]:
+    """The tensor-parallel degree and what one rank holds of the model (planning.state.tensor_parallel_slices, the
+    block it computes: ModelShape.tensor_parallel_rank)."""
+    k, s, tp = p.inputs, p.shape, p.inputs.tensor_parallel
+    if tp == 1:
+        return []
+    dp = k.world_size // (tp * k.context_parallel)
+    tokens = k.batch_size * k.rows_per_example * k.seq_len // k.context_parallel
+    reduced = tensor_parallel_buffer_bytes(s, tokens, compute_dtype_bytes(k.bf16, k.fp16), tp)
+    return [
+        (
+            f"  tensor parallel {tp} within each machine ({dp} data-parallel ranks x {k.context_parallel} cp x {tp} "
+            f"tp): a rank holds 1/{tp} of every block's linear layers ({s.num_heads // tp} of {s.num_heads} heads, "
+            f"{s.num_kv_heads // tp} of {s.num_kv_heads} KV heads, {s.intermediate_size // tp} of "
+            f"{s.intermediate_size} MLP width), FSDP-sharded over the {k.world_size // tp} ranks of its slice"
+        ),
+        (
+            f"  embeddings, norms and head whole on the tp ranks (sharded over the same {k.world_size // tp}); two "
+            f"all-reduces of [tokens x hidden] per block each way, {reduced / GiB:.2f} GiB of buffers in activations"
+        ),
     ]
 
 
@@ -387,6 +416,15 @@ def _verdict(p: Plan) -> list[str]:
                 f"{p.gpu_bytes / GiB:.2f} GiB available."
             )
             out += recommendation_lines(p.recommendation)
+    if p.headroom is not None:
+        h = p.headroom
+        out += [
+            (
+                f"Near the limit (less than {NEAR_LIMIT:.0%} left, the planner's largest error): {h.description} -> "
+                f"estimate {h.estimate.total / GiB:.2f} GiB per GPU."
+            ),
+            f"  set {_flags_text(h.flags)}",
+        ]
     if p.longest:
         cp = p.inputs.context_parallel
         parts = [f"cp {d}: {n:,}" + (" (this run)" if d == cp else "") for d, n in sorted(p.longest.items())]
@@ -410,8 +448,9 @@ def recommendation_lines(rec: Recommendation | None) -> list[str]:
         ]
     return [
         (
-            f"Nothing tried fits ({rec.tried} changes: smaller batches, gradient checkpointing, CPU offload, 4-bit, "
-            f"more GPUs). Closest: {rec.description} at an estimated {need:.2f} GiB per GPU."
+            f"Nothing tried fits ({rec.tried} changes: smaller batches, gradient checkpointing, context or tensor "
+            f"parallelism, CPU offload, 4-bit, more GPUs). Closest: {rec.description} at an estimated {need:.2f} GiB "
+            "per GPU."
         ),
         "  Shorten --max_length or use GPUs with more memory.",
     ]

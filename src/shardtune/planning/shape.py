@@ -100,6 +100,10 @@ class ModelShape:
     # Whether the family's mask is causal within each document and nothing more (models.families.plain_causal):
     # shardtune's per-document attention then has transformers build no row-wide mask. Set by plan_shape.
     plain_mask: bool = True
+    # Whether the family has the tensor-parallel plan shardtune verified (shardtune.parallel.tensor.family_plan:
+    # transformers' Llama-style base_model_tp_plan). Set by plan_shape from the config's class; True (shardtune's
+    # Llama-style default) for a shape given as numbers.
+    tensor_parallel_plan: bool = True
 
     @property
     def extra_params(self) -> int:
@@ -199,6 +203,25 @@ class ModelShape:
             "shared_up_proj": (h, s),
             "shared_down_proj": (s, h),
         }
+
+    def tensor_parallel_rank(self, tp: int) -> ModelShape:
+        """A block as one of `tp` tensor-parallel ranks computes it (shardtune.parallel.tensor): its own attention
+        heads and key/value heads and its slice of the MLP's width, so that every activation term of
+        planning.activations that follows them (q, k, v, the attention's output and logsumexp, the row-parallel
+        layers' inputs, gate, up and act(gate), a per-head query or key norm) is the rank's; the hidden size (the
+        block's input and output, the residual stream, the norms, the column-parallel layers' inputs), the
+        vocabulary and the head stay whole. The caller checks that tp divides them (planning.state)."""
+        if tp == 1:
+            return self
+        per_head = {(self.q_dim, self.num_heads), (self.kv_dim, self.num_kv_heads)}
+        norms = tuple((w // tp, n // tp) if (w, n) in per_head else (w, n) for w, n in self.extra_norms)
+        return replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=self.num_kv_heads // tp,
+            intermediate_size=self.intermediate_size // tp,
+            extra_norms=norms,
+        )
 
     def with_vocab(self, vocab_size: int) -> ModelShape:
         """The shape after transformers' resize_token_embeddings, which gives the per-layer embedding as many rows."""

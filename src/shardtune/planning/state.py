@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from shardtune.config import dtypes
 from shardtune.parallel import dims
+from shardtune.parallel.tensor import LLAMA_PLAN
 from shardtune.planning.inputs import DEFAULTS, PlanInputs
 from shardtune.planning.model import (
     Tensor,
@@ -33,6 +35,24 @@ GiB = 1024**3
 # initialising CUDA and making one tensor adds 1,734,560 KiB of peak RSS to a torch process (pytorch/pytorch#113326,
 # RTX 3090, torch 2.2, CUDA 11.8): 2.15 GiB.
 HOST_PROCESS_BYTES = int(2.15 * GiB)
+
+
+# Tensor parallelism's plan by layer name (shardtune.parallel.tensor.LLAMA_PLAN): q, k, v, gate and up are
+# column-parallel, o and down row-parallel.
+TP_STYLE = {path.rpartition(".")[2]: style for path, style in LLAMA_PLAN.items()}
+# The dimension of a sliced layer's tensor that one tp rank holds 1/tp of, by (style, tensor): a column-parallel
+# layer's weight rows (W: out x in), bias, lora_B's rows and DoRA's magnitude follow its output; a row-parallel
+# layer's weight columns and lora_A's columns follow its input. Absent: whole on every tp rank (a row-parallel
+# layer's bias and lora_B, a column-parallel layer's lora_A), as torch's ColwiseParallel and RowwiseParallel place
+# them (shardtune.parallel.tensor).
+TP_DIM = {
+    ("colwise", "weight"): 0,
+    ("colwise", "bias"): 0,
+    ("colwise", "lora_B"): 0,
+    ("colwise", "lora_magnitude_vector"): 0,
+    ("rowwise", "weight"): 1,
+    ("rowwise", "lora_A"): 1,
+}
 
 
 def as_shape(model: ModelShape | Mapping | Any) -> ModelShape:
@@ -90,6 +110,55 @@ def run_tensors(shape: ModelShape, inputs: PlanInputs) -> list[Tensor]:
     )
 
 
+def tensor_parallel_slices(tensors: list[Tensor], tp: int) -> list[Tensor]:
+    """The run's tensors as one of `tp` tensor-parallel ranks holds them before FSDP shards them (FSDP2 then splits
+    each rank's local tensor on dim 0 over the data-parallel ranks, as it splits a whole one): each block linear of
+    the plan sliced (TP_DIM), everything else whole: the blocks' norms, the embeddings, final norm and head."""
+    return tensors if tp == 1 else [_tp_slice(t, tp) for t in tensors]
+
+
+def _tp_slice(t: Tensor, tp: int) -> Tensor:
+    layer, _, kind = t.name.rpartition(".")  # "q_proj.weight", "model.layers.*.mlp.down_proj.lora_A"
+    dim = TP_DIM.get((TP_STYLE.get(layer.rpartition(".")[2], ""), kind)) if t.group == "block" else None
+    if dim is None:
+        return t
+    return replace(t, shape=tuple(n // tp if d == dim else n for d, n in enumerate(t.shape)))
+
+
+def tensor_parallel_problems(shape: ModelShape | None, inputs: PlanInputs) -> list[str]:
+    """What keeps `inputs` from running under its tensor_parallel size as shardtune trains it (empty: nothing; tp 1
+    always runs): the same refusals as training's, from the shape and the plan's inputs instead of the config
+    (shardtune.config.validation's flags, shardtune.parallel.tensor.model_problems' model; shape None: the run's
+    settings only), so that the estimate refuses what training would and the recommender never proposes it."""
+    s, tp = inputs, inputs.tensor_parallel
+    if tp == 1:
+        return []
+    local = s.world_size // s.num_nodes
+    ranks = f"must divide a machine's {local} processes, and all {s.world_size} with cp {s.context_parallel}"
+    unsupported = [
+        (local % tp or s.world_size % (tp * s.context_parallel), ranks),
+        *([] if shape is None else _tensor_parallel_model_problems(shape, tp)),
+        (s.use_4bit or s.use_8bit, "a quantized base is not sliced"),
+        (s.lora_target_parameters, "expert or parameter LoRA targets are not sliced"),
+        (s.offload or s.replicate_base or s.activation_offloading,
+         "offload, a replicated frozen base and activation offloading are not verified with it"),
+        (not dims.strategy(s.sharding_strategy.upper()).sharded, "NO_SHARD is refused with it"),
+        (s.rows_per_example != 1 or s.rollout_engine is not None, "only sft is verified with it"),
+    ]  # fmt: skip
+    return [f"tensor_parallel {tp}: {why}" for bad, why in unsupported if bad]
+
+
+def _tensor_parallel_model_problems(shape: ModelShape, tp: int) -> list[tuple[bool, str]]:
+    """shardtune.parallel.tensor.model_problems on the shape: the verified plan (ModelShape.tensor_parallel_plan),
+    no experts (nor a latent attention, which has no such plan), whole heads and equal MLP slices per rank."""
+    widths = (shape.num_heads, shape.num_kv_heads, shape.intermediate_size)
+    return [
+        (not shape.tensor_parallel_plan, f"{shape.model_type} has no tensor-parallel plan shardtune has verified"),
+        (bool(shape.num_experts or shape.latent_attention), "experts and latent attention are not sliced"),
+        (any(n % tp for n in widths), f"heads, key/value heads and MLP width {widths} must divide by it"),
+    ]
+
+
 def quant_constants(shape: ModelShape, use_4bit: bool, use_8bit: bool, nested_quant: bool) -> int:
     """Constants bitsandbytes keeps beside the quantized weights; they are not FSDP parameters, so every rank
     holds all of them on its GPU."""
@@ -130,15 +199,19 @@ def model_state_bytes_per_rank(
 ) -> dict[str, int]:
     """Bytes of model state one rank holds after `fully_shard`, for the run `inputs` describe: frozen and trainable
     parameters, gradients and optimizer states (each tensor split on dim 0 with torch.chunk; the frozen ones whole
-    with replicate_base), plus the replicated quantization constants.
+    with replicate_base; under tensor parallelism each rank's slices, tensor_parallel_slices), plus the replicated
+    quantization constants.
 
     rank=None gives the padded shard every rank allocates; a rank number gives that rank's real chunk, i.e.
     what `param.to_local()` holds there.
     """
     s = inputs
     shape = as_shape(model)
-    shard = shard_group_size(s.world_size, s.num_nodes, s.sharding_strategy)
-    tensors = run_tensors(shape, s)
+    if problems := tensor_parallel_problems(shape, s):
+        raise ValueError(problems[0])
+    # FSDP shards over the ranks that hold the same tp slice (parallel.dims.ParallelDims.shard_size)
+    shard = shard_group_size(s.world_size // s.tensor_parallel, s.num_nodes, s.sharding_strategy)
+    tensors = tensor_parallel_slices(run_tensors(shape, s), s.tensor_parallel)
     frozen_shard = 1 if s.replicate_base else shard
     out = state_per_rank(shape, tensors, shard, s.optim, None if rank is None else rank % shard, frozen_shard)
     lora = s.use_peft_lora
