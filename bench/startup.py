@@ -98,10 +98,13 @@ def worker(spec: dict) -> dict:
     # The imports phase: the command's module (torch, shardtune's training stack) and the libraries every run
     # imports when it first needs them (transformers, peft, datasets), so that the later phases time work.
     import datasets  # noqa: F401
-    import peft  # noqa: F401
     import transformers  # noqa: F401
 
     import shardtune.commands.train  # noqa: F401
+    from shardtune.models.quant import bitsandbytes_for_peft
+
+    with bitsandbytes_for_peft(needed=False):  # as the run imports peft: its base is not 4-bit
+        import peft  # noqa: F401
 
     t_imported = time.time()
     from shardtune.cli import main as cli_main

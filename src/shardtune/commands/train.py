@@ -12,6 +12,7 @@ from shardtune.config.arguments import RunConfig
 from shardtune.config.errors import ConfigError
 from shardtune.config.run import build_parser, precision_line
 from shardtune.models.preflight import model_input_problems
+from shardtune.models.quant import bitsandbytes_for_peft
 from shardtune.parallel.mesh import is_peer_failure, shutdown
 from shardtune.recipe.run_config import flag_choices, load_run_config
 from shardtune.recipe.train import EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, eval_harness, run
@@ -58,11 +59,13 @@ def _main(argv: list[str], stopper: StopHandler) -> int:
     setup_logging(cfg.train.log_level)
     print0(precision_line(cfg))
 
-    problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
-    if problems:
-        error(str(ConfigError(problems)))
-        return EXIT_CONFIG
-    rc = _train(cfg)
+    # Only a quantized base needs bitsandbytes, which peft would import for every run (models.quant).
+    with bitsandbytes_for_peft(cfg.model.use_4bit_quantization or cfg.model.use_8bit_quantization):
+        problems = model_input_problems(cfg)  # every rank reads the same configs and headers; no process group yet
+        if problems:
+            error(str(ConfigError(problems)))
+            return EXIT_CONFIG
+        rc = _train(cfg)
     if rc == 0 and cfg.train.eval_harness_tasks and rank() == 0:
         rc = eval_harness(cfg)
     return rc

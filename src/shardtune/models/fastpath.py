@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from shardtune.parallel import split
 
@@ -363,6 +362,16 @@ def flash_varlen():
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func
+
+
+def causal_lower_right(*args):
+    """torch's lower-right causal bias (torch.nn.attention.bias.causal_lower_right), imported when first made: that
+    module imports torch._dynamo, which importing shardtune's training stack (`train --help`, the flags' checks)
+    then skips (0.8 s); a run gets it from transformers' modeling anyway. (A module attribute: planning.trace
+    makes the bias outside its dispatch modes by replacing it.)"""
+    from torch.nn.attention.bias import causal_lower_right as make
+
+    return make(*args)
 
 
 def _lower_right(q, k, v, dropout: float, scaling: float | None) -> torch.Tensor:

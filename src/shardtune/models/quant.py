@@ -21,6 +21,8 @@ Nothing here imports torch.distributed: broadcasting the states lives in shardtu
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -46,6 +48,58 @@ def bitsandbytes_missing(flag: str) -> str | None:
             "(or pip install bitsandbytes)."
         )
     return None
+
+
+# peft's cached answers to "is bitsandbytes installed?" (peft.import_utils), which decide whether it imports
+# bitsandbytes to wrap a layer; transformers' own (transformers.utils.import_utils), in case peft's import asked it.
+_BITSANDBYTES_CHECKS = (
+    ("peft.import_utils", "is_bnb_available"),
+    ("peft.import_utils", "is_bnb_4bit_available"),
+    ("transformers.utils.import_utils", "is_bitsandbytes_available"),
+)
+
+
+@contextlib.contextmanager
+def bitsandbytes_for_peft(needed: bool) -> Iterator[None]:
+    """A run without a 4-bit base does not import bitsandbytes (0.7 s or more of start-up: it imports
+    torch.compile's machinery). peft imports it when peft is first imported (peft.helpers, which does without it)
+    and whenever it wraps a layer in LoRA, if peft.import_utils.is_bnb_available() says it is installed (a cached
+    answer). Unless `needed`, peft is imported here and asked with bitsandbytes hidden (`import bitsandbytes`
+    fails, find_spec finds nothing), so that it answers "absent" for the run; on leaving, every cached answer is
+    forgotten, so that what runs next in this process (a 4-bit run, the eval harness) is answered afresh. A run
+    that needs it, or a process that has imported it already, is answered afresh now."""
+    if not needed and "bitsandbytes" not in sys.modules:
+        _peft_without_bitsandbytes()
+    else:
+        _forget_bitsandbytes_checks()
+    try:
+        yield
+    finally:
+        _forget_bitsandbytes_checks()
+
+
+def _peft_without_bitsandbytes() -> None:
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        import peft  # noqa: F401  (peft.helpers tries bitsandbytes at import and does without it)
+
+        for module, name in _BITSANDBYTES_CHECKS[:2]:
+            check = getattr(sys.modules[module], name, None)
+            if check is not None:
+                check()  # cached: "absent" for the run
+    except ImportError:  # a peft (or transformers) that cannot import without it: it imports it as usual
+        _forget_bitsandbytes_checks()
+    finally:
+        if sys.modules.get("bitsandbytes", 0) is None:
+            del sys.modules["bitsandbytes"]
+        _forget_bitsandbytes_checks(_BITSANDBYTES_CHECKS[2:])  # answered during peft's import, if it was
+
+
+def _forget_bitsandbytes_checks(checks=_BITSANDBYTES_CHECKS) -> None:
+    for module, name in checks:
+        check = getattr(sys.modules.get(module), name, None)
+        if hasattr(check, "cache_clear"):
+            check.cache_clear()
 
 
 def quantization_problems(
@@ -102,8 +156,9 @@ def quantization_problems(
 
 def linear4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every bitsandbytes 4-bit linear layer, in module order (the same order on every rank)."""
-    import bitsandbytes as bnb
-
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:  # never imported (a run without a 4-bit base does not import it): none of its layers here
+        return
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             yield name, module
@@ -112,10 +167,10 @@ def linear4bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def packed_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Every module holding a packed 4-bit `weight` and its `quant_state`: bitsandbytes' Linear4bit layers and
     shardtune's 4-bit experts, in module order."""
-    import bitsandbytes as bnb
-
+    bnb = sys.modules.get("bitsandbytes")  # not imported: none of its layers here (a run without 4-bit skips it)
+    kinds = (quant_experts.Experts4bit,) if bnb is None else (bnb.nn.Linear4bit, quant_experts.Experts4bit)
     for name, module in model.named_modules():
-        if isinstance(module, (bnb.nn.Linear4bit, quant_experts.Experts4bit)):
+        if isinstance(module, kinds):
             yield name, module
 
 
