@@ -47,7 +47,7 @@ def _pair(shape, **kw):
 
 
 def test_the_saved_tensors_leave_the_gpu_at_the_loss_backward(shape):
-    kept, off = _pair(shape)
+    kept, off = _pair(shape, loss_chunk_tokens=1024)
     assert kept.peak_phase == off.peak_phase == LOSS  # 1024-position loss chunks: the loss's backward peaks
     h = shape.hidden_size
     blocks = shape.num_layers * T * A * h  # the checkpointed inputs: 1.0 GiB
@@ -60,9 +60,11 @@ def test_the_saved_tensors_leave_the_gpu_at_the_loss_backward(shape):
 
 @pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
 def test_the_recomputed_block_input_comes_back(shape, targets):
-    """With short loss chunks a block's backward peaks: the offloaded step holds one block's recomputation or
+    """With short loss chunks (the run's for this vocabulary) a block's backward peaks: the offloaded step holds one block's recomputation or
     backward, the recomputation now with that block's input copied back, beside the masks and the micro-batch."""
-    kept, off = _pair(shape, loss_chunk_tokens=256, lora_target_modules=targets)
+    kept, off = _pair(shape, lora_target_modules=targets)
+    assert kept.inputs.loss_chunk_tokens is None and off.peak_phase == kept.peak_phase  # the run's 256 positions
+    assert kept.total == _pair(shape, loss_chunk_tokens=256, lora_target_modules=targets)[0].total
     assert kept.peak_phase == off.peak_phase == LAYER
     layer = T * act.layer_saved_bytes_per_token(
         shape, seq_len=2048, compute_bytes=A, attn_implementation="sdpa", lora_targets=_targets(targets), masked=True,
@@ -88,7 +90,7 @@ def test_offloaded_activations_do_not_grow_with_depth(shape):
     """Twice the blocks: without offloading the checkpointed inputs double (32 more blocks' T x h); with it the
     activations and logits at the peak are the same, for every attention implementation."""
     deeper = dataclasses.replace(shape, num_layers=2 * shape.num_layers)
-    for kw in ({}, {"loss_chunk_tokens": 256}):
+    for kw in ({"loss_chunk_tokens": 1024}, {"loss_chunk_tokens": 256}):
         kept, off = _pair(shape, **kw)
         kept_deep, off_deep = _pair(deeper, **kw)
         for impl, row in off.activations_by_attention.items():
@@ -103,7 +105,7 @@ def test_the_host_holds_pinned_copies(shape):
     """Per rank: 32 block inputs of 32 MiB, the final norm's fp32 input (64 MiB) and rsqrt (16 KiB) twice each, its
     weight (8 KiB), the target mask (4 KiB), and 4 loss chunks of 8 MiB inputs and 8 KiB labels: powers of two
     already, as the pinned allocator would round them."""
-    _, off = _pair(shape)
+    _, off = _pair(shape, loss_chunk_tokens=1024)
     per_rank = 32 * 2**25 + 2 * 2**26 + 2 * 2**14 + 2**13 + 2**12 + 4 * 2**23 + 4 * 2**13
     assert off.host["offloaded activations"] == per_rank  # 1.16 GiB
     assert sum(act.offloaded_tensor_bytes(shape, T, A, 1024)) == per_rank

@@ -22,6 +22,7 @@ from shardtune.commands.plan import format_plan, format_trace, main, make_plan
 from shardtune.objectives.heads import token_loss
 from shardtune.planning import activations, estimate_memory, model_state_bytes_per_rank
 from shardtune.planning.known_configs import known_config
+from shardtune.planning.phases import LAYER
 from shardtune.planning.report import category_comparison, trace_comparison, traced_estimate, traced_run_inputs
 
 L7 = "meta-llama/Llama-2-7b-hf"
@@ -33,6 +34,11 @@ _REPLICATED = shlex.split("--frozen_base replicated --modules_to_save lm_head")
 CASES = {
     "dense LoRA, 2 ranks": (L7, [*_LORA, "--num_processes", "2"]),
     "GQA LoRA, 1 rank": (L8, [*_LORA, "--num_processes", "1"]),
+    # the same with Llama-2's 1024-position loss chunks, four times the run's for this vocabulary: the loss peaks
+    "GQA LoRA, 1 rank, 1024-position loss chunks": (
+        L8,
+        [*_LORA, "--num_processes", "1", "--loss_chunk_tokens", "1024"],
+    ),
     "GQA LoRA, 8 ranks": (L8, [*_LORA, "--num_processes", "8"]),
     "DoRA, 2 ranks": (L7, [*_LORA, "--use_dora", "True", "--num_processes", "2"]),
     "QLoRA, 2 ranks, 2 micro-batches": (
@@ -149,6 +155,12 @@ def _assert_categories(p, case: str) -> None:
     assert rows["optimizer states"][0] == rows["optimizer states"][1]
     for name, (got, est) in rows.items():
         bound = BOUND * got if got >= 0.01 * peak else _left_out(p)
+        if name == "gradients" and traced_estimate(p).peak_phase == LAYER:
+            # a block's backward peaks (the run's 256-position loss chunks for a 128k vocabulary): the gradients of
+            # the adapters already through that block's backward, which the estimate leaves out (0.56 MiB of a
+            # 5.7 GiB peak on the 1-rank GQA case, inside the phase's BOUND): at most one block's trainable
+            # parameters, in fp32
+            bound += p.trace.state["trainable"] // p.shape.num_layers
         assert abs(est - got) <= bound, f"{case}, {name}: traced {got / 2**20:.2f} MiB, estimate {est / 2**20:.2f}"
 
 
@@ -184,7 +196,10 @@ def test_traced_phases_name_the_peak(traced):
     """The phase the estimate reports as the peak is where the trace peaks (different phases across the cases)."""
     got = {case: traced[case].estimate.peak_phase for case in CASES}
     assert got["GQA LoRA, 8 ranks"] == "forward (first block's all-gather)"  # 128k-vocabulary root gathered twice
-    assert got["GQA LoRA, 1 rank"] == "loss backward"  # one rank: no flat all-gather copies
+    # one rank: no flat all-gather copies; the run's 256-position loss chunks (2**25 logits) put the peak in a
+    # block's backward, 1024-position ones in the loss's
+    assert got["GQA LoRA, 1 rank"] == "decoder-layer backward"
+    assert got["GQA LoRA, 1 rank, 1024-position loss chunks"] == "loss backward"
     assert got["full fine-tuning, 8 ranks"].startswith("root backward")
     assert got["DoRA, 2 ranks"] == got["LoRA r=64 with dropout, 4 blocks, 2 ranks"] == "decoder-layer backward"
     # the second block to run backward: one block's gradient shards (fp32, r=64 on 7 linears, half per rank) and
@@ -303,6 +318,7 @@ def test_mixture_of_experts_traced_against_estimate(tmp_path):
     path.write_text(json.dumps(MIXTRAL))
     for batch, phase in (("2", "forward (a later block's all-gather)"), ("8", "decoder-layer backward")):
         flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        flags += ["--loss_chunk_tokens", "1024"]
         p = make_plan(["--model_name_or_path", str(path), *flags])
         # the experts' and router's tensors account for every parameter of the model class (counted on meta)
         assert p.shape.extra_params == 0 and p.shape.num_experts == 8 and p.shape.experts_per_token == 2
@@ -349,6 +365,7 @@ def test_shared_expert_traced_against_estimate(tmp_path):
     path.write_text(json.dumps(QWEN2_MOE))
     for batch in ("2", "8"):
         flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        flags += ["--loss_chunk_tokens", "1024"]
         p = make_plan(["--model_name_or_path", str(path), *flags])
         est, held = model_state_bytes_per_rank(p.shape, p.inputs, rank=0), p.trace.state
         extras = p.shape.num_layers * (p.shape.block_extra_linear + p.shape.block_extra_other) * 2  # bf16
@@ -397,11 +414,15 @@ def test_latent_attention_and_narrow_experts_traced_against_estimate(tmp_path, m
     (fp32 routing weights: three k·h-wide fp32 gradients, above the experts' own) are planned: every phase within
     the bound at batch 2 and 8. Planted, each alone: the attention read as Llama's of the rotary width (as before),
     or the combine left out: the traced step at batch 8 is above the estimate by more than the bound. With the
-    published 128-wide value heads the trace notes CPU's math kernel."""
+    published 128-wide value heads the trace notes CPU's math kernel. With 1024-position loss chunks (not the
+    run's 320 for this vocabulary), so that the loss, not the first block's all-gather, is the step's peak: the
+    planner's blocks are the mean of the dense first block and the MoE ones, which over-counts the first block's
+    gathered copies by 3.4% of that phase at batch 2 (docs/plan.md, "Known gaps")."""
     path = tmp_path / "deepseek-v2-lite-3.json"
     path.write_text(json.dumps(DEEPSEEK_V2_LITE))
     for batch in ("2", "8"):
         flags = [*_LORA, "--per_device_train_batch_size", batch, "--num_processes", "2", "--trace", "True"]
+        flags += ["--loss_chunk_tokens", "1024"]
         p = make_plan(["--model_name_or_path", str(path), *flags])
         assert p.shape.latent_attention and p.shape.routing_weight_bytes == 4
         for name, (got, estimated) in trace_comparison(p).items():

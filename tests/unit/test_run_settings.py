@@ -22,10 +22,11 @@ from shardtune.config.accelerate import accelerate_env, read_accelerate_yaml
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV
 from shardtune.data import build_datasets
-from shardtune.models.builder import LOSS_CHUNK_TOKENS, ModelSpec, model_facts, model_spec
+from shardtune.models.builder import ModelSpec, build_training_module, model_facts, model_spec
 from shardtune.models.loading import bnb_config, load_tokenizer
 from shardtune.parallel.parallelize import ShardingSettings, sharding_settings, use_fsdp
 from shardtune.planning import PlanInputs, fit
+from shardtune.planning.estimate import estimate_memory, loss_chunk
 from shardtune.planning.fit import RunFit, launch_from_settings, plan_inputs
 from shardtune.planning.shape import ModelShape
 from shardtune.planning.state import GiB
@@ -226,17 +227,32 @@ def test_fsdp_or_the_plain_module_is_one_rule_for_the_run_and_the_plan(monkeypat
 # ---------------------------------------------------------------- the loss's chunk, the objective's defaults
 
 
-def test_the_loss_chunk_is_the_runs_in_every_plan(model_dir):
-    """The run's chunk of the lm_head + cross-entropy (models.builder.LOSS_CHUNK_TOKENS, what ModelSpec hands the
-    training module) is what `shardtune plan`, plan_inputs, PlanInputs' default and the traced step plan. Negative
-    control: ModelSpec's default planted as 512, this test fails."""
+@pytest.mark.parametrize("vocab", [256, 128256])
+def test_the_loss_chunk_is_the_runs_in_every_plan(tmp_path, vocab):
+    """The run's chunk of the lm_head + cross-entropy (models.training_module.loss_chunk_tokens of the head's rows:
+    ModelSpec leaves it None) is what `shardtune plan`, the estimate of default PlanInputs and the traced step plan,
+    for a small vocabulary and for Llama-3's (256 positions: 2**25 logits). Negative control: the planner's
+    default planted back as the constant 1024, the 128,256-token case fails."""
     from shardtune.planning.trace import trace_step
 
-    cfg, plan = _both(model_dir, [])
-    chunk = model_spec(cfg, "cpu", 256, []).loss_chunk_size
-    assert chunk == LOSS_CHUNK_TOKENS == PlanInputs().loss_chunk_tokens == plan.inputs.loss_chunk_tokens
-    assert plan_inputs(cfg, launch_from_settings(cfg.fsdp, 1, 1)).loss_chunk_tokens == chunk
-    assert inspect.signature(trace_step).parameters["loss_chunk_tokens"].default == chunk
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**TINY, "vocab_size": vocab, "hidden_size": 16}))
+    cfg, plan = _both(folder, [])
+    spec = model_spec(cfg, "cpu", vocab, [])
+    assert (
+        spec.loss_chunk_size is None and inspect.signature(trace_step).parameters["loss_chunk_tokens"].default is None
+    )
+    module, _ = build_training_module(spec, on_meta=True, quantize_device=None)
+    assert plan.inputs.loss_chunk_tokens is None  # the estimate's rule, as for a train start-up's plan_inputs
+    assert module.chunk_size == plan.to_dict()["run"]["loss_chunk_tokens"] == loss_chunk(plan.shape, PlanInputs())
+    assert module.chunk_size == {256: 1024, 128256: 256}[vocab]
+    # the estimate of the rule's default is the estimate of that chunk given explicitly
+    given = dataclasses.replace(plan.inputs, loss_chunk_tokens=module.chunk_size)
+    assert (
+        estimate_memory(plan.shape, given).total
+        == estimate_memory(plan.shape, dataclasses.replace(plan.inputs, loss_chunk_tokens=None)).total
+    )
 
 
 def test_the_objective_s_defaults_are_filled_in_for_the_plan_as_for_the_run(model_dir):

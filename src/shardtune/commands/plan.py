@@ -21,7 +21,6 @@ from shardtune.config.arguments import DataArguments, ModelArguments, RunConfig,
 from shardtune.config.errors import ConfigError
 from shardtune.config.fsdp import SINGLE_PROCESS_ENV, FSDPSettings, single_process_setting
 from shardtune.config.run import explicit_flags, parse_args, resolve_parallel_sizes
-from shardtune.models.builder import LOSS_CHUNK_TOKENS
 from shardtune.objectives.loss import has_reference, objective_spec
 from shardtune.parallel.dims import STRATEGIES, STRATEGY_BY_NUMBER
 from shardtune.parallel.tensor import model_problems
@@ -95,8 +94,10 @@ class PlanArguments:
         None,
         "sdpa, flash_attention_2 or eager (default: flash_attention_2 with --use_flash_attn True, otherwise sdpa).",
     )
-    loss_chunk_tokens: int = _f(
-        LOSS_CHUNK_TOKENS, "Positions per chunk of shardtune's chunked lm_head + cross-entropy (the run's default)."
+    loss_chunk_tokens: int | None = _f(
+        None,
+        "Positions per chunk of shardtune's chunked lm_head + cross-entropy (default: the run's, 2**25 logits' "
+        "worth for the model's vocabulary, 64 to 1024: 256 for a 128,256-token vocabulary).",
     )
     longest_seq_len: bool = _f(
         False,
@@ -216,6 +217,8 @@ def make_plan(argv: list[str]) -> Plan:
         raise ConfigError(
             [(f"--attn_implementation {plan.attn_implementation!r}: use sdpa, flash_attention_2 or eager.")]
         )
+    if plan.loss_chunk_tokens is not None and plan.loss_chunk_tokens < 1:
+        raise ConfigError([f"--loss_chunk_tokens {plan.loss_chunk_tokens}: give a positive number of positions."])
     if plan.trace and train.tensor_parallel_size > 1:
         raise ConfigError([TRACE_TP.format(tp=train.tensor_parallel_size)])
     config = load_model_config(model.model_name_or_path, model.trust_remote_code)

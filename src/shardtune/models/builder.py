@@ -20,7 +20,6 @@ from shardtune.config.errors import ConfigError
 from shardtune.models import adapter, families, fastpath, loading, quant, training_module
 from shardtune.models.dora import use_fast_dora
 from shardtune.models.fastpath import use_fast_dropout, use_fast_lora
-from shardtune.models.training_module import LOSS_CHUNK_TOKENS
 from shardtune.runtime.log import print0
 
 
@@ -56,7 +55,7 @@ class ModelSpec:
     use_reentrant: bool = False
     checkpoint_every: int = 1
     torch_compile: bool = False
-    loss_chunk_size: int = LOSS_CHUNK_TOKENS
+    loss_chunk_size: int | None = None  # None: training_module.loss_chunk_tokens of the head's rows
     router_aux_loss_coef: float | None = None  # None: the config's (shardtune.models.router_aux)
     # Rows hold several documents (DataArguments.packed_rows): the training forward must keep them apart.
     packing: bool = False

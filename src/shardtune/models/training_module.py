@@ -12,10 +12,23 @@ from torch import nn
 from shardtune.models import documents, families, fastpath, router_aux
 from shardtune.runtime.log import warn0
 
-# Positions per chunk of the chunked lm_head + cross-entropy every run trains with (chunk_logits): the one value
-# models.builder.ModelSpec, the planner's default (planning.inputs.PlanInputs.loss_chunk_tokens) and `shardtune plan
-# --loss_chunk_tokens` read.
-LOSS_CHUNK_TOKENS = 1024
+# The chunked lm_head + cross-entropy (chunk_logits) holds one chunk's fp32 log-softmax, its gradient and the logits'
+# gradient: 12 bytes per logit. Its chunk is sized in logits, not positions, so that this working set does not grow
+# with the vocabulary: 2**25 logits (384 MiB for the three fp32 copies) is 1024 positions of Llama-2's 32,000-token
+# vocabulary, the size the planner's traced rows were first checked at, and 256 positions of Llama-3's 128,256
+# (1.47 -> 0.37 GiB on torchtune's one-GPU rows, docs/plan.md). Bounded by 1024 positions (a small vocabulary gains
+# nothing from longer chunks but a larger working set) and by 64 (the head's product stays a wide matrix product).
+LOSS_CHUNK_LOGITS = 2**25
+LOSS_CHUNK_MAX_TOKENS = 1024
+LOSS_CHUNK_MIN_TOKENS = 64
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Positions per chunk of the lm_head + cross-entropy for a head of `vocab_size` rows: the one rule
+    models.builder.ModelSpec (None: this rule), the planner (planning.estimate) and `shardtune plan
+    --loss_chunk_tokens`'s default read. A multiple of 64 positions."""
+    fits = LOSS_CHUNK_LOGITS // max(int(vocab_size), 1) // 64 * 64
+    return max(LOSS_CHUNK_MIN_TOKENS, min(LOSS_CHUNK_MAX_TOKENS, fits))
 
 
 class CausalLMForTraining(nn.Module):
@@ -39,7 +52,7 @@ class CausalLMForTraining(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        chunk_size: int = LOSS_CHUNK_TOKENS,
+        chunk_size: int | None = None,
         per_document_attention: bool = True,
         layout: families.Layout | None = None,
         packing: bool | None = None,
@@ -48,7 +61,6 @@ class CausalLMForTraining(nn.Module):
     ):
         super().__init__()
         self.model = model
-        self.chunk_size = chunk_size
         self.per_document_attention = per_document_attention  # see shardtune.models.fastpath
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.verdict = None
@@ -65,6 +77,10 @@ class CausalLMForTraining(nn.Module):
             # whether the family masks nothing beyond each document's causality (decided once: no row mask then)
             self._plain_mask = families.plain_causal(self._decoder.config)
         object.__setattr__(self, "_head", base.get_output_embeddings())
+        # None: sized by the head's rows (the vocabulary after new tokens), loss_chunk_tokens's rule
+        self.chunk_size = chunk_size or loss_chunk_tokens(
+            getattr(self._head, "out_features", 0) or self._head.weight.shape[0]
+        )
         # The family's logit transform (Granite's division by logits_scaling, a muP multiplier, Gemma's final
         # soft-capping, ...), read from the language model's config: a multimodal class loaded as a causal LM
         # (Gemma 3n and Gemma 4 are *ForConditionalGeneration) keeps it in its text_config.

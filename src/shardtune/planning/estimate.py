@@ -15,6 +15,7 @@ from typing import Any
 
 # Not `from shardtune.planning import activations`: that names the package, whose __init__ imports this module.
 import shardtune.planning.activations as act
+from shardtune.models.training_module import loss_chunk_tokens
 from shardtune.planning.buffers import state_and_buffers
 from shardtune.planning.checkpoint_save import (  # noqa: F401 - SAVE_*: the estimate's rows and phase names
     SAVE_COPIES_ROW,
@@ -427,7 +428,7 @@ def _dynamic_kwargs(shape: ModelShape, s: PlanInputs) -> dict[str, Any]:
         "use_dora": s.use_dora,
         "quantized": s.use_4bit or s.use_8bit,
         "loss_impl": s.loss_impl,
-        "loss_chunk_tokens": s.loss_chunk_tokens,
+        "loss_chunk_tokens": loss_chunk(shape, s),
         "dropout_mask_bytes": s.dropout_mask_bytes,
         "dropout_scratch_bytes": s.dropout_scratch_bytes,
     }
@@ -461,12 +462,17 @@ def _step_parts(
     )
 
 
+def loss_chunk(shape: ModelShape, s: PlanInputs) -> int:
+    """The loss's chunk the run trains with: the given one, or the run's rule on the head's rows."""
+    return s.loss_chunk_tokens or loss_chunk_tokens(shape.vocab_size)
+
+
 def _offloaded_host_bytes(shape: ModelShape, s: PlanInputs, dyn_kwargs: dict[str, Any]) -> int:
     """Host RAM per machine that activation offloading takes: each local rank's copies of what its forward saves
     (act.offloaded_tensor_bytes), each in pinned memory as torch's host allocator rounds it (act.pinned_host_bytes)
     and keeps it cached for the next step."""
     tokens = dyn_kwargs["batch_size"] * dyn_kwargs["seq_len"]
-    copies = act.offloaded_tensor_bytes(shape, tokens, dyn_kwargs["a"], s.loss_chunk_tokens)
+    copies = act.offloaded_tensor_bytes(shape, tokens, dyn_kwargs["a"], loss_chunk(shape, s))
     return s.world_size // s.num_nodes * sum(act.pinned_host_bytes(n) for n in copies)
 
 

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.models.builder import LOSS_CHUNK_TOKENS
 from shardtune.planning.activations import CUDA_DROPOUT_MASK_BYTES
 
 # nvidia-smi counts the CUDA context (driver, lazily loaded kernels) and NCCL's buffers besides PyTorch's
@@ -69,7 +68,8 @@ class PlanInputs:
     # The loss: shardtune's lm_head + cross-entropy on chunks of loss_chunk_tokens positions ("chunked"), or the
     # whole logits as other trainers compute them.
     loss_impl: str = "chunked"
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS  # the run's (models.builder)
+    # None: the run's rule on the model's vocabulary (models.training_module.loss_chunk_tokens, planning.estimate)
+    loss_chunk_tokens: int | None = None
     # Other trainers, which the published comparisons use: base_dtype, a base held in another dtype than the
     # compute dtype (e.g. fp32 with bf16 autocast); adapter_dtype, the adapters' dtype; prefetch, FSDP's
     # all-gather of the next block; sharded_checkpoint, the HF Trainer saving FSDP1 checkpoints with

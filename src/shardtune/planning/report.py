@@ -9,7 +9,7 @@ from typing import Any
 
 from shardtune.config.arguments import RunConfig
 from shardtune.planning.activations import tensor_parallel_buffer_bytes
-from shardtune.planning.estimate import MemoryEstimate, estimate_memory
+from shardtune.planning.estimate import MemoryEstimate, estimate_memory, loss_chunk
 from shardtune.planning.generation import VLLM, kv_bytes_per_position
 from shardtune.planning.inputs import RUN_FIELDS, PlanInputs, as_json
 from shardtune.planning.model import EXPERT_LORA, ROUTER_LORA, lora_param_count, resolve_lora_targets
@@ -76,7 +76,8 @@ class Plan:
                 "parameters": base_param_count(self.shape),
                 "lora_parameters": lora_param_count(self.shape, i.lora_r, targets, i.use_dora),
             },
-            "run": as_json(i, RUN_FIELDS),
+            # the loss's chunk as the run resolves it (None in the inputs: the rule on the vocabulary)
+            "run": {**as_json(i, RUN_FIELDS), "loss_chunk_tokens": loss_chunk(self.shape, i)},
             **self.estimate.to_dict(),
             "gpu_memory_bytes": self.gpu_bytes,
             "fits": None if self.gpu_bytes is None else self.estimate.fits(self.gpu_bytes),

@@ -32,7 +32,7 @@ import torch
 
 from shardtune.config.errors import ConfigError
 from shardtune.models import fastpath, quant
-from shardtune.models.builder import LOSS_CHUNK_TOKENS, model_spec
+from shardtune.models.builder import model_spec
 from shardtune.objectives.heads import token_loss
 from shardtune.parallel.context_parallel import local_part
 from shardtune.parallel.fake import fake_process_group, track_peak, untracked_root
@@ -147,7 +147,7 @@ def trace_step(
     world_size: int,
     num_nodes: int,
     device: str = "cpu",
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    loss_chunk_tokens: int | None = None,
     replicate_base: bool = False,
 ) -> TraceResult:
     """Trace the run `cfg` (a RunConfig) for the model `config` on rank 0 of `world_size` ranks, with the frozen
