@@ -22,6 +22,8 @@ a single process: accelerate refuses FSDP on a CPU-only machine.
 from __future__ import annotations
 
 import argparse
+import compileall
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -325,9 +327,12 @@ def shardtune_argv(spec: dict) -> list[str]:
 
 def run_shardtune_worker(spec: dict) -> dict:
     """Run `shardtune train` in this process, timing each optimizer step at the entry of `train_step`."""
+    from shardtune.cli import prepare_process
+
+    prepare_process()  # before torch loads OpenMP, as the `shardtune` script does (config.openmp)
     import torch
 
-    from shardtune.commands.train import main as train_main
+    from shardtune.cli import run_command
     from shardtune.training import trainer
 
     torch.set_num_threads(spec["threads"])
@@ -339,10 +344,12 @@ def run_shardtune_worker(spec: dict) -> dict:
         return original(model, batches, info, *args, **kwargs)
 
     trainer.train_step = timed_train_step
-    rc = train_main(shardtune_argv(spec))
+    # as the `shardtune` script runs it: the process ends with the command (shardtune.runtime.collector)
+    rc = run_command("train", shardtune_argv(spec), program=True)
     if rc != 0:
         raise SystemExit(f"shardtune train exited with {rc}")
-    return rec.result()
+    # how its OpenMP threads waited: PASSIVE where it found the CPUs busy at start (config.openmp), else the default
+    return {**rec.result(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def _reference_model(spec: dict, s: Settings):
@@ -639,8 +646,30 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant", action="append", default=[], help="NAME=KIND[@SRC] [FLAGS...]; repeatable.")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "shardtune-bench"), help="Assets.")
     ap.add_argument("--out", default=None, help="JSON output (default bench/results/speed[-MODEL][-cuda].json).")
+    ap.add_argument(
+        "--background_load",
+        type=int,
+        default=0,
+        help="Other jobs on the machine while it measures: N processes of one-thread fp32 matmuls (default none).",
+    )
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+# One other job: a one-thread process that multiplies matrices until it is killed (a neighbour's training).
+_LOAD_JOB = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).tanh()"
+
+
+@contextlib.contextmanager
+def background_load(jobs: int):
+    """`jobs` other processes loading the CPUs while the contenders run; killed at the end."""
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_JOB]) for _ in range(jobs)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def _settings(a: argparse.Namespace) -> Settings:
@@ -682,8 +711,21 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def compile_as_installed(c: Contender) -> None:
+    """Byte-compile the shardtune source a contender runs, as `pip install` does for an installed package. An
+    editable install compiles nothing, and where PYTHONDONTWRITEBYTECODE is set (these machines set it) every
+    start would compile shardtune's modules again (0.2 s measured for the train command's imports), which the
+    reference's installed libraries never pay."""
+    if c.kind == "reference":
+        return
+    root = Path(c.src) if c.src else Path(importlib.util.find_spec("shardtune").origin).parent.parent
+    compileall.compile_dir(str(root / "shardtune"), quiet=1)
+
+
 def _measure(contenders: list[Contender], s: Settings, assets: dict, workdir: Path, device: str, pad_id: int):
     """Interleave the contenders over the rounds (alternating their order) and the matmul peaks between them."""
+    for c in contenders:
+        compile_as_installed(c)
     dtype = "bfloat16" if s.bf16 else "float32"
     shapes = peak_shapes(assets["model"], s.batch * s.seq_len, device)
     peaks = {"machine": 0.0, "one_thread": 0.0}
@@ -717,13 +759,15 @@ def main(argv: list[str] | None = None) -> int:
     fm = flop_model(assets["model"], s.lora_r, vocab_rows=-(-len(tok) // 8) * 8)
     contenders = _contenders(a, device)
     load_before = os.getloadavg()
-    raw, peaks = _measure(contenders, s, assets, workdir, device, tok.pad_token_id)
+    with background_load(a.background_load):
+        raw, peaks = _measure(contenders, s, assets, workdir, device, tok.pad_token_id)
     report = {
         "command": "python bench/speed.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "settings": asdict(s),
         "device": device if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "device_name": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
         "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "background_load": a.background_load,  # other one-thread jobs running throughout
         "torch": torch.__version__,
         "dtype": "bfloat16" if s.bf16 else "float32",
         # The CPU case these figures belong to: bf16 native or emulated, measured (shardtune.runtime.cpu).

@@ -96,7 +96,17 @@ def _wrap(record: dict[str, list[tuple[float, float]]], name: str, module: str, 
 def worker(spec: dict) -> dict:
     """Run `shardtune train` here with its phases' functions wrapped; the intervals and marks, in epoch seconds."""
     # The imports phase: the command's module (torch, shardtune's training stack) and the libraries every run
-    # imports when it first needs them (transformers, peft, datasets), so that the later phases time work.
+    # imports when it first needs them (transformers, peft, datasets), so that the later phases time work. All of
+    # it inside the command's garbage-collector window, as `shardtune train` imports them (runtime.collector).
+    from shardtune.cli import prepare_process
+    from shardtune.runtime import collector
+
+    prepare_process()  # before torch loads OpenMP, as the `shardtune` script does (config.openmp)
+    with collector.during_command(program=True):
+        return _timed_command(spec)
+
+
+def _timed_command(spec: dict) -> dict:
     import datasets  # noqa: F401
     import transformers  # noqa: F401
 
@@ -200,9 +210,12 @@ def run_once(layout: str, assets: dict, workdir: Path, a: argparse.Namespace, fr
     spec_path.write_text(json.dumps(spec))
     proc = subprocess.run([*cmd, str(Path(__file__)), "--_worker", str(spec_path), "--_result", str(result)],
                           check=False, env=env, cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    ended = time.time()  # after the interpreter's exit (and torchrun's), which the worker cannot time itself
     if proc.returncode != 0 or not result.exists():
         raise SystemExit(f"start-up run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return phases(json.loads(result.read_text()))
+    run = json.loads(result.read_text())
+    run["marks"]["exit"] = ended
+    return phases(run)
 
 
 def _free_port() -> int:
@@ -281,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     assets = speed.build_assets(workdir, a.model, n_train=400)
+    speed.compile_as_installed(speed.Contender("shardtune", "shardtune"))  # shardtune as `pip install` leaves it
     layouts = [x.strip() for x in a.layouts.split(",")]
     load_before = os.getloadavg()[0]
     raw: dict[str, list[dict]] = {n: [] for n in layouts}

@@ -153,3 +153,18 @@ def _no_process_group_left_behind():
         leaked.append(f"launcher variables {sorted(k for k in before if before[k] != after[k])}")
     if leaked:
         pytest.fail(f"this test module left {' and '.join(leaked)} behind", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collector_given_back():
+    """A command run in a test's process gives the garbage collector back as it found it (runtime.collector): a
+    module that leaves objects frozen or the oldest generation off would grow every later test's memory."""
+    import gc
+
+    before = gc.get_threshold(), gc.get_freeze_count()
+    yield
+    after = gc.get_threshold(), gc.get_freeze_count()
+    if after != before:
+        gc.unfreeze()
+        gc.set_threshold(*before[0])
+        pytest.fail(f"the garbage collector was left as {after}, not {before}")

@@ -14,7 +14,8 @@ import os
 import signal
 import sys
 
-from shardtune.config import cuda_allocator
+from shardtune.config import cuda_allocator, openmp
+from shardtune.runtime import collector
 from shardtune.runtime.log import quiet_import_notices, warn0
 from shardtune.runtime.signals import Redelivery
 
@@ -37,9 +38,13 @@ def _usage() -> str:
 
 
 def prepare_process() -> None:
-    """What a process needs before anything touches CUDA: shardtune's allocator settings unless the user chose
-    theirs (child processes, torchrun's and accelerate's workers, inherit them); libraries' import notices quiet."""
+    """What a process needs before anything touches CUDA or loads OpenMP: shardtune's allocator settings and
+    OpenMP spin count unless the user chose theirs (child processes, torchrun's and accelerate's workers, inherit
+    them); libraries' import notices quiet."""
     quiet_import_notices()
+    # A program that loaded torch before calling a command keeps libgomp's spin count (read when it loaded); its
+    # child processes get shardtune's. Only speed differs, so nothing is said.
+    openmp.apply_default()
     if not cuda_allocator.apply_default():
         return
     # The caching allocator reads its settings once, when CUDA starts; a program that started it before calling a
@@ -49,11 +54,13 @@ def prepare_process() -> None:
         warn0(f"CUDA started before shardtune set {cuda_allocator.describe()}: this process keeps torch's defaults.")
 
 
-def run_command(name: str, argv: list[str]) -> int:
-    """Run the command `name` (a key of COMMANDS) with its flags, in this process."""
+def run_command(name: str, argv: list[str], program: bool = False) -> int:
+    """Run the command `name` (a key of COMMANDS) with its flags, in this process; `program`: the process ends
+    with it (runtime.collector then leaves the interpreter's exit nothing to scan)."""
     prepare_process()
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(argv) or 0)
+    with collector.during_command(program):
+        return int(getattr(importlib.import_module(module), func)(argv) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with _sigint_noted() as signalled:
         try:
-            code = run_command(name, rest)
+            code = run_command(name, rest, program)
         except BaseException as e:
             # A Ctrl-C before the command installs its own handlers (torch and transformers take seconds to
             # import). Some libraries' lazy imports catch it and raise their own error without chaining it, so the

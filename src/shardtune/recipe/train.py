@@ -20,7 +20,7 @@ from shardtune.parallel.fsdp import local_state_bytes
 from shardtune.parallel.mesh import all_gather_objects, init_distributed
 from shardtune.planning.fit import RunFit
 from shardtune.recipe import build, checks, output, settings, state
-from shardtune.runtime import hooks
+from shardtune.runtime import collector, hooks
 from shardtune.runtime.atomic import is_disk_full
 from shardtune.runtime.cpu import bf16_check
 from shardtune.runtime.log import error, print0, warn0
@@ -61,6 +61,7 @@ def _run(cfg: RunConfig, info, repo_id: str | None, trackers: list, fit: RunFit,
     """Build, train, export."""
     built = build.build(cfg, info, fit, stop)
     logger = _logger(cfg, info, built.model, built.settings.total_steps, trackers)
+    collector.training_starts()  # start-up's objects out of the steps' collections
     start = time.perf_counter()
     try:
         try:
