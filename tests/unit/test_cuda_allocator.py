@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sys
 
 import pytest
 import tomllib
@@ -104,9 +105,12 @@ def test_every_entry_point_goes_through_run_command(monkeypatch):
     tree = ast.parse((ROOT / "src" / "shardtune" / "__main__.py").read_text())
     assert "from shardtune.cli import main" in ast.unparse(tree) and "SystemExit(main())" in ast.unparse(tree)
     calls = []
-    monkeypatch.setattr(cli, "run_command", lambda name, argv: calls.append((name, argv)) or 0)
+    monkeypatch.setattr(cli, "run_command", lambda name, argv, program: calls.append((name, argv, program)) or 0)
     assert cli.main(["plan", "--json", "True"]) == 0
-    assert calls == [("plan", ["--json", "True"])]
+    assert calls == [("plan", ["--json", "True"], False)]  # argv given: a caller in its own process
+    monkeypatch.setattr(sys, "argv", ["shardtune", "plan", "--json", "True"])
+    assert cli.main() == 0
+    assert calls[-1] == ("plan", ["--json", "True"], True)  # the script: the process ends with the command
 
 
 def test_a_setting_that_comes_too_late_is_reported(monkeypatch, caplog):
