@@ -38,12 +38,12 @@ def _usage() -> str:
 
 
 def prepare_process() -> None:
-    """What a process needs before anything touches CUDA or loads OpenMP: shardtune's allocator settings and
-    OpenMP spin count unless the user chose theirs (child processes, torchrun's and accelerate's workers, inherit
-    them); libraries' import notices quiet."""
+    """What a process needs before anything touches CUDA or loads OpenMP: shardtune's allocator settings and how
+    OpenMP threads wait (config.openmp) unless the user chose theirs (child processes, torchrun's and accelerate's
+    workers, inherit them); libraries' import notices quiet."""
     quiet_import_notices()
-    # A program that loaded torch before calling a command keeps libgomp's spin count (read when it loaded); its
-    # child processes get shardtune's. Only speed differs, so nothing is said.
+    # A program that loaded torch before calling a command keeps OpenMP's settings (read when torch loaded it);
+    # only speed differs, so nothing is said.
     openmp.apply_default()
     if not cuda_allocator.apply_default():
         return

@@ -10,10 +10,11 @@ Every run decision these read has one home, which `shardtune plan` reads too (te
 fails when a second derivation disagrees): packed rows (`DataArguments.packed_rows`), the parallel sizes
 (`config.run.resolve_parallel_sizes`), the precision (`RunConfig.precision`), activation checkpointing
 (`RunConfig.activation_checkpointing`), FSDP or the plain module (`config.fsdp.fsdp_reason`), the loss's chunk
-(`models.training_module.loss_chunk_tokens`, of the head's rows), the objective's defaults (`recipe.run_config.complete_run_config`), the
-launch (`planning.fit.launch_from_settings`, from `RunConfig.fsdp` as the launcher's environment was read once),
-an online-RL generation batch's micro-batches (`TrainArguments.generation_steps`), the model's facts
-(`models.builder.model_facts`) and how FSDP shards it (`parallel.parallelize.sharding_settings`).
+(`models.training_module.loss_chunk_tokens`, of the head's rows), the objective's defaults
+(`recipe.run_config.complete_run_config`), the launch (`planning.fit.launch_from_settings`, from `RunConfig.fsdp`
+as the launcher's environment was read once), an online-RL generation batch's micro-batches
+(`TrainArguments.generation_steps`), the model's facts (`models.builder.model_facts`) and how FSDP shards it
+(`parallel.parallelize.sharding_settings`).
 """
 
 from __future__ import annotations
